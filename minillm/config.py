@@ -1,0 +1,119 @@
+"""EngineConfig: every lever of the engine is one field of this dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Example on-demand price of one H100 80GB hour in USD (late 2025 cloud list prices
+# cluster around 2-4 USD). Learners change it to their own hardware's price.
+DEFAULT_GPU_HOURLY_USD = 2.50
+# A CPU has a price too: a 2-vCPU cloud VM costs about 0.08 USD per hour.
+DEFAULT_CPU_HOURLY_USD = 0.08
+
+BATCHING_MODES = ("continuous", "static")
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """The levers. Names are the public API: `LLM(model, **fields)`."""
+
+    model: str | None = None            # None -> the default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                # auto: cuda when available, else cpu
+    seed: int = 0                       # seeds requests that do not bring their own seed
+
+    # KV cache lever: False recomputes the whole prefix at every step (quadratic work).
+    kv_cache: bool = True
+    max_model_len: int | None = None    # None -> the model's max_position_embeddings
+    block_size: int = 16                # KV pool granularity, in tokens
+    kv_cache_bytes: int | None = None   # KV pool size; None -> enough for the batch, capped
+    paged: bool = False                 # False: one contiguous region per request
+
+    # Batching lever.
+    batching: str = "continuous"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+
+    # Kernels.
+    attention_backend: Any = "torch"    # "torch" | "triton" | an object (see layers/attention.py)
+
+    # Cost model.
+    gpu_hourly_usd: float | None = None  # None -> DEFAULT_GPU_HOURLY_USD on GPU, DEFAULT_CPU_HOURLY_USD on CPU
+
+    # Levers that arrive with later labs. They exist so configs are stable; values other
+    # than the baseline are refused at construction with the reason.
+    chunked_prefill: bool = False
+    weight_dtype: str | None = None
+    kv_dtype: str | None = None
+    prefix_caching: bool = False
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    cuda_graphs: bool = False
+
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; the levers are: {sorted(names - {'model'})}"
+            )
+        return cls(model=model, **kwargs)
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
+        need(isinstance(self.kv_cache, bool), f"kv_cache={self.kv_cache!r} must be True or False")
+        need(self.batching in BATCHING_MODES, f"batching={self.batching!r} is not one of {BATCHING_MODES}")
+        need(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096,
+             f"max_num_seqs={self.max_num_seqs!r} must be an integer in [1, 4096]")
+        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
+        need(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+             f"block_size={self.block_size!r} must be an integer in [1, 1024]")
+        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+             f"max_model_len={self.max_model_len!r} must be None or an integer >= 1")
+        need(self.kv_cache_bytes is None or (isinstance(self.kv_cache_bytes, int) and self.kv_cache_bytes > 0),
+             f"kv_cache_bytes={self.kv_cache_bytes!r} must be None or a positive integer")
+        need(self.gpu_hourly_usd is None or self.gpu_hourly_usd >= 0,
+             f"gpu_hourly_usd={self.gpu_hourly_usd!r} must be >= 0")
+        if isinstance(self.attention_backend, str):
+            need(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS} "
+                 "(or an object with store_kv() and attend())")
+        else:
+            need(hasattr(self.attention_backend, "attend") and hasattr(self.attention_backend, "store_kv"),
+                 "attention_backend must be 'torch', 'triton' or an object with store_kv() and attend()")
+        if self.paged and not self.kv_cache:
+            raise ValueError("paged=True needs kv_cache=True: there is no cache to page")
+
+        # Levers not built yet: refuse anything but the baseline, and say so.
+        later = {
+            "attention_backend='triton'": (self.attention_backend == "triton", "lab 04 (issue: batching + PagedAttention)"),
+            "paged=True": (self.paged, "lab 04 (PagedAttention)"),
+            "chunked_prefill=True": (self.chunked_prefill, "lab 03/04 (chunked prefill)"),
+            f"weight_dtype={self.weight_dtype!r}": (self.weight_dtype not in (None, "auto"), "lab 05 (quantization)"),
+            f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),
+            "prefix_caching=True": (self.prefix_caching, "lab 06 (prefix caching)"),
+            f"speculative={self.speculative!r}": (self.speculative is not None, "lab 07 (speculative decoding)"),
+            "cuda_graphs=True": (self.cuda_graphs, "the GPU work of lab 04"),
+        }
+        for name, (asked, where) in later.items():
+            if asked:
+                raise NotImplementedError(
+                    f"{name} is not available in this version of minillm; it arrives with {where}. "
+                    "Leave it at its default."
+                )

@@ -1,0 +1,1 @@
+"""The serving loop: engine -> scheduler (+ block manager) -> model runner."""

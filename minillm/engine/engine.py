@@ -1,0 +1,193 @@
+"""Engine: the step loop — schedule -> run model -> sample -> update -> finish."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import DEFAULT_CPU_HOURLY_USD, DEFAULT_GPU_HOURLY_USD, EngineConfig
+from ..hardware import device_name, resolve_device, resolve_dtype
+from ..models.loader import load_model, load_model_config, load_tokenizer, read_generation_eos, resolve_model_path
+from ..sampling import SamplingParams
+from .block_manager import BlockManager
+from .kv_cache import KVCache, default_pool_bytes
+from .metrics import RunStats, StepStats
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = mcfg = load_model_config(self.model_path)
+        limit = mcfg.max_position_embeddings
+        if mcfg.sliding_window:  # keep every sequence inside the window: full attention is exact there
+            limit = min(limit, mcfg.sliding_window)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {limit} tokens")
+        self.max_model_len = config.max_model_len or limit
+        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = set(mcfg.eos_token_ids) | set(read_generation_eos(self.model_path))
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        self.kv_cache: KVCache | None = None
+        self.block_manager: BlockManager | None = None
+        if config.kv_cache:
+            pool_bytes = config.kv_cache_bytes or default_pool_bytes(
+                mcfg, self.dtype, self.device, config.max_num_seqs, self.max_model_len)
+            per_block = mcfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * config.block_size
+            num_blocks = pool_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_bytes={pool_bytes} holds no block of {per_block} bytes")
+            self.block_manager = BlockManager(num_blocks, config.block_size, contiguous=not config.paged)
+            self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device)
+            self.kv_cache.bind(self.model.attention_layers())
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.device, self.block_manager, config.attention_backend)
+        self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
+            DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
+        self.device_label = device_name(self.device)
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self.stats = RunStats(self.device_label, self.hourly_usd)
+
+    # ----------------------------------------------------------------- requests
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens); give at least 1 token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary range [0, {vocab - 1}]")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; the context (max_model_len) is {self.max_model_len}, "
+                f"so a prompt may have at most {self.max_model_len - 1} tokens to leave room for one output token"
+            )
+        if self.block_manager is not None:
+            need = min(n + params.max_tokens, self.max_model_len)
+            if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
+                raise ValueError(
+                    f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots; the pool holds "
+                    f"{self.block_manager.capacity_tokens}. Lower max_tokens or raise kv_cache_bytes."
+                )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Validate and queue one request. A bad request raises here and changes nothing."""
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id or "")
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        seq.arrival_s = time.perf_counter()
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence, reason: str = "abort", error: str | None = None) -> None:
+        if not seq.is_finished:
+            seq.finish_s = time.perf_counter()
+            self.scheduler.finish(seq, reason, error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- the loop
+    def _check_stop(self, seq: Sequence) -> str | None:
+        p = seq.params
+        token = seq.token_ids[-1]
+        self._detokenize(seq)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            for s in p.stop:
+                idx = seq.output_text.find(s)
+                if idx != -1:
+                    seq.output_text = seq.output_text[:idx]
+                    return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _detokenize(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        # An incomplete UTF-8 character decodes to U+FFFD: hold it back until it completes.
+        seq.output_text = text[:-1] if text.endswith("\ufffd") else text
+
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that got a token (finished ones included)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            stuck = list(self.scheduler.waiting)
+            for seq in stuck:  # nothing runs and nothing fits: refuse rather than spin
+                self.abort(seq, "error", "the KV pool cannot hold this request")
+            return stuck
+        t0 = time.perf_counter()
+        for seq in seqs:
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = t0
+        num_tokens = sum(len(s) - (s.num_cached_tokens if self.block_manager else 0) for s in seqs)
+        try:
+            tokens = self.runner.run(seqs)
+        except Exception as exc:
+            for seq in seqs:  # fail this batch with the reason; blocks go back to the pool
+                self.abort(seq, "error", f"{type(exc).__name__}: {exc}")
+            raise
+        now = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+        for seq in seqs:
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            seq.token_times_s.append(now)
+        self._record_step("prefill" if is_prefill else "decode", seqs, num_tokens, now - t0)
+        self.scheduler.postprocess(seqs, tokens, self._check_stop)
+        for seq in seqs:
+            if seq.is_finished and seq.finish_s is None:
+                seq.finish_s = now
+        return seqs
+
+    def _record_step(self, kind: str, seqs: list[Sequence], num_tokens: int, duration_s: float) -> None:
+        """Called after the model ran and before postprocess: every fed token is in the cache."""
+        kv_used = kv_reserved = 0
+        if self.kv_cache is not None:
+            stepped = set(id(s) for s in seqs)
+            cached = sum(len(s) if id(s) in stepped else s.num_cached_tokens for s in self.scheduler.running)
+            kv_used = self.kv_cache.bytes_per_token * cached
+            kv_reserved = self.kv_cache.bytes_per_token * self.block_manager.block_size * self.block_manager.num_used_blocks
+        st = self.stats
+        st.steps.append(StepStats(len(st.steps), kind, len(seqs), num_tokens, duration_s, kv_used))
+        st.peak_kv_bytes = max(st.peak_kv_bytes, kv_used)
+        st.peak_kv_reserved_bytes = max(st.peak_kv_reserved_bytes, kv_reserved)
+
+    def reset_stats(self) -> RunStats:
+        self.stats = RunStats(self.device_label, self.hourly_usd)
+        return self.stats
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)

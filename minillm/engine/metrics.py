@@ -1,0 +1,86 @@
+"""Metrics: per-request TTFT / TPOT / ITL / end-to-end, per-step stats, and the cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Times in seconds, measured from the request's arrival (vLLM's definitions)."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ttft_s: float | None        # arrival -> first output token
+    tpot_s: float | None        # mean time per output token after the first
+    e2e_s: float | None         # arrival -> finish
+    queue_s: float | None       # arrival -> first scheduled
+    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens
+
+    @classmethod
+    def from_sequence(cls, seq) -> "RequestMetrics":
+        t0 = seq.arrival_s
+        ttft = seq.first_token_s - t0 if seq.first_token_s is not None else None
+        e2e = seq.finish_s - t0 if seq.finish_s is not None else None
+        times = seq.token_times_s
+        itl = [b - a for a, b in zip(times, times[1:])]
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        queue = seq.first_scheduled_s - t0 if seq.first_scheduled_s is not None else None
+        return cls(seq.num_prompt_tokens, seq.num_output_tokens, ttft, tpot, e2e, queue, itl)
+
+
+@dataclass
+class StepStats:
+    index: int
+    kind: str               # "prefill" | "decode"
+    num_seqs: int
+    num_tokens: int         # tokens fed to the model this step (all of them when kv_cache=False)
+    duration_s: float
+    kv_bytes_used: int      # bytes of K/V holding real tokens after the step
+
+
+@dataclass
+class RunStats:
+    """Totals of one generate() call."""
+
+    device: str
+    hourly_usd: float
+    steps: list[StepStats] = field(default_factory=list)
+    wall_s: float = 0.0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    peak_kv_bytes: int = 0        # bytes of K/V holding real tokens, at the fullest step
+    peak_kv_reserved_bytes: int = 0  # bytes of pool blocks handed out, at the fullest step
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def cost_per_million_tokens_usd(self) -> float:
+        """What the device's time costs per million output tokens at this throughput."""
+        if self.num_output_tokens == 0:
+            return float("nan")
+        return self.hourly_usd / 3600.0 * self.wall_s / self.num_output_tokens * 1e6
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(s.duration_s for s in self.steps if s.kind == "prefill")
+
+    @property
+    def decode_s(self) -> float:
+        return sum(s.duration_s for s in self.steps if s.kind == "decode")
+
+    def summary(self) -> dict:
+        return {
+            "device": self.device,
+            "wall_s": self.wall_s,
+            "steps": len(self.steps),
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "peak_kv_reserved_bytes": self.peak_kv_reserved_bytes,
+            "usd_per_hour": self.hourly_usd,
+            "usd_per_million_output_tokens": self.cost_per_million_tokens_usd,
+        }

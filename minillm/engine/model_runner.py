@@ -1,0 +1,73 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import AttentionMetadata, resolve_backend
+from ..layers.sampler import sample
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, block_manager: BlockManager | None, attention_backend="torch"):
+        self.model = model
+        self.device = device
+        self.block_manager = block_manager
+        self.set_attention_backend(attention_backend)
+
+    def set_attention_backend(self, backend) -> None:
+        impl = resolve_backend(backend)
+        for layer in self.model.attention_layers():
+            layer.backend = impl
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat input ids and positions, the attention metadata, and each sequence's last row."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, num_cached, kv_read, last_rows = [], [], [], []
+        use_cache = self.block_manager is not None
+        bm = self.block_manager
+        for seq in seqs:
+            start = seq.num_cached_tokens if use_cache else 0  # no cache: recompute from token 0
+            new = seq.token_ids[start:]
+            input_ids.extend(new)
+            positions.extend(range(start, len(seq)))
+            query_lens.append(len(new))
+            num_cached.append(start)
+            last_rows.append(len(input_ids) - 1)
+            if use_cache:
+                table = seq.block_table
+                if bm.contiguous:
+                    base = table[0] * bm.block_size
+                    slots.extend(range(base + start, base + len(seq)))
+                    kv_read.append(slice(base, base + len(seq)))
+                else:
+                    seq_slots = [bm.slot(table, pos) for pos in range(len(seq))]
+                    slots.extend(seq_slots[start:])
+                    kv_read.append(torch.tensor(seq_slots, dtype=torch.long, device=self.device))
+        dev = self.device
+        meta = AttentionMetadata(
+            query_lens=query_lens,
+            num_cached=num_cached,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev) if use_cache else None,
+            kv_read=kv_read,
+            use_cache=use_cache,
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, last_rows)
+
+    @torch.inference_mode()
+    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Next-token logits [len(seqs), vocab] in fp32."""
+        input_ids, positions, meta, last_rows = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, meta)
+        if len(last_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(last_rows, device=hidden.device)]
+        return self.model.compute_logits(hidden)
+
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        logits = self.logits(seqs)
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])

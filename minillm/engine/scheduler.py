@@ -1,0 +1,81 @@
+"""Scheduler: decides which sequences run in the next step, and applies each step's result.
+
+`schedule()` returns *what* to run (sequences, and whether it is a prefill step); the
+model runner decides *how*. `postprocess()` is the one place where sequence state changes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..config import EngineConfig
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | None, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _reservation(self, seq: Sequence) -> int:
+        return min(seq.max_total_tokens, self.max_model_len)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Admit waiting requests (prefill) if any fit, else decode every running one."""
+        cfg = self.config
+        batch: list[Sequence] = []
+        # Static batching holds the batch until its longest member finishes.
+        admit = cfg.batching == "continuous" or not self.running
+        num_tokens = 0
+        while admit and self.waiting and len(self.running) + len(batch) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            new_tokens = len(seq) - seq.num_cached_tokens
+            if batch and num_tokens + new_tokens > cfg.max_num_batched_tokens:
+                break
+            if self.block_manager is not None:
+                need = self._reservation(seq)
+                if not self.block_manager.can_allocate(need):
+                    break  # wait for running requests to free their blocks
+                seq.block_table = self.block_manager.allocate(need)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            batch.append(seq)
+            num_tokens += new_tokens
+        if batch:
+            self.running.extend(batch)
+            return batch, True
+        return list(self.running), False
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        if seq.block_table and self.block_manager is not None:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], check_stop) -> None:
+        """Append each sampled token; finish sequences that hit a stop condition.
+
+        `check_stop(seq) -> reason | None` is the engine's rule (EOS, stop strings, length).
+        """
+        for seq, token in zip(seqs, token_ids):
+            seq.num_cached_tokens = len(seq)   # every token fed this step is now in the cache
+            seq.token_ids.append(token)
+            reason = check_stop(seq)
+            if reason is not None:
+                self.finish(seq, reason)

@@ -1,0 +1,71 @@
+"""Sequence: one request's state — its tokens, where its K/V live, its status and timings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)   # prompt + output
+    num_cached_tokens: int = 0      # tokens whose K/V are already in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    generator: object | None = None  # torch.Generator for sampled requests
+    output_text: str = ""
+    # timings (time.perf_counter seconds)
+    arrival_s: float = 0.0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if not self.request_id:
+            self.request_id = str(self.seq_id)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest this request can grow: prompt + max_tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens

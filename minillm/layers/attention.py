@@ -1,0 +1,109 @@
+"""Attention over the KV cache, through a pluggable backend (torch reference by default).
+
+Batch metadata arrives as one small dataclass (`AttentionMetadata`), built by the model
+runner for every step: which slice of the flat token batch belongs to which sequence,
+where its new K/V go in the cache (`slot_mapping`) and which cache slots it reads.
+
+A backend is any object with two methods (labs plug a learner's version in here):
+
+    store_kv(k_cache, v_cache, k, v, slot_mapping) -> None
+        k_cache, v_cache: [num_kv_heads, num_slots, head_dim]   one layer's pool
+        k, v:             [num_tokens, num_kv_heads, head_dim]  this step's new keys/values
+        slot_mapping:     [num_tokens] int64                    pool slot of each new token
+    attend(q, k, v, scale, num_cached) -> [num_q, num_heads, head_dim]
+        q:    [num_q, num_heads, head_dim]   one sequence's new queries
+        k, v: [num_kv_heads, num_keys, head_dim]  every key it may see, oldest first
+        num_cached: keys before the first query (query i sits at position num_cached + i)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Tokens of all sequences are concatenated (no padding)."""
+
+    query_lens: list[int]                 # new tokens per sequence this step
+    num_cached: list[int]                 # tokens already in the cache per sequence
+    slot_mapping: torch.Tensor | None     # [num_tokens] pool slot for each new token
+    kv_read: list[slice | torch.Tensor] = field(default_factory=list)  # pool slots each sequence reads
+    use_cache: bool = True                # False: no cache, attend over this step's keys only
+
+
+def causal_mask(num_q: int, num_keys: int, num_cached: int, device) -> torch.Tensor:
+    """[num_q, num_keys] bool, True where query i (at position num_cached + i) may see key j."""
+    q_pos = torch.arange(num_q, device=device).unsqueeze(1) + num_cached
+    k_pos = torch.arange(num_keys, device=device).unsqueeze(0)
+    return k_pos <= q_pos
+
+
+class TorchAttentionBackend:
+    """The reference backend: index_copy into the pool, scaled_dot_product_attention over it."""
+
+    name = "torch"
+
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+    def attend(self, q, k, v, scale, num_cached):
+        num_q, num_keys = q.shape[0], k.shape[1]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, num_q, D]
+        kh, vh = k.unsqueeze(0), v.unsqueeze(0)
+        if num_q == 1:
+            mask, causal = None, False       # one query sees every key before it
+        elif num_keys == num_q:
+            mask, causal = None, True
+        else:
+            mask, causal = causal_mask(num_q, num_keys, num_cached, q.device), False
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=qh.shape[1] != kh.shape[1],
+        )
+        return out.squeeze(0).transpose(0, 1)  # [num_q, H, D]
+
+
+def resolve_backend(backend) -> object:
+    if backend == "torch":
+        return TorchAttentionBackend()
+    if backend == "triton":  # refused by EngineConfig until the kernels land (lab 04)
+        raise NotImplementedError("attention_backend='triton' arrives with lab 04")
+    return backend
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, reading and writing one layer's pool."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.backend = TorchAttentionBackend()
+        # Set by the model runner when the pool is allocated: [num_kv_heads, num_slots, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] (T = all sequences' new tokens) -> [T, Hq, D]."""
+        if meta.use_cache:
+            self.backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        outs = []
+        start = 0
+        for i, num_q in enumerate(meta.query_lens):
+            end = start + num_q
+            if meta.use_cache:
+                read = meta.kv_read[i]
+                k_seq, v_seq = self.k_cache[:, read], self.v_cache[:, read]
+                num_cached = meta.num_cached[i]
+            else:
+                k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                num_cached = 0
+            outs.append(self.backend.attend(q[start:end], k_seq, v_seq, self.scale, num_cached))
+            start = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -1,0 +1,152 @@
+"""LLM: the one class a lab needs — generate(), chat(), stream(). Mirrors vLLM's LLM."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+from typing import Any
+
+from .config import EngineConfig
+from .engine.engine import Engine
+from .engine.metrics import RunStats
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """`LLM(model=None, **levers)`: None loads the default model (SmolLM2-135M-Instruct).
+
+    >>> llm = LLM(kv_cache=True)
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_config: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **engine_config)
+        self.engine = Engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    # ------------------------------------------------------------ inputs
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("the prompt is empty (''); give at least one character")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+                return prompt.get("prompt"), [int(t) if not isinstance(t, bool) else t for t in ids]
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+        raise TypeError(f"a prompt is a str or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")
+
+    def _requests(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        requests = []
+        for prompt, p in zip(prompts, params):
+            text, ids = self._tokenize(prompt)
+            self.engine.validate_request(ids, p)  # all-or-nothing: validate before queueing any
+            requests.append((text, ids, p))
+        return requests
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts: PromptType | Seq[PromptType], sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        requests = self._requests(prompts, sampling_params)
+        engine = self.engine
+        stats = engine.reset_stats()
+        import time
+
+        t0 = time.perf_counter()
+        seqs = [engine.add_request(ids, p, prompt=text) for text, ids, p in requests]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        try:
+            done = 0
+            while engine.has_unfinished():
+                engine.step()
+                if bar is not None:
+                    now_done = sum(s.is_finished for s in seqs)
+                    bar.update(now_done - done)
+                    done = now_done
+        finally:
+            if bar is not None:
+                bar.close()
+            for seq in seqs:  # an exception mid-run: nothing stays queued or holds blocks
+                engine.abort(seq, "abort", "generate() was interrupted")
+        stats.wall_s = time.perf_counter() - t0
+        stats.num_prompt_tokens = sum(s.num_prompt_tokens for s in seqs)
+        stats.num_output_tokens = sum(s.num_output_tokens for s in seqs)
+        return [RequestOutput.from_sequence(s) for s in seqs]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the answer's text in pieces as tokens decode."""
+        (text, ids, p), = self._requests([prompt], sampling_params)
+        seq = self.engine.add_request(ids, p, prompt=text)
+        sent = 0
+        try:
+            while not seq.is_finished:
+                self.engine.step()
+                if len(seq.output_text) > sent:
+                    yield seq.output_text[sent:]
+                    sent = len(seq.output_text)
+        finally:
+            self.engine.abort(seq, "abort", "the stream was closed early")
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template, then generate. One conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt": self.apply_chat_template(c), "prompt_token_ids": self.chat_token_ids(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the model at {self.engine.model_path} has no chat template; use generate()")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        text = self.apply_chat_template(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------ facts
+    @property
+    def stats(self) -> RunStats:
+        """Totals of the last generate() call: tokens/s, peak KV bytes, $ per million tokens."""
+        return self.engine.stats
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.engine.weight_bytes
+
+    @property
+    def device(self) -> str:
+        return self.engine.device_label
+
+    def set_attention_backend(self, backend) -> None:
+        """Plug in an attention backend (an object with store_kv() and attend()), e.g. a lab's."""
+        if not isinstance(backend, str):
+            EngineConfig.from_kwargs(model=self.config.model, attention_backend=backend)
+        self.engine.runner.set_attention_backend(backend)
+        self.config.attention_backend = backend

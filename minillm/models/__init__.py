@@ -1,0 +1,1 @@
+"""Weight loading and the Llama-family forward pass."""

@@ -1,0 +1,82 @@
+"""The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2), written out in torch.
+
+transformers is used only for the config and the weight files; this file is the model.
+Tokens of every sequence in the step are concatenated into one flat batch [T, hidden]:
+matmuls see all of them at once, attention splits them per sequence (layers/attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.activation import silu_and_mul
+from ..layers.attention import Attention, AttentionMetadata
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from .config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.cfg = cfg
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
+
+    def forward(self, positions, hidden, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        cfg = self.cfg
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.rotary(positions, q, k)
+        attn = self.attn(q, k, v, meta).reshape(num_tokens, self.q_size)
+        hidden = hidden + self.o_proj(attn)
+        mlp = self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(hidden))))
+        return hidden + mlp
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = rotary
+        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (before lm_head)."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.attn for layer in self.layers]
