@@ -1,0 +1,208 @@
+"""The course pipeline: masters -> labs/ + solutions/ (no drift), the nbgrader round trip
+(solution = full marks, untouched student copy = 0), and every solution runs headless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minillm.lab import build, grading
+
+REPO_ROOT = build.REPO_ROOT
+LABS = build.discover_labs()
+MAX_NOTEBOOK_BYTES = 200_000
+WIDGET_STATE_MIME = "application/vnd.jupyter.widget-state+json"
+NOTEBOOK_TIMEOUT_S = 900
+
+
+def committed_notebooks() -> list[Path]:
+    paths = [*(REPO_ROOT / "labs").glob("*.ipynb"), *(REPO_ROOT / "solutions").glob("*.ipynb")]
+    paths += (REPO_ROOT / "grading" / "source").glob("*/*.ipynb")
+    return sorted(paths)
+
+
+def test_there_are_labs():
+    assert LABS, "no instructor masters found under grading/source/NN_topic/NN_topic.ipynb"
+
+
+# --- build: one source of truth, deterministic output ---------------------------------------
+
+
+def test_committed_labs_and_solutions_match_their_masters(capsys):
+    exit_code = build.main(["--check"])
+    report = capsys.readouterr().out
+    assert exit_code == 0, f"labs/ or solutions/ drifted from grading/source; run `make labs`:\n{report}"
+
+
+def test_check_mode_lists_changed_and_stale_files_without_writing(tmp_path):
+    rendered = build.render()
+    assert build.build(tmp_path, rendered=rendered) == [f"labs/{lab}.ipynb" for lab in LABS] + [f"solutions/{lab}.ipynb" for lab in LABS]
+    first_lab = tmp_path / "labs" / f"{LABS[0]}.ipynb"
+    first_lab.write_text(first_lab.read_text() + " ")
+    stale = tmp_path / "solutions" / "99_removed_lab.ipynb"
+    stale.write_text("{}")
+    unrelated = tmp_path / "labs" / "notes.ipynb"  # not NN_topic: not the build's business
+    unrelated.write_text("{}")
+
+    changed = build.build(tmp_path, check=True, rendered=rendered)
+
+    assert changed == [f"labs/{LABS[0]}.ipynb", "solutions/99_removed_lab.ipynb"]
+    assert first_lab.read_text().endswith(" ") and stale.exists(), "--check must not write"
+    assert build.build(tmp_path, rendered=rendered) == changed and not stale.exists() and unrelated.exists()
+    assert build.build(tmp_path, check=True, rendered=rendered) == []
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_student_copy_has_no_solutions_hidden_tests_or_outputs(lab):
+    student = nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4)
+    solution = nbformat.read(REPO_ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    nbformat.validate(student)
+    nbformat.validate(solution)
+    for nb in (student, solution):
+        text = json.dumps(nb)
+        for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
+            assert marker not in text, f"{lab}: '{marker}' left in a generated notebook"
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, f"{lab}: cell {cell.id} has outputs"
+    assert any(c.metadata.get("nbgrader", {}).get("solution") for c in student.cells), f"{lab}: no exercise"
+    assert any(c.metadata.get("nbgrader", {}).get("grade") for c in student.cells), f"{lab}: no graded test"
+    assert "raise NotImplementedError()" in json.dumps(student), f"{lab}: solution stubs missing"
+
+
+@pytest.mark.parametrize("path", committed_notebooks(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_committed_notebook_is_small_and_carries_no_widget_state(path):
+    size_bytes = path.stat().st_size
+    assert size_bytes < MAX_NOTEBOOK_BYTES, (
+        f"{path.name} is {size_bytes / 1e3:.0f} kB (limit {MAX_NOTEBOOK_BYTES / 1e3:.0f} kB): clear its outputs"
+    )
+    nb = nbformat.read(path, as_version=4)
+    assert "widgets" not in nb.metadata and WIDGET_STATE_MIME not in path.read_text(encoding="utf-8"), (
+        f"{path.name} carries saved widget state: clear it (the build strips it from labs/ and solutions/)"
+    )
+
+
+# --- nbgrader round trip -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=LABS)
+def graded_lab(request):
+    """Autograde the committed solution and the untouched student copy of one lab (one run each)."""
+    lab = request.param
+    rows = grading.autograde(
+        {
+            "solution": {lab: REPO_ROOT / "solutions" / f"{lab}.ipynb"},
+            "untouched": {lab: REPO_ROOT / "labs" / f"{lab}.ipynb"},
+        }
+    )
+    return lab, {row["student"]: row for row in rows}
+
+
+def test_solution_gets_full_marks(graded_lab):
+    lab, rows = graded_lab
+    row = rows["solution"]
+    assert row["max_score"] > 0, f"{lab} has no points to grade"
+    assert row["score"] == row["max_score"], f"{lab} solution scored {row['score']}/{row['max_score']}: {row['failures']}"
+
+
+def test_untouched_student_copy_gets_zero(graded_lab):
+    lab, rows = graded_lab
+    row = rows["untouched"]
+    assert row["max_score"] == rows["solution"]["max_score"]
+    assert row["score"] == 0, f"{lab}: an empty submission scored {row['score']} (a test passes without work)"
+
+
+PROBE_MASTER_CELLS = [
+    ("code", "import os", {}),
+    (
+        "code",
+        "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+        {"grade_id": "double", "solution": True, "grade": False, "locked": False},
+    ),
+    ("code", "assert double(2) == 4", {"grade_id": "visible", "grade": True, "solution": False, "locked": True, "points": 1}),
+    (
+        "code",
+        "assert double(0) == 0\n### BEGIN HIDDEN TESTS\nassert double(-3) == -6\n### END HIDDEN TESTS",
+        {"grade_id": "hidden", "grade": True, "solution": False, "locked": True, "points": 2},
+    ),
+    (
+        "code",
+        'assert os.environ.get("MINILLM_QUICK") == "1", "quick mode did not reach the kernel"',
+        {"grade_id": "quick_mode", "grade": True, "solution": False, "locked": True, "points": 1},
+    ),
+]
+
+
+def test_grader_restores_hidden_tests_and_passes_quick_mode_to_the_kernel(tmp_path):
+    source_dir = tmp_path / "source"
+    (source_dir / "99_probe").mkdir(parents=True)
+    cells = []
+    for index, (cell_type, source, nbgrader) in enumerate(PROBE_MASTER_CELLS):
+        metadata = {"nbgrader": {**nbgrader, "schema_version": 3}} if nbgrader else {}
+        cells.append(nbformat.v4.new_code_cell(source, id=f"probe-{index}", metadata=metadata))
+    master = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(master, source_dir / "99_probe" / "99_probe.ipynb")
+
+    rendered = build.render(source_dir)
+    student_text, solution_text = rendered["labs/99_probe.ipynb"], rendered["solutions/99_probe.ipynb"]
+    assert "-6" not in student_text and "-6" not in solution_text, "hidden test leaked into a generated notebook"
+    assert "return 2 * x" in solution_text and "return 2 * x" not in student_text
+    cheat = nbformat.reads(student_text, as_version=4)
+    cheat.cells[1].source = "def double(x):\n    return 4 if x == 2 else 0"  # passes the visible tests only
+    paths = {"solution": solution_text, "untouched": student_text, "cheat": nbformat.writes(cheat)}
+    for name, text in paths.items():
+        (tmp_path / f"{name}.ipynb").write_text(text)
+
+    rows = grading.autograde(
+        {name: {"99_probe": tmp_path / f"{name}.ipynb"} for name in paths}, source_dir=source_dir, course_dir=tmp_path / "course"
+    )
+
+    scores = {row["student"]: (row["score"], row["max_score"]) for row in rows}
+    assert scores == {"cheat": (2.0, 4.0), "solution": (4.0, 4.0), "untouched": (1.0, 4.0)}, rows
+    cheat_row = next(row for row in rows if row["student"] == "cheat")
+    assert set(cheat_row["failures"]) == {"hidden"}
+    csv_path = tmp_path / "grades.csv"
+    grading.write_csv(rows, csv_path)
+    assert csv_path.read_text().splitlines()[0] == "student,lab,score,max_score"
+    assert "cheat" in grading.format_table(rows)
+
+
+def test_autograde_refuses_unknown_labs(tmp_path):
+    with pytest.raises(ValueError, match="no master for lab"):
+        grading.autograde({"ada": {"77_nope": tmp_path / "77_nope.ipynb"}})
+
+
+def test_find_submissions_reads_the_documented_layout(tmp_path):
+    for student, lab in [("ada", "01_prefill_decode"), ("ada", "02_kv_cache"), ("grace", "01_prefill_decode")]:
+        (tmp_path / student / lab).mkdir(parents=True)
+        (tmp_path / student / lab / f"{lab}.ipynb").write_text("{}")
+    (tmp_path / "grace" / "01_prefill_decode" / "scratch.ipynb").write_text("{}")
+    found = grading.find_submissions(tmp_path)
+    assert {s: sorted(by_lab) for s, by_lab in found.items()} == {
+        "ada": ["01_prefill_decode", "02_kv_cache"],
+        "grace": ["01_prefill_decode"],
+    }
+
+
+# --- every solution runs top to bottom ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_solution_notebook_executes_headless_in_quick_mode(lab, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("MINILLM_QUICK", "1")  # the kernel inherits this process's environment
+    nb = nbformat.read(REPO_ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=NOTEBOOK_TIMEOUT_S,
+        startup_timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},  # files a lab writes land in tmp
+    )
+    client.execute()  # raises CellExecutionError naming the cell and its traceback
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
