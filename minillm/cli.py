@@ -1,0 +1,254 @@
+"""minillm generate | bench | doctor | model — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def _parse_levers(pairs: list[str]) -> dict:
+    """['kv_cache=false', 'max_num_seqs=8'] -> {'kv_cache': False, 'max_num_seqs': 8}."""
+    levers = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise SystemExit(f"--set takes NAME=VALUE, got {pair!r}")
+        name, value = pair.split("=", 1)
+        low = value.lower()
+        if low in ("true", "false"):
+            levers[name] = low == "true"
+        elif low in ("none", "null"):
+            levers[name] = None
+        else:
+            try:
+                levers[name] = int(value)
+            except ValueError:
+                try:
+                    levers[name] = float(value)
+                except ValueError:
+                    levers[name] = value
+    return levers
+
+
+# ------------------------------------------------------------------ generate
+def cmd_generate(args) -> int:
+    from . import LLM, SamplingParams
+
+    llm = LLM(args.model, **_parse_levers(args.set))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    prompt = args.prompt
+    if not args.raw and getattr(llm.tokenizer, "chat_template", None):
+        ids = llm.chat_token_ids([{"role": "user", "content": prompt}])
+        prompt = {"prompt": prompt, "prompt_token_ids": ids}
+    for piece in llm.stream(prompt, params):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+# ------------------------------------------------------------------ bench
+def _format_table(rows: list[dict], device: str) -> str:
+    cols = [
+        ("label", "setting", "{:<22}"),
+        ("ttft_p50_ms", "TTFT p50 ms", "{:>12.1f}"),
+        ("ttft_p90_ms", "TTFT p90 ms", "{:>12.1f}"),
+        ("tpot_p50_ms", "TPOT p50 ms", "{:>12.1f}"),
+        ("tpot_p90_ms", "TPOT p90 ms", "{:>12.1f}"),
+        ("output_tok_per_s", "out tok/s", "{:>10.1f}"),
+        ("peak_kv_mib", "KV MiB", "{:>8.1f}"),
+        ("usd_per_mtok", "$/Mtok", "{:>9.3f}"),
+    ]
+    head = "".join(("{:<22}" if k == "label" else "{:>" + f.split(":>")[1].split(".")[0] + "}").format(h)
+                   for k, h, f in cols)
+    lines = [f"device: {device}", head]
+    for row in rows:
+        lines.append("".join(f.format(row[k]) for k, _, f in cols))
+    return "\n".join(lines)
+
+
+def cmd_bench(args) -> int:
+    from . import LLM
+    from .bench.compare import compare_with_transformers, format_compare
+    from .bench.runner import run_workload
+    from .bench.workloads import chat_workload
+
+    levers = _parse_levers(args.set)
+    llm = LLM(args.model, **levers)
+    requests = chat_workload(args.num_requests, args.max_tokens, llm.tokenizer)
+    results = [run_workload(llm, requests, label=", ".join(f"{k}={v}" for k, v in levers.items()) or "default")]
+    if args.compare_kv_cache:
+        other = LLM(args.model, **{**levers, "kv_cache": not llm.config.kv_cache})
+        results.append(run_workload(other, requests, label=f"kv_cache={other.config.kv_cache}"))
+    rows = [r.row() for r in results]
+    first = results[0]
+    print(f"workload: {first.num_requests} chat requests, {first.prompt_tokens} prompt tokens, "
+          f"{args.max_tokens} output tokens each, max batch {first.max_batch}")
+    print(_format_table(rows, first.device))
+    print(
+        f"\nmemory-bandwidth bound, batch 1: {first.weight_bytes / 1e6:.0f} MB of weights + "
+        f"{first.kv_bytes_per_token * first.mean_context_tokens / 1e6:.1f} MB of KV per decode step "
+        f"at {first.bandwidth_bytes_per_s / 1e9:.1f} GB/s (measured copy) -> {first.bound_tokens_per_s:.1f} tok/s; "
+        f"measured batch-1-equivalent decode {rows[0]['decode_tok_per_s_b1']:.1f} tok/s per sequence"
+    )
+    print(f"cost model: {first.usd_per_hour:.2f} USD/hour (set with --set gpu_hourly_usd=...)")
+    report = {"results": rows, "device": first.device}
+    if args.compare_transformers:
+        prompt_ids = [r.prompt["prompt_token_ids"] if isinstance(r.prompt, dict) else llm.tokenizer.encode(r.prompt)
+                      for r in requests[: args.compare_prompts]]
+        cmp = compare_with_transformers(llm, prompt_ids, new_tokens=args.max_tokens)
+        print()
+        print(format_compare(cmp))
+        report["compare_transformers"] = {**cmp, "rows": [r.__dict__ for r in cmp["rows"]]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+# ------------------------------------------------------------------ doctor
+_TRITON_SELF_CHECK = textwrap.dedent("""
+    import torch
+    from minillm.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+    torch.manual_seed(0)
+    x = torch.randn(5, 80); w = torch.randn(80); r = torch.randn(5, 80)
+    r1, r2 = r.clone(), r.clone()
+    got = rmsnorm(x, w, 1e-6, residual=r1); want = rmsnorm_reference(x, w, 1e-6, residual=r2)
+    err = (got - want).abs().max().item()
+    assert err < 1e-5 and torch.allclose(r1, r2), f"max error {err}"
+    print(f"max abs error {err:.1e}")
+""")
+
+
+def run_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
+    """Each check -> (name, ok, message in words). Used by `minillm doctor` and lab 00."""
+    checks: list[tuple[str, bool, str]] = []
+    checks.append(("python", sys.version_info >= (3, 10), f"{sys.version.split()[0]} (3.10 or newer needed)"))
+    try:
+        import torch
+
+        checks.append(("torch", True, f"{torch.__version__}"))
+    except Exception as exc:  # pragma: no cover - doctor explains broken installs
+        checks.append(("torch", False, f"cannot import torch ({exc}); run `make setup`"))
+        return checks
+    try:
+        import triton
+
+        checks.append(("triton", True, triton.__version__))
+    except Exception as exc:
+        checks.append(("triton", False, f"cannot import triton ({exc}); `pip install triton` (3.6 or newer)"))
+    from .hardware import device_name, resolve_device
+
+    dev = resolve_device()
+    checks.append(("device", True, device_name(dev) + ("" if dev.type == "cuda" else
+                  " — no CUDA GPU seen: the engine runs the torch backend on the CPU, Triton kernels run in the interpreter")))
+    env = dict(os.environ)
+    if dev.type != "cuda":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SELF_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    mode = "compiled for the GPU" if dev.type == "cuda" else "under TRITON_INTERPRET=1"
+    if proc.returncode == 0:
+        checks.append(("triton kernel", True, f"fused RMSNorm {mode} matches torch: {proc.stdout.strip()}"))
+    else:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        checks.append(("triton kernel", False, f"fused RMSNorm {mode} failed: {tail[0]}"))
+    from .models.default import check_model_dir, default_model_dir, gguf_path
+
+    try:
+        checks.append(("default model GGUF", True, str(gguf_path())))
+    except FileNotFoundError as exc:
+        checks.append(("default model GGUF", False, str(exc)))
+    problem = check_model_dir(default_model_dir())
+    if problem is None:
+        checks.append(("default model cache", True, str(default_model_dir())))
+    else:
+        checks.append(("default model cache", False, f"{problem}; `minillm model` converts it (about 30 s)"))
+    if load_model and problem is None:
+        try:
+            from . import LLM, SamplingParams
+
+            llm = LLM()
+            out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4))[0]
+            ok = "Paris" in out.outputs[0].text
+            checks.append(("default model answers", ok, f"'The capital of France is' -> {out.outputs[0].text!r}"
+                           + ("" if ok else " (expected Paris: the weights may be damaged; run `minillm model --rebuild`)")))
+        except Exception as exc:
+            checks.append(("default model answers", False, f"{type(exc).__name__}: {exc}"))
+    return checks
+
+
+def cmd_doctor(args) -> int:
+    checks = run_doctor(load_model=not args.no_model)
+    width = max(len(name) for name, _, _ in checks)
+    for name, ok, msg in checks:
+        print(f"{'ok ' if ok else 'BAD'}  {name:<{width}}  {msg}")
+    bad = [name for name, ok, _ in checks if not ok]
+    print("\nall good" if not bad else f"\n{len(bad)} problem(s): {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+# ------------------------------------------------------------------ model
+def cmd_model(args) -> int:
+    from .models.default import check_model_dir, convert_default_model, default_model_dir, default_model_path
+
+    if args.check:
+        problem = check_model_dir(default_model_dir(), deep=True)
+        print(problem or f"ok: {default_model_dir()}")
+        return 1 if problem else 0
+    if args.rebuild:
+        print(convert_default_model())
+        return 0
+    print(default_model_path())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="minillm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream an answer to a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="HF directory or hub id (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
+    g.add_argument("--set", nargs="*", metavar="LEVER=VALUE", help="engine levers, e.g. kv_cache=false")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="run a workload and print latency, throughput, memory, cost and bounds")
+    b.add_argument("--model", default=None)
+    b.add_argument("--num-requests", type=int, default=8)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--set", nargs="*", metavar="LEVER=VALUE", help="engine levers, e.g. kv_cache=false max_num_seqs=4")
+    b.add_argument("--compare-kv-cache", action="store_true", help="also run with the kv_cache lever flipped")
+    b.add_argument("--compare-transformers", action="store_true",
+                   help="single-request decode tokens/s of minillm beside transformers' generate, same prompts")
+    b.add_argument("--compare-prompts", type=int, default=4)
+    b.add_argument("--json", default=None, help="also write the results to this file")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("doctor", help="check the installation and explain what is wrong")
+    d.add_argument("--no-model", action="store_true", help="skip loading the model")
+    d.set_defaults(func=cmd_doctor)
+
+    m = sub.add_parser("model", help="convert the default model into the cache (once) and print its path")
+    m.add_argument("--check", action="store_true", help="verify the cache (sizes and SHA-256)")
+    m.add_argument("--rebuild", action="store_true", help="convert again from the GGUF")
+    m.set_defaults(func=cmd_model)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError, TypeError) as exc:
+        print(f"minillm {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
