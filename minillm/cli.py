@@ -91,7 +91,7 @@ def cmd_bench(args) -> int:
     print(
         f"\nmemory-bandwidth bound, batch 1: {first.weight_bytes / 1e6:.0f} MB of weights + "
         f"{first.kv_bytes_per_token * first.mean_context_tokens / 1e6:.1f} MB of KV per decode step "
-        f"at {first.bandwidth_bytes_per_s / 1e9:.1f} GB/s (measured copy) -> {first.bound_tokens_per_s:.1f} tok/s; "
+        f"at {first.bandwidth_bytes_per_s / 1e9:.1f} GB/s (measured read) -> {first.bound_tokens_per_s:.1f} tok/s; "
         f"measured batch-1-equivalent decode {rows[0]['decode_tok_per_s_b1']:.1f} tok/s per sequence"
     )
     print(f"cost model: {first.usd_per_hour:.2f} USD/hour (set with --set gpu_hourly_usd=...)")

@@ -52,25 +52,29 @@ def _sync(dev: torch.device) -> None:
 
 
 @lru_cache(maxsize=None)
-def measure_memory_bandwidth(device: str = "auto", nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Achieved copy bandwidth in bytes/s (read + write counted), best of `repeats`.
+def measure_memory_bandwidth(device: str = "auto", nbytes: int = 256 << 20, repeats: int = 5, kind: str = "read") -> float:
+    """Achieved memory bandwidth in bytes/s, best of `repeats`, on a buffer far larger than caches.
 
-    A device-to-device copy of a buffer far larger than the caches is the practical upper
-    bound for a memory-bound kernel such as decode's matrix-vector products.
+    kind="read": a sum over the buffer, which only reads — the pattern of decode, which
+    reads every weight once per step. kind="copy": a device-to-device copy, read + write
+    bytes counted (what GPU papers usually quote). Cached per process (it takes ~1 s).
     """
+    if kind not in ("read", "copy"):
+        raise ValueError(f"kind={kind!r} must be 'read' or 'copy'")
     dev = resolve_device(device)
     n = nbytes // 4
     src = torch.ones(n, dtype=torch.float32, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    dst = torch.empty_like(src) if kind == "copy" else None
+    op = (lambda: dst.copy_(src)) if kind == "copy" else (lambda: src.sum())
+    op()
     best = float("inf")
     for _ in range(repeats):
         _sync(dev)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        op()
         _sync(dev)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n * 4 / best
+    return (2 if kind == "copy" else 1) * n * 4 / best
 
 
 @lru_cache(maxsize=None)

@@ -76,7 +76,7 @@ def format_compare(result: dict) -> str:
     for row in result["rows"]:
         lines.append(f"{row.engine:<14}{row.decode_tok_per_s:>14.1f}{row.ttft_ms:>10.1f}"
                      f"{100 * row.decode_tok_per_s / result['bound_tok_per_s']:>11.0f}%")
-    lines.append(f"bandwidth bound (weights once per token at {result['bandwidth_gb_s']:.1f} GB/s measured copy): "
+    lines.append(f"bandwidth bound (weights once per token at {result['bandwidth_gb_s']:.1f} GB/s measured read): "
                  f"{result['bound_tok_per_s']:.1f} tok/s")
     lines.append(f"minillm / transformers: {result['speedup']:.2f}x; greedy tokens identical on "
                  f"{result['tokens_match']}/{result['prompts']} prompts")
