@@ -36,7 +36,7 @@ labs: setup         ## regenerate labs/ and solutions/ from the instructor maste
 	$(BIN)/python -m minillm.lab.build
 
 bench: model
-	$(BIN)/minillm bench
+	$(BIN)/minillm bench --compare-transformers --compare-kv-cache
 
 doctor: setup
 	$(BIN)/minillm doctor
