@@ -1,0 +1,210 @@
+"""Shared lab helpers: quick mode, device labels, plotly figures, timing, check plumbing.
+
+Every lab module (lab00.py, lab01.py, ...) builds on these so figures look alike, every
+measurement says which device it came from, and every check fails with a sentence.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import plotly.graph_objects as go
+
+QUICK_ENV = "MINILLM_QUICK"
+
+# A paragraph of plain English: prompts of a chosen length are cut from its repetitions, so
+# timings are made on text the tokenizer sees every day (not on one token repeated).
+FILLER_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
+    "father had taught him. At the top he trimmed the wick, polished the great lens and wrote "
+    "the weather into a book that nobody read. Ships passed far out at sea; some answered his "
+    "light with a horn, most did not. In winter the wind found every gap in the stone walls, "
+    "and he kept a kettle on the stove from dusk to dawn. "
+)
+
+# Published dense peaks (no sparsity) and memory bandwidths of some accelerators, for
+# "what would this be on an H100" comparisons. FLOP/s at bf16/fp16 with tensor cores.
+REFERENCE_DEVICES: dict[str, tuple[float, float]] = {
+    "NVIDIA H100 SXM (bf16)": (989e12, 3.35e12),
+    "NVIDIA H200 (bf16)": (989e12, 4.8e12),
+    "NVIDIA A100 80GB SXM (bf16)": (312e12, 2.039e12),
+    "NVIDIA RTX 4090 (bf16)": (165e12, 1.008e12),
+}
+
+# Parameter counts of some open models (embeddings included).
+REFERENCE_MODELS: dict[str, float] = {
+    "SmolLM2-135M": 134.5e6,
+    "Llama-3.2-1B": 1.24e9,
+    "Llama-2-7B": 6.74e9,
+    "Llama-3.1-8B": 8.03e9,
+    "Llama-2-70B": 68.98e9,
+}
+
+BYTES_PER_PARAM: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "int8 / fp8": 1, "int4": 0.5}
+
+
+# ------------------------------------------------------------------ quick mode, device
+def quick_mode() -> bool:
+    """True when MINILLM_QUICK=1: CI and the autograder run short sweeps."""
+    return os.environ.get(QUICK_ENV) == "1"
+
+
+def device_label(device: str = "auto") -> str:
+    """'cpu: AMD EPYC (2 threads)' or 'cuda: NVIDIA H200': put it on every measured figure."""
+    from ..hardware import device_name
+
+    return device_name(device)
+
+
+# ------------------------------------------------------------------ formatting
+_SI = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
+
+
+def format_si(value: float, unit: str = "", digits: int = 3) -> str:
+    """12.3e9, 'B/s' -> '12.3 GB/s'; small values keep their digits."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    for scale, prefix in _SI:
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g} {prefix}{unit}"
+    return f"{value:.{digits}g} {unit}".rstrip()
+
+
+def format_seconds(seconds: float) -> str:
+    """0.0123 -> '12.3 ms'; 2.5 -> '2.50 s'."""
+    if seconds is None or math.isnan(seconds):
+        return "n/a"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+# ------------------------------------------------------------------ figures
+def new_figure(
+    title: str,
+    x_title: str,
+    y_title: str,
+    device: str | None = None,
+    widget: bool = False,
+    height: int = 400,
+    log_x: bool = False,
+    log_y: bool = False,
+) -> go.Figure:
+    """A plotly figure in the course's style. `device` becomes the subtitle: a measured figure
+    always says which hardware it came from. `widget=True` returns a FigureWidget that
+    ipywidgets callbacks can update in place."""
+    cls = go.FigureWidget if widget else go.Figure
+    title_spec: dict = {"text": title}
+    if device:
+        title_spec["subtitle"] = {"text": device if device.startswith(("measured", "model")) else f"measured on {device}"}
+    fig = cls(
+        layout=dict(
+            title=title_spec,
+            xaxis_title=x_title,
+            yaxis_title=y_title,
+            height=height,
+            template="plotly_white",
+            margin=dict(t=80 if device else 60, l=70, r=30, b=60),
+            legend=dict(orientation="h", yanchor="bottom", y=-0.35 if height < 450 else -0.25),
+        )
+    )
+    if log_x:
+        fig.update_xaxes(type="log")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def figure_subtitle(fig: go.Figure) -> str:
+    """The subtitle text of a figure from :func:`new_figure` ('' if none)."""
+    subtitle = fig.layout.title.subtitle
+    return (subtitle.text or "") if subtitle is not None else ""
+
+
+# ------------------------------------------------------------------ prompts
+def prompt_token_ids(tokenizer, num_tokens: int) -> list[int]:
+    """Exactly `num_tokens` token ids of plain English (BOS first when the tokenizer adds one)."""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 1")
+    ids: list[int] = tokenizer.encode(FILLER_TEXT, add_special_tokens=True)
+    body = tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
+    while len(ids) < num_tokens:
+        ids += body
+    return ids[:num_tokens]
+
+
+# ------------------------------------------------------------------ timing
+class Stopwatch:
+    """`with Stopwatch() as sw: ...` then `sw.seconds`."""
+
+    def __enter__(self) -> "Stopwatch":
+        self.start = time.perf_counter()
+        self.seconds = float("nan")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def time_call(fn: Callable[[], object], repeats: int = 3, warmup: int = 1, reduce: str = "min") -> float:
+    """Seconds one call of `fn` takes: `min` (default, the least disturbed by other processes)
+    or `median` of `repeats` timed calls after `warmup` untimed ones."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if reduce == "min":
+        return min(times)
+    if reduce == "median":
+        return statistics.median(times)
+    raise ValueError(f"reduce={reduce!r} must be 'min' or 'median'")
+
+
+# ------------------------------------------------------------------ checks
+class CheckFailed(AssertionError):
+    """A check_* function's verdict: the message says what is wrong and why it probably is."""
+
+
+def is_close(actual, expected: float, rel: float = 1e-6, abs_tol: float = 1e-12) -> bool:
+    try:
+        return math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_tol)
+    except (TypeError, ValueError):
+        return False
+
+
+def call_repr(name: str, args: Sequence) -> str:
+    return f"{name}({', '.join(_short(a) for a in args)})"
+
+
+def _short(value) -> str:
+    if isinstance(value, float) and value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3g}"
+    if isinstance(value, (list, tuple)) and len(value) > 6:
+        return f"[{', '.join(_short(v) for v in value[:3])}, ... ({len(value)} items)]"
+    return repr(value)
+
+
+def expect_number(name: str, args: Sequence, actual, expected: float, hint: str = "", rel: float = 1e-6) -> None:
+    """Raise CheckFailed with 'f(args) returned A, expected E: hint' unless actual ≈ expected."""
+    if isinstance(actual, bool) or not isinstance(actual, (int, float)) and not hasattr(actual, "__float__"):
+        raise CheckFailed(f"{call_repr(name, args)} returned {actual!r} ({type(actual).__name__}); expected a number, {expected:.4g}")
+    if not is_close(actual, expected, rel=rel):
+        message = f"{call_repr(name, args)} returned {float(actual):.4g}, expected {expected:.4g}"
+        raise CheckFailed(message + (f": {hint}" if hint else ""))
+
+
+def passed(name: str, num_cases: int) -> str:
+    message = f"✓ {name}: all {num_cases} cases pass"
+    print(message)
+    return message
