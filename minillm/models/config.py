@@ -39,7 +39,11 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h
         if self.qkv_bias:
             attn += q + 2 * kv
+        if self.o_bias:
+            attn += h
         mlp = 3 * h * i
+        if self.mlp_bias:
+            mlp += 2 * i + h
         per_layer = attn + mlp + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
