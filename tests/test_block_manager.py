@@ -99,7 +99,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(num_blocks=st.integers(1, 24), block_size=st.integers(1, 8), contiguous=st.booleans(), ops=ops)
 def test_random_allocate_free_keeps_the_pool_consistent(num_blocks, block_size, contiguous, ops):
     bm = BlockManager(num_blocks, block_size, contiguous=contiguous)
@@ -137,7 +137,7 @@ def test_random_allocate_free_keeps_the_pool_consistent(num_blocks, block_size, 
     assert bm.num_free_blocks == num_blocks and bm.num_reserved_tokens == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(num_blocks=st.integers(1, 30), sizes=st.lists(st.integers(1, 5), max_size=30))
 def test_contiguous_allocation_succeeds_whenever_a_free_run_exists(num_blocks, sizes):
     """can_allocate agrees with a brute-force search for a run of free blocks."""
