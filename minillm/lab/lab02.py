@@ -579,8 +579,10 @@ def print_kv_toggle_summary(summary: dict) -> None:
     print(f"  each extra context token adds {wo['ms_per_extra_token']:+.2f} ms per step without the cache, "
           f"{w['ms_per_extra_token']:+.3f} ms with it (least-squares slope; noisy on a shared machine)")
     if "flops_ratio_at_last" in summary:
-        print(f"  the FLOP count predicts {summary['flops_ratio_at_last']:.0f}x at context {n}; "
-              "the measured gap is smaller: the cached step still reads every weight (see part 5)")
+        flops_ratio = summary["flops_ratio_at_last"]
+        why = ("smaller: the cached step does few FLOPs but still reads every weight (see part 5)"
+               if summary["last_step_ratio"] < flops_ratio else "as large: here both steps are bound by arithmetic")
+        print(f"  the FLOP count predicts {flops_ratio:.0f}x at context {n}; the measured gap is {why}")
     if summary["same_tokens"]:
         print("  same tokens both ways: the cache changes the cost, not the result")
     else:
