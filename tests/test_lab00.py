@@ -157,3 +157,13 @@ def test_latency_explorer_waits_for_the_exercise():
     explorer.slider.value = 40
     assert "Write e2e_latency_s" in explorer.readout.value
     assert list(explorer.figure.data[1].x) == [0.0]
+
+
+def test_as_widget_keeps_traces_in_the_initial_state():
+    fig = common.new_figure("t", "x", "y")
+    fig.add_scatter(x=[1, 2, 3], y=[4, 5, 6], name="line")
+    widget = common.as_widget(fig)
+    assert isinstance(widget, go.FigureWidget)
+    assert list(widget._widget_data[0]["x"]) == [1, 2, 3] and widget.layout.xaxis.title.text == "x"
+    explorer = lab00.LatencyExplorer(0.5, 0.1, lambda ttft, tpot, n: ttft + tpot * (n - 1), DEVICE)
+    assert [trace["name"] for trace in explorer.figure._widget_data] == ["TTFT", "decode"]

@@ -316,3 +316,39 @@ def test_the_first_slider_is_an_int_slider():
     explorer = make_explorer()
     assert isinstance(explorer.widget.children[0], widgets.IntSlider)
     assert explorer.widget.children[4] is explorer.figure
+
+
+def test_explorer_figure_holds_every_trace_from_construction():
+    """A FigureWidget inside a VBox renders the state it was built with; traces added later
+    can lose data in JupyterLab, so the explorer's widget must be born complete."""
+    explorer = make_explorer()
+    initial = explorer.figure._widget_data
+    assert [trace["name"] for trace in initial] == [trace.name for trace in explorer.figure.data]
+    assert len(initial[0]["x"]) == len(lab01.ROOF_INTENSITIES) == len(initial[0]["y"])
+    assert lab01.roofline_figure(1e9, 1e9, DEVICE, widget=True)._widget_data[0]["x"][0] == lab01.ROOF_INTENSITIES[0]
+
+
+def _record_figure_messages(fig):
+    messages = []
+    fig.observe(lambda change: messages.append(change.new) if change.new is not None else None,
+                names=["_py2js_update", "_py2js_restyle", "_py2js_relayout"])
+    return messages
+
+
+def test_explorer_updates_never_send_undefined_trace_properties():
+    """A restyle that sets x for some traces and leaves it undefined for others made plotly.js
+    drop the roof's x in JupyterLab (the roof was drawn against point indexes)."""
+    from plotly.basedatatypes import Undefined
+
+    explorer = make_explorer(measured_points={"test cpu": [{"name": "m", "intensity": 0.5, "flops_per_s": 1e9}]})
+    messages = _record_figure_messages(explorer.figure)
+    explorer.device_dropdown.value = "big gpu"
+    explorer.batch_slider.value = 3
+    explorer.model_dropdown.value = "7B"
+    assert messages, "the callbacks sent nothing to the frontend"
+    for message in messages:
+        style = message.get("style_data") or message.get("restyle_data") or {}
+        for prop, per_trace in style.items():
+            values = per_trace if isinstance(per_trace, list) else [per_trace]
+            assert all(v is not Undefined and v != "_undefined_" for v in values), (prop, message)
+    assert list(explorer.figure.data[0].x) == lab01.ROOF_INTENSITIES

@@ -98,7 +98,9 @@ def new_figure(
 ) -> go.Figure:
     """A plotly figure in the course's style. `device` becomes the subtitle: a measured figure
     always says which hardware it came from. `widget=True` returns a FigureWidget that
-    ipywidgets callbacks can update in place."""
+    ipywidgets callbacks can update in place — but a FigureWidget shown inside a VBox loses
+    traces added after its construction, so add every trace to a plain figure first and wrap
+    it with :func:`as_widget`."""
     cls = go.FigureWidget if widget else go.Figure
     title_spec: dict = {"text": title}
     if device:
@@ -111,14 +113,24 @@ def new_figure(
             height=height,
             template="plotly_white",
             margin=dict(t=80 if device else 60, l=70, r=30, b=60),
-            legend=dict(orientation="h", yanchor="bottom", y=-0.35 if height < 450 else -0.25),
         )
     )
+    # Log axes label decades only, in SI units (1G, 10G), so many decades stay readable.
     if log_x:
-        fig.update_xaxes(type="log")
+        fig.update_xaxes(type="log", dtick=1, exponentformat="SI")
     if log_y:
-        fig.update_yaxes(type="log")
+        fig.update_yaxes(type="log", dtick=1, exponentformat="SI")
     return fig
+
+
+def as_widget(fig: go.Figure) -> go.FigureWidget:
+    """A FigureWidget holding all of `fig`'s traces and layout from its construction on.
+
+    Plotly's FigureWidget sends traces added later (`add_scatter`) as messages that a view
+    nested in an ipywidgets container can miss (in JupyterLab 4 a line lost its x values);
+    traces given at construction are part of the widget's initial state and always arrive.
+    Callbacks then update them in place (`fig.data[i].y = ...`), which is reliable."""
+    return go.FigureWidget(data=fig.data, layout=fig.layout)
 
 
 def figure_subtitle(fig: go.Figure) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from .common import CheckFailed, call_repr, expect_number, is_close, new_figure, passed
+from .common import CheckFailed, as_widget, call_repr, expect_number, is_close, new_figure, passed
 
 
 # ------------------------------------------------------------------ doctor
@@ -98,7 +98,7 @@ def breakdown_figure(metrics, device: str) -> go.Figure:
     for name, seconds, color in segments:
         fig.add_bar(x=[seconds], y=["this request"], orientation="h", name=name, marker_color=color,
                     text=[f"{seconds:.2f} s"], textposition="inside", hovertemplate=f"{name}: %{{x:.3f}} s<extra></extra>")
-    fig.update_layout(barmode="stack")
+    fig.update_layout(barmode="stack", legend_traceorder="normal")
     return fig
 
 
@@ -110,13 +110,15 @@ class LatencyExplorer:
         self.ttft_s, self.tpot_s, self.e2e_latency_s = ttft_s, tpot_s, e2e_latency_s
         self.slider = widgets.IntSlider(value=16, min=1, max=max_tokens, step=1, description="output tokens",
                                         style={"description_width": "100px"}, layout=widgets.Layout(width="520px"))
-        self.figure = new_figure("Predicted end-to-end latency", "seconds", "", device=device, height=280, widget=True)
-        self.figure.add_bar(x=[ttft_s], y=["predicted"], orientation="h", name="TTFT", marker_color="royalblue")
-        self.figure.add_bar(x=[0.0], y=["predicted"], orientation="h", name="decode", marker_color="firebrick")
-        self.figure.update_layout(barmode="stack")
+        figure = new_figure("Predicted end-to-end latency", "seconds", "", device=device, height=280)
+        figure.add_bar(x=[ttft_s], y=["predicted"], orientation="h", name="TTFT", marker_color="royalblue")
+        figure.add_bar(x=[0.0], y=["predicted"], orientation="h", name="decode", marker_color="firebrick")
+        figure.update_layout(barmode="stack", legend_traceorder="normal")
+        self.figure = figure
         self.readout = widgets.HTML()
         self.slider.observe(self.update, names="value")
-        self.update()
+        self.update()  # fills the plain figure; the widget is born with the right data
+        self.figure = as_widget(figure)
         self.widget = widgets.VBox([self.slider, self.figure, self.readout])
 
     def update(self, change=None) -> None:
@@ -126,10 +128,9 @@ class LatencyExplorer:
         except NotImplementedError:
             self.readout.value = "<i>Write e2e_latency_s (exercise 2) to see the prediction.</i>"
             return
-        with self.figure.batch_update():
-            self.figure.data[0].x = [self.ttft_s]
-            self.figure.data[1].x = [e2e - self.ttft_s]
-            self.figure.layout.title.text = f"Predicted end-to-end latency for {n} output tokens: {e2e:.2f} s"
+        # One update per trace (no batch_update(): see RooflineExplorer.update in lab01.py).
+        self.figure.data[1].x = [e2e - self.ttft_s]
+        self.figure.layout.title.text = f"Predicted end-to-end latency for {n} output tokens: {e2e:.2f} s"
         self.readout.value = (f"{n} tokens: TTFT {self.ttft_s:.2f} s + decode {e2e - self.ttft_s:.2f} s = <b>{e2e:.2f} s</b>; "
                               f"decode is {(e2e - self.ttft_s) / e2e:.0%} of it.")
 

@@ -18,6 +18,7 @@ from .common import (
     REFERENCE_DEVICES,
     REFERENCE_MODELS,
     CheckFailed,
+    as_widget,
     call_repr,
     expect_number,
     format_seconds,
@@ -280,9 +281,11 @@ def roofline_figure(peak_flops_per_s: float, bandwidth_bytes_per_s: float, devic
     fig = new_figure(
         f"Roofline: peak {format_si(peak_flops_per_s, 'FLOP/s')}, bandwidth {format_si(bandwidth_bytes_per_s, 'B/s')}, "
         f"ridge at {ridge:.3g} FLOP/byte",
-        "arithmetic intensity (FLOPs per byte of weights read)", "FLOP/s", device=device, widget=widget,
+        "arithmetic intensity (FLOPs per byte of weights read)", "FLOP/s", device=device,
         height=460, log_x=True, log_y=True,
     )
+    # The area under the roof's right end stays empty: the legend goes there.
+    fig.update_layout(legend=dict(x=0.99, xanchor="right", y=0.02, yanchor="bottom", bgcolor="rgba(255,255,255,0.85)"))
     fig.add_scatter(x=ROOF_INTENSITIES, y=_roof(peak_flops_per_s, bandwidth_bytes_per_s, ROOF_INTENSITIES),
                     mode="lines", name="roof: min(peak, intensity × bandwidth)", line=dict(color="black", width=3))
     groups: dict[str, list[dict]] = {}
@@ -293,7 +296,7 @@ def roofline_figure(peak_flops_per_s: float, bandwidth_bytes_per_s: float, devic
                         mode="markers+text", name=group, text=[p.get("label", p["name"]) for p in members],
                         textposition="top center", marker=dict(size=12, symbol=members[0].get("symbol", "circle")),
                         hovertemplate="%{text}: %{x:.3g} FLOP/B, %{y:.3g} FLOP/s<extra></extra>")
-    return fig
+    return as_widget(fig) if widget else fig
 
 
 def bound_figure(measured_tokens_per_s: float, bound_tokens_per_s: float, device: str) -> go.Figure:
@@ -367,18 +370,20 @@ class RooflineExplorer:
                                                description="weights", layout=widgets.Layout(width="220px"))
         self.readout = widgets.HTML()
 
-        self.figure = roofline_figure(1.0, 1.0, "", widget=True)  # real numbers arrive in update()
+        figure = roofline_figure(1.0, 1.0, "")  # real numbers arrive in update()
         marker = dict(size=14, line=dict(width=1, color="black"))
-        self.figure.add_scatter(x=[1], y=[1], mode="markers+text", name="decode (batch B)", textposition="top left",
-                                marker=dict(color="firebrick", **marker))
-        self.figure.add_scatter(x=[1], y=[1], mode="markers+text", name="prefill (T prompt tokens)",
-                                textposition="bottom right", marker=dict(color="royalblue", symbol="diamond", **marker))
-        self.figure.add_scatter(x=[], y=[], mode="markers+text", name="measured on this device",
-                                textposition="bottom center", marker=dict(color="gray", symbol="x", size=11))
+        figure.add_scatter(x=[1], y=[1], mode="markers+text", name="decode (batch B)", textposition="top left",
+                           marker=dict(color="firebrick", **marker))
+        figure.add_scatter(x=[1], y=[1], mode="markers+text", name="prefill (T prompt tokens)",
+                           textposition="bottom right", marker=dict(color="royalblue", symbol="diamond", **marker))
+        figure.add_scatter(x=[], y=[], mode="markers+text", name="measured on this device",
+                           textposition="bottom center", marker=dict(color="gray", symbol="x", size=11))
+        self.figure = figure
 
         for control in (self.batch_slider, self.prompt_slider, self.device_dropdown, self.model_dropdown, self.dtype_dropdown):
             control.observe(self.update, names="value")
-        self.update()
+        self.update()  # fills the plain figure; the widget is born with the right data
+        self.figure = as_widget(figure)
         self.widget = widgets.VBox([
             self.batch_slider, self.prompt_slider, self.device_dropdown,
             widgets.HBox([self.model_dropdown, self.dtype_dropdown]), self.figure, self.readout,
@@ -407,18 +412,17 @@ class RooflineExplorer:
         prefill = self.operating_point(self.prompt_slider.value)
         ridge = peak / bandwidth
         measured = self.measured_points.get(self.device_dropdown.value, ())
-        with self.figure.batch_update():
-            self.figure.layout.title.text = (f"{self.model_dropdown.value} ({self.dtype_dropdown.value}) — ridge at "
-                                             f"{ridge:.3g} FLOP/byte")
-            self.figure.layout.title.subtitle.text = (f"{self.device_dropdown.value}: peak {format_si(peak, 'FLOP/s')}, "
-                                                      f"bandwidth {format_si(bandwidth, 'B/s')}")
-            self.figure.data[0].y = _roof(peak, bandwidth, ROOF_INTENSITIES)
-            self.figure.data[1].update(x=[decode["intensity"]], y=[decode["flops_per_s"]],
-                                       text=[f"decode B={decode['num_tokens']}"])
-            self.figure.data[2].update(x=[prefill["intensity"]], y=[prefill["flops_per_s"]],
-                                       text=[f"prefill T={prefill['num_tokens']}"])
-            self.figure.data[3].update(x=[p["intensity"] for p in measured], y=[p["flops_per_s"] for p in measured],
-                                       text=[p.get("label", p["name"]) for p in measured])
+        # One update per trace, no batch_update(): a batched restyle that sets x on some traces
+        # and not on others sends x=undefined for the rest, and plotly.js then drops their x.
+        fig = self.figure
+        fig.layout.title.text = f"{self.model_dropdown.value} ({self.dtype_dropdown.value}) — ridge at {ridge:.3g} FLOP/byte"
+        fig.layout.title.subtitle.text = (f"{self.device_dropdown.value}: peak {format_si(peak, 'FLOP/s')}, "
+                                          f"bandwidth {format_si(bandwidth, 'B/s')}")
+        fig.data[0].update(x=ROOF_INTENSITIES, y=_roof(peak, bandwidth, ROOF_INTENSITIES))
+        fig.data[1].update(x=[decode["intensity"]], y=[decode["flops_per_s"]], text=[f"decode B={decode['num_tokens']}"])
+        fig.data[2].update(x=[prefill["intensity"]], y=[prefill["flops_per_s"]], text=[f"prefill T={prefill['num_tokens']}"])
+        fig.data[3].update(x=[p["intensity"] for p in measured], y=[p["flops_per_s"] for p in measured],
+                           text=[p.get("label", p["name"]) for p in measured])
         self.readout.value = self.note + (
             "<table style='border-collapse:collapse'>"
             "<tr><th style='text-align:left;padding-right:14px'></th><th style='padding-right:14px'>intensity</th>"
