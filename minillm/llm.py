@@ -22,10 +22,24 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, **engine_config: Any):
+    def __init__(self, model: str | None = None, _share_weights_with: "LLM | None" = None, **engine_config: Any):
         self.config = EngineConfig.from_kwargs(model=model, **engine_config)
-        self.engine = Engine(self.config)
+        donor = _share_weights_with.engine if _share_weights_with is not None else None
+        self.engine = Engine(self.config, share_weights_with=donor)
         self.tokenizer = self.engine.tokenizer
+
+    def with_levers(self, **changes: Any) -> "LLM":
+        """A second engine with some levers changed that shares this one's weights (no reload).
+
+        >>> no_cache = llm.with_levers(kv_cache=False)
+        Each engine keeps its own KV pool and scheduler; only the read-only weights are shared.
+        """
+        import dataclasses
+
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "extra"}
+        model = fields.pop("model")
+        fields.update(changes)
+        return LLM(model, _share_weights_with=self, **fields)
 
     # ------------------------------------------------------------ inputs
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -139,6 +153,16 @@ class LLM:
     @property
     def weight_bytes(self) -> int:
         return self.engine.weight_bytes
+
+    @property
+    def dtype(self):
+        """The torch dtype of weights and KV cache (float32 on CPU by default)."""
+        return self.engine.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token occupies in the cache, all layers: 2 * layers * kv_heads * head_dim * bytes."""
+        return self.engine.kv_bytes_per_token
 
     @property
     def device(self) -> str:

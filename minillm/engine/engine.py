@@ -19,11 +19,12 @@ from .sequence import Sequence
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, share_weights_with: "Engine | None" = None):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_path = resolve_model_path(config.model)
+        donor = share_weights_with
+        self.model_path = donor.model_path if donor is not None else resolve_model_path(config.model)
         self.model_config = mcfg = load_model_config(self.model_path)
         limit = mcfg.max_position_embeddings
         if mcfg.sliding_window:  # keep every sequence inside the window: full attention is exact there
@@ -31,8 +32,12 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {limit} tokens")
         self.max_model_len = config.max_model_len or limit
-        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
-        self.tokenizer = load_tokenizer(self.model_path)
+        if donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype) \
+                and donor.max_model_len >= self.max_model_len:
+            self.model, self.tokenizer = donor.model, donor.tokenizer  # same weights, own cache and scheduler
+        else:
+            self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+            self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(read_generation_eos(self.model_path))
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -48,9 +53,8 @@ class Engine:
                 raise ValueError(f"kv_cache_bytes={pool_bytes} holds no block of {per_block} bytes")
             self.block_manager = BlockManager(num_blocks, config.block_size, contiguous=not config.paged)
             self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device)
-            self.kv_cache.bind(self.model.attention_layers())
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.device, self.block_manager, config.attention_backend)
+        self.runner = ModelRunner(self.model, self.device, self.block_manager, self.kv_cache, config.attention_backend)
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
         self.device_label = device_name(self.device)

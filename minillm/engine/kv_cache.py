@@ -42,7 +42,3 @@ class KVCache:
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_token * self.num_blocks * self.block_size
-
-    def bind(self, attention_layers) -> None:
-        for layer, k, v in zip(attention_layers, self.k, self.v):
-            layer.k_cache, layer.v_cache = k, v

@@ -11,16 +11,30 @@ from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, block_manager: BlockManager | None, attention_backend="torch"):
+    def __init__(self, model, device: torch.device, block_manager: BlockManager | None, kv_cache=None,
+                 attention_backend="torch"):
         self.model = model
         self.device = device
         self.block_manager = block_manager
+        self.kv_cache = kv_cache
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend) -> None:
-        impl = resolve_backend(backend)
-        for layer in self.model.attention_layers():
-            layer.backend = impl
+        self.backend = resolve_backend(backend)
+        self.model.bound_runner = None
+
+    def bind(self) -> None:
+        """Point every attention layer at this runner's KV pool and backend.
+
+        Engines may share one model's weights (LLM.with_levers); each binds before it runs.
+        """
+        if getattr(self.model, "bound_runner", None) is self:
+            return
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.backend = self.backend
+            layer.k_cache = self.kv_cache.k[i] if self.kv_cache is not None else None
+            layer.v_cache = self.kv_cache.v[i] if self.kv_cache is not None else None
+        self.model.bound_runner = self
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input ids and positions, the attention metadata, and each sequence's last row."""
@@ -62,6 +76,7 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Next-token logits [len(seqs), vocab] in fp32."""
+        self.bind()
         input_ids, positions, meta, last_rows = self.prepare(seqs)
         hidden = self.model(input_ids, positions, meta)
         if len(last_rows) != hidden.shape[0]:
