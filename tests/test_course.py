@@ -101,11 +101,14 @@ def graded_lab(request):
     return lab, {row["student"]: row for row in rows}
 
 
-def test_solution_gets_full_marks(graded_lab):
+def test_solution_gets_full_marks_and_runs_without_errors(graded_lab):
+    """The graded run executes the whole solution headless (nbclient, MINILLM_QUICK=1) with the
+    hidden tests restored: every cell must run clean, every test pass."""
     lab, rows = graded_lab
     row = rows["solution"]
     assert row["max_score"] > 0, f"{lab} has no points to grade"
     assert row["score"] == row["max_score"], f"{lab} solution scored {row['score']}/{row['max_score']}: {row['failures']}"
+    assert not row["errors"], f"{lab} solution raised in cells: {row['errors']}"
 
 
 def test_untouched_student_copy_gets_zero(graded_lab):
@@ -163,7 +166,8 @@ def test_grader_restores_hidden_tests_and_passes_quick_mode_to_the_kernel(tmp_pa
     scores = {row["student"]: (row["score"], row["max_score"]) for row in rows}
     assert scores == {"cheat": (2.0, 4.0), "solution": (4.0, 4.0), "untouched": (1.0, 4.0)}, rows
     cheat_row = next(row for row in rows if row["student"] == "cheat")
-    assert set(cheat_row["failures"]) == {"hidden"}
+    assert set(cheat_row["failures"]) == {"hidden"} and cheat_row["errors"] == cheat_row["failures"]
+    assert next(row for row in rows if row["student"] == "solution")["errors"] == {}
     csv_path = tmp_path / "grades.csv"
     grading.write_csv(rows, csv_path)
     assert csv_path.read_text().splitlines()[0] == "student,lab,score,max_score"
@@ -190,8 +194,10 @@ def test_find_submissions_reads_the_documented_layout(tmp_path):
 # --- every solution runs top to bottom ------------------------------------------------------------
 
 
+@pytest.mark.slow  # the graded run above already executes each solution with nbclient
 @pytest.mark.parametrize("lab", LABS)
 def test_solution_notebook_executes_headless_in_quick_mode(lab, tmp_path, monkeypatch):
+    """Plain nbclient, no nbgrader: stops at the first failing cell with its traceback."""
     from nbclient import NotebookClient
 
     monkeypatch.setenv("MINILLM_QUICK", "1")  # the kernel inherits this process's environment

@@ -5,7 +5,8 @@ tests come from the masters, never from what a student hands in. Each submission
 headless, in quick mode (``MINILLM_QUICK=1`` reaches the kernel through the environment).
 
     rows = autograde({"ada": {"01_prefill_decode": "ada/01_prefill_decode.ipynb"}})
-    # [{"student": "ada", "lab": "01_prefill_decode", "score": 6.0, "max_score": 6.0, "failures": {}}]
+    # [{"student": "ada", "lab": "01_prefill_decode", "score": 6.0, "max_score": 6.0,
+    #   "failures": {}, "errors": {}}]
 """
 
 from __future__ import annotations
@@ -71,20 +72,25 @@ def _kernel_env(quick: bool) -> dict[str, str]:
     return env
 
 
-def _failures(autograded_notebook: Path) -> dict[str, str]:
-    """``{grade_id: "ErrorName: message"}`` for each graded cell that raised."""
+def _errors(autograded_notebook: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Errors raised while grading, as ``{name: "ErrorName: message"}``: (graded test cells by
+    grade_id, every code cell by grade_id or cell id)."""
     if not autograded_notebook.is_file():
-        return {}
+        return {}, {}
     nb = nbformat.read(autograded_notebook, as_version=4)
-    failures = {}
-    for cell in nb.cells:
-        nbgrader = cell.metadata.get("nbgrader", {})
-        if cell.cell_type != "code" or not nbgrader.get("grade"):
+    failures, errors = {}, {}
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
             continue
+        nbgrader = cell.metadata.get("nbgrader", {})
+        name = nbgrader.get("grade_id") or cell.get("id") or f"cell {index}"
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
-                failures[nbgrader["grade_id"]] = f"{output.get('ename')}: {output.get('evalue')}".strip()
-    return failures
+                message = f"{output.get('ename')}: {output.get('evalue')}".strip()
+                errors[name] = message
+                if nbgrader.get("grade"):
+                    failures[name] = message
+    return failures, errors
 
 
 def _read_grades(course_root: Path, submissions: Mapping[str, Mapping[str, Path]]) -> list[dict]:
@@ -96,13 +102,15 @@ def _read_grades(course_root: Path, submissions: Mapping[str, Mapping[str, Path]
         for student in sorted(submissions):
             for lab in sorted(submissions[student]):
                 submission = gradebook.find_submission(lab, student)
+                failures, errors = _errors(course_root / "autograded" / student / lab / f"{lab}.ipynb")
                 rows.append(
                     {
                         "student": student,
                         "lab": lab,
                         "score": float(submission.score),
                         "max_score": float(submission.max_score),
-                        "failures": _failures(course_root / "autograded" / student / lab / f"{lab}.ipynb"),
+                        "failures": failures,
+                        "errors": errors,
                     }
                 )
     return rows
@@ -117,7 +125,10 @@ def autograde(
     cell_timeout_s: int | None = None,
 ) -> list[dict]:
     """Autograde ``{student: {lab: notebook_path}}``; return rows sorted by student then lab:
-    ``{"student", "lab", "score", "max_score", "failures": {grade_id: "Error: message"}}``.
+    ``{"student", "lab", "score", "max_score", "failures", "errors"}`` where ``failures`` maps
+    the graded test cells that raised to ``"ErrorName: message"`` and ``errors`` does the same
+    for every code cell (a solution should have none: the graded run executes the whole
+    notebook, hidden tests included, headless with nbclient).
 
     ``course_dir``: build the nbgrader course there and keep it (autograded copies, gradebook)
     instead of in a temporary folder. ``quick``: run the labs with MINILLM_QUICK=1.
