@@ -235,3 +235,18 @@ def test_static_and_continuous_batching_agree(default_llm, default_model_dir, mo
     assert c_steps == [("prefill", 2), ("decode", 2), ("prefill", 1), ("decode", 2), ("prefill", 1)] \
         + [("decode", 2)] * 5 + [("decode", 1)] * 2
     assert len(c_steps) < len(s_steps)
+
+
+@pytest.mark.slow
+def test_long_generations_match_transformers(default_llm, hf_default):
+    """64 new tokens: small numeric drift in a long decode would show up here."""
+    prompts = ["Write a short story about a robot who learns to paint.", "def quicksort(xs):",
+               "Explain how a refrigerator works.", LONG_PROMPT]
+    outs = default_llm.generate(prompts, SamplingParams(max_tokens=64))
+    failures = []
+    for o in outs:
+        ref, ref_logits = hf_greedy(hf_default, o.prompt_token_ids, 64)
+        if o.outputs[0].token_ids != ref:
+            failures.append(divergence_report(o.prompt[:30], o.outputs[0].token_ids, ref, ref_logits))
+    assert not failures, "\n".join(failures)
+    assert_engine_idle(default_llm)
