@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model lab test test-slow labs bench doctor browser-deps clean
+.PHONY: setup model lab test test-slow labs labs-check bench doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ model: setup        ## convert the default model once into the cache (MINILLM_CA
 	$(BIN)/minillm model
 
 lab: model          ## the course: JupyterLab on labs/
-	cd labs && ../$(BIN)/jupyter lab
+	cd labs && ../$(BIN)/jupyter lab $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
 	@bash scripts/install_browser.sh
@@ -34,6 +34,9 @@ test-slow: setup model browser-deps
 
 labs: setup         ## regenerate labs/ and solutions/ from the instructor masters
 	$(BIN)/python -m minillm.lab.build
+
+labs-check: setup   ## fail when labs/ or solutions/ drifted from the masters
+	$(BIN)/python -m minillm.lab.build --check
 
 bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache
