@@ -92,7 +92,8 @@ def cmd_bench(args) -> int:
         f"\nmemory-bandwidth bound, batch 1: {first.weight_bytes / 1e6:.0f} MB of weights + "
         f"{first.kv_bytes_per_token * first.mean_context_tokens / 1e6:.1f} MB of KV per decode step "
         f"at {first.bandwidth_bytes_per_s / 1e9:.1f} GB/s (measured read) -> {first.bound_tokens_per_s:.1f} tok/s; "
-        f"measured batch-1-equivalent decode {rows[0]['decode_tok_per_s_b1']:.1f} tok/s per sequence"
+        f"measured: {rows[0]['decode_tok_per_s_per_seq']:.1f} tok/s per sequence at batch {first.max_batch} "
+        f"({rows[0]['output_tok_per_s']:.1f} tok/s in all, prefill included)"
     )
     print(f"cost model: {first.usd_per_hour:.2f} USD/hour (set with --set gpu_hourly_usd=...)")
     report = {"results": rows, "device": first.device}

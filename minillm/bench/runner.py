@@ -68,7 +68,7 @@ class BenchResult:
             "peak_kv_mib": self.peak_kv_bytes / 2**20,
             "usd_per_mtok": self.usd_per_million_tokens,
             "bound_tok_per_s_b1": self.bound_tokens_per_s,
-            "decode_tok_per_s_b1": 1.0 / statistics.median(self.tpot_s) if self.tpot_s else float("nan"),
+            "decode_tok_per_s_per_seq": 1.0 / statistics.median(self.tpot_s) if self.tpot_s else float("nan"),
         }
 
 
