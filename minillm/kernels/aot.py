@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 import sys
 
-# (kernel name, signature, constexprs) for every configuration the engine launches.
+# (kernel name, kernel, signature, constexprs[, compile options]) for every configuration the
+# engine launches. Options carry the launch's num_warps, so register pressure is checked as launched.
 _FLOAT_TYPES = ("fp32", "bf16", "fp16")
+_HEAD_DIMS = (64, 80, 128)       # 80 is padded to BLOCK_D 128 and masked
+_QUERY_GROUP_SIZES = (1, 3, 8)   # num_heads // num_kv_heads: MHA, SmolLM2-135M (9/3), Llama-3-8B (32/8)
+# block_size (16/32) and partition_size are runtime arguments of the paged kernels: no variant each.
 
 
 def configurations():
@@ -27,6 +31,47 @@ def configurations():
                 yield (f"rmsnorm[{dtype},residual={has_residual},BLOCK={block}]", rmsnorm_kernel, sig,
                        {"HAS_RESIDUAL": has_residual, "BLOCK": block})
 
+    yield from _paged_configurations()
+
+
+def _paged_configurations():
+    import triton
+
+    from . import paged_decode
+    from .store_kv import store_kv_kernel
+
+    for dtype in _FLOAT_TYPES:
+        for head_dim in _HEAD_DIMS:
+            block_d = triton.next_power_of_2(head_dim)
+            sig = {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
+                   "slot_mapping_ptr": "*i64", "stride_k_token": "i32", "stride_k_head": "i32",
+                   "stride_v_token": "i32", "stride_v_head": "i32", "stride_cache_head": "i32",
+                   "stride_cache_slot": "i32", "head_dim": "i32", "BLOCK_D": "constexpr"}
+            yield (f"store_kv[{dtype},head_dim={head_dim}]", store_kv_kernel, sig, {"BLOCK_D": block_d},
+                   {"num_warps": 1})
+
+            sig = {"out_ptr": f"*{dtype}", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                   "seq_lens_ptr": "*i32", "stride_o_seq": "i32", "stride_o_head": "i32", "num_heads": "i32",
+                   "head_dim": "i32", "partition_size": "i32", "max_num_partitions": "i32", "BLOCK_D": "constexpr"}
+            yield (f"paged_decode_reduce[{dtype},head_dim={head_dim}]", paged_decode.paged_decode_reduce_kernel,
+                   sig, {"BLOCK_D": block_d}, {"num_warps": paged_decode.REDUCE_NUM_WARPS})
+
+            for group in _QUERY_GROUP_SIZES:
+                sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
+                       "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32",
+                       "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "stride_q_seq": "i32", "stride_q_head": "i32",
+                       "stride_cache_head": "i32", "stride_cache_slot": "i32", "stride_bt": "i32",
+                       "scale_log2": "fp32", "num_heads": "i32", "head_dim": "i32", "block_size": "i32",
+                       "partition_size": "i32", "max_num_partitions": "i32", "QUERY_GROUP_SIZE": "constexpr",
+                       "GROUP_ROWS": "constexpr", "BLOCK_D": "constexpr", "TILE_N": "constexpr",
+                       "DOT_IN_FP32": "constexpr"}
+                constexprs = {"QUERY_GROUP_SIZE": group, "GROUP_ROWS": paged_decode.padded_group_rows(group),
+                              "BLOCK_D": block_d, "TILE_N": paged_decode.TILE_N,
+                              "DOT_IN_FP32": dtype == "fp32"}  # on a GPU only fp32 computes its dots in fp32
+                yield (f"paged_decode[{dtype},head_dim={head_dim},group={group}]",
+                       paged_decode.paged_decode_partition_kernel, sig, constexprs,
+                       {"num_warps": paged_decode.DECODE_NUM_WARPS})
+
 
 def compile_all(capabilities=(80, 90)) -> list[tuple[str, int, bool, str]]:
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -36,11 +81,11 @@ def compile_all(capabilities=(80, 90)) -> list[tuple[str, int, bool, str]]:
     from triton.compiler import ASTSource
 
     results = []
-    for name, kernel, sig, constexprs in configurations():
+    for name, kernel, sig, constexprs, *options in configurations():
         for cc in capabilities:
             try:
                 compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
-                                          target=GPUTarget("cuda", cc, 32))
+                                          target=GPUTarget("cuda", cc, 32), options=options[0] if options else None)
                 results.append((name, cc, True, f"{len(compiled.asm['cubin'])} bytes of cubin"))
             except Exception as exc:  # report every failure, not only the first
                 results.append((name, cc, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
