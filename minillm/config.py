@@ -31,7 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None    # None -> the model's max_position_embeddings
     block_size: int = 16                # KV pool granularity, in tokens
     kv_cache_bytes: int | None = None   # KV pool size; None -> enough for the batch, capped
-    paged: bool = False                 # False: one contiguous region per request
+    paged: bool = False                 # True: blocks on demand (PagedAttention); False: one contiguous region per request
 
     # Batching lever.
     batching: str = "continuous"
@@ -103,7 +103,6 @@ class EngineConfig:
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
             "attention_backend='triton'": (self.attention_backend == "triton", "lab 04 (issue: batching + PagedAttention)"),
-            "paged=True": (self.paged, "lab 04 (PagedAttention)"),
             "chunked_prefill=True": (self.chunked_prefill, "lab 03/04 (chunked prefill)"),
             f"weight_dtype={self.weight_dtype!r}": (self.weight_dtype not in (None, "auto"), "lab 05 (quantization)"),
             f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),

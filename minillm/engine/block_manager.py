@@ -71,6 +71,27 @@ class BlockManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return table
 
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        """Whether `table` can be extended (paged) to hold `num_tokens` tokens."""
+        return self.blocks_for(num_tokens) - len(table) <= self.num_free_blocks
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Append blocks to `table` (in place) until it holds `num_tokens` tokens."""
+        extra = self.blocks_for(num_tokens) - len(table)
+        if extra <= 0:
+            return
+        if self.contiguous:
+            raise RuntimeError("a contiguous reservation cannot grow; reserve the full length up front")
+        if extra > self.num_free_blocks:
+            raise MemoryError(f"{extra} more blocks needed, {self.num_free_blocks} free")
+        new = [i for i, free in enumerate(self.is_free) if free][:extra]
+        for block in new:
+            self.is_free[block] = 0
+        table.extend(new)
+        self.num_free_blocks -= extra
+        self.num_reserved_tokens += extra * self.block_size
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+
     def free(self, table: list[int]) -> None:
         for block in table:
             if self.is_free[block]:

@@ -60,6 +60,7 @@ class Engine:
         self.device_label = device_name(self.device)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.stats = RunStats(self.device_label, self.hourly_usd)
+        self._preemptions_at_reset = 0
 
     # ----------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -134,6 +135,9 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones included)."""
         seqs, is_prefill = self.scheduler.schedule()
+        if not seqs and self.scheduler.has_unfinished():
+            # Preemption may have just emptied the running set; admission gets a second try.
+            seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             stuck = list(self.scheduler.waiting)
             for seq in stuck:  # nothing runs and nothing fits: refuse rather than spin
@@ -177,9 +181,11 @@ class Engine:
         st.steps.append(StepStats(len(st.steps), kind, len(seqs), num_tokens, duration_s, kv_used))
         st.peak_kv_bytes = max(st.peak_kv_bytes, kv_used)
         st.peak_kv_reserved_bytes = max(st.peak_kv_reserved_bytes, kv_reserved)
+        st.num_preemptions = self.scheduler.num_preemptions - self._preemptions_at_reset
 
     def reset_stats(self) -> RunStats:
         self.stats = RunStats(self.device_label, self.hourly_usd)
+        self._preemptions_at_reset = self.scheduler.num_preemptions
         return self.stats
 
     # ----------------------------------------------------------------- sizes

@@ -51,6 +51,7 @@ class RunStats:
     num_output_tokens: int = 0
     peak_kv_bytes: int = 0        # bytes of K/V holding real tokens, at the fullest step
     peak_kv_reserved_bytes: int = 0  # bytes of pool blocks handed out, at the fullest step
+    num_preemptions: int = 0      # sequences whose blocks were taken back and recomputed
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -81,6 +82,7 @@ class RunStats:
             "output_tokens_per_s": self.output_tokens_per_s,
             "peak_kv_bytes": self.peak_kv_bytes,
             "peak_kv_reserved_bytes": self.peak_kv_reserved_bytes,
+            "preemptions": self.num_preemptions,
             "usd_per_hour": self.hourly_usd,
             "usd_per_million_output_tokens": self.cost_per_million_tokens_usd,
         }

@@ -59,9 +59,10 @@ class ModelRunner:
                     slots.extend(range(base + start, base + len(seq)))
                     kv_read.append(slice(base, base + len(seq)))
                 else:
-                    seq_slots = [bm.slot(table, pos) for pos in range(len(seq))]
-                    slots.extend(seq_slots[start:])
-                    kv_read.append(torch.tensor(seq_slots, dtype=torch.long, device=self.device))
+                    blocks = torch.tensor(table, dtype=torch.long)
+                    seq_slots = (blocks[:, None] * bm.block_size + torch.arange(bm.block_size)).flatten()[: len(seq)]
+                    slots.extend(seq_slots[start:].tolist())
+                    kv_read.append(seq_slots.to(self.device))
         dev = self.device
         meta = AttentionMetadata(
             query_lens=query_lens,

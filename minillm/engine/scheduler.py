@@ -20,6 +20,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -28,7 +29,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _reservation(self, seq: Sequence) -> int:
-        return min(seq.max_total_tokens, self.max_model_len)
+        """Token slots to hold at admission: the whole future (contiguous) or what is there (paged)."""
+        if self.block_manager.contiguous:
+            return min(seq.max_total_tokens, self.max_model_len)
+        return len(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Admit waiting requests (prefill) if any fit, else decode every running one."""
@@ -54,7 +58,39 @@ class Scheduler:
         if batch:
             self.running.extend(batch)
             return batch, True
-        return list(self.running), False
+        return self._schedule_decode(), False
+
+    def _schedule_decode(self) -> list[Sequence]:
+        """Every running sequence decodes; with paged blocks, one that needs a new block and
+        finds none preempts the most recently admitted sequence (its K/V are recomputed later)."""
+        bm = self.block_manager
+        if bm is None or bm.contiguous:
+            return list(self.running)
+        queue = list(self.running)
+        scheduled: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            while not bm.can_grow(seq.block_table, len(seq)):
+                victim = queue.pop() if queue else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.grow(seq.block_table, len(seq))
+                scheduled.append(seq)
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back; it waits at the front and is prefilled again."""
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED

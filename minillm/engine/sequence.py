@@ -33,6 +33,7 @@ class Sequence:
     error: str | None = None
     generator: object | None = None  # torch.Generator for sampled requests
     output_text: str = ""
+    num_preemptions: int = 0          # times its blocks were taken back (recomputed later)
     # timings (time.perf_counter seconds)
     arrival_s: float = 0.0
     first_scheduled_s: float | None = None
