@@ -186,8 +186,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, partition_si
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_size: int,
-                           partition_size: int = DEFAULT_PARTITION_SIZE) -> torch.Tensor:
-    """q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim].
+                           partition_size: int = DEFAULT_PARTITION_SIZE, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] (written into `out` if given).
 
     Every seq_len must be >= 1 and <= max_blocks * block_size (not checked: that would sync
     with the GPU). Nothing here depends on the values of seq_lens, so the launch can be
@@ -197,7 +197,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit stride along head_dim; "
+                         f"got {tuple(out.shape)} {out.dtype}")
     if num_seqs == 0:
         return out
     # Upper bound from the table width, not seq_lens.max(): no device-to-host sync.

@@ -28,8 +28,8 @@ def store_kv_kernel(
     kv_head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
-    # A skipped token (slot -1) masks every lane instead of branching, so no lane writes slot -1.
-    mask = (dims < head_dim) & (slot >= 0)
+    # A skipped token (slot -1) masks every lane (its row length becomes 0) instead of branching.
+    mask = dims < tl.where(slot >= 0, head_dim, 0)
     src_k = k_ptr + token.to(tl.int64) * stride_k_token + kv_head * stride_k_head + dims
     src_v = v_ptr + token.to(tl.int64) * stride_v_token + kv_head * stride_v_head + dims
     dst = kv_head.to(tl.int64) * stride_cache_head + slot * stride_cache_slot + dims
