@@ -17,6 +17,7 @@ _FLOAT_TYPES = ("fp32", "bf16", "fp16")
 _HEAD_DIMS = (64, 80, 128)       # 80 is padded to BLOCK_D 128 and masked
 _QUERY_GROUP_SIZES = (1, 3, 8)   # num_heads // num_kv_heads: MHA, SmolLM2-135M (9/3), Llama-3-8B (32/8)
 # block_size (16/32) and partition_size are runtime arguments of the paged kernels: no variant each.
+# extend_attention takes the GQA group size at run time too: one variant per dtype and head_dim.
 
 
 def configurations():
@@ -35,11 +36,13 @@ def configurations():
 
 
 def _paged_configurations():
+    import torch
     import triton
 
-    from . import paged_decode
+    from . import extend_attention, paged_decode
     from .store_kv import store_kv_kernel
 
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for dtype in _FLOAT_TYPES:
         for head_dim in _HEAD_DIMS:
             block_d = triton.next_power_of_2(head_dim)
@@ -71,6 +74,19 @@ def _paged_configurations():
                 yield (f"paged_decode[{dtype},head_dim={head_dim},group={group}]",
                        paged_decode.paged_decode_partition_kernel, sig, constexprs,
                        {"num_warps": paged_decode.DECODE_NUM_WARPS})
+
+            block_m, block_n, num_warps, num_stages = extend_attention.EXTEND_LAUNCH[torch_dtypes[dtype]]
+            sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
+                   "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+                   "out_ptr": f"*{dtype}", "stride_q_token": "i32", "stride_q_head": "i32",
+                   "stride_cache_head": "i32", "stride_cache_slot": "i32", "stride_bt": "i32",
+                   "stride_o_token": "i32", "stride_o_head": "i32", "scale_log2": "fp32", "head_dim": "i32",
+                   "block_size": "i32", "query_group_size": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                   "BLOCK_D": "constexpr", "DOT_IN_FP32": "constexpr"}
+            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+                          "DOT_IN_FP32": dtype == "fp32"}  # on a GPU only fp32 computes its dots in fp32
+            yield (f"extend_attention[{dtype},head_dim={head_dim}]", extend_attention.extend_attention_kernel,
+                   sig, constexprs, {"num_warps": num_warps, "num_stages": num_stages})
 
 
 def compile_all(capabilities=(80, 90)) -> list[tuple[str, int, bool, str]]:
