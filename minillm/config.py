@@ -97,13 +97,15 @@ class EngineConfig:
         else:
             need(hasattr(self.attention_backend, "attend") and hasattr(self.attention_backend, "store_kv"),
                  "attention_backend must be 'torch', 'triton' or an object with store_kv() and attend()")
+        if self.attention_backend == "triton" and not self.kv_cache:
+            raise ValueError("attention_backend='triton' needs kv_cache=True: its kernels read the paged KV pool")
+        if self.chunked_prefill and not self.kv_cache:
+            raise ValueError("chunked_prefill=True needs kv_cache=True: a chunk attends to the cached earlier chunks")
         if self.paged and not self.kv_cache:
             raise ValueError("paged=True needs kv_cache=True: there is no cache to page")
 
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
-            "attention_backend='triton'": (self.attention_backend == "triton", "lab 04 (issue: batching + PagedAttention)"),
-            "chunked_prefill=True": (self.chunked_prefill, "lab 03/04 (chunked prefill)"),
             f"weight_dtype={self.weight_dtype!r}": (self.weight_dtype not in (None, "auto"), "lab 05 (quantization)"),
             f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),
             "prefix_caching=True": (self.prefix_caching, "lab 06 (prefix caching)"),

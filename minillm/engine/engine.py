@@ -147,7 +147,7 @@ class Engine:
         for seq in seqs:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = t0
-        num_tokens = sum(len(s) - (s.num_cached_tokens if self.block_manager else 0) for s in seqs)
+        num_tokens = sum(s.num_scheduled_tokens if self.block_manager else len(s) for s in seqs)
         try:
             tokens = self.runner.run(seqs)
         except Exception as exc:
@@ -158,11 +158,15 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             now = time.perf_counter()
-        for seq in seqs:
+        for seq, token in zip(seqs, tokens):
+            if token is None:
+                continue
             if seq.first_token_s is None:
                 seq.first_token_s = now
             seq.token_times_s.append(now)
-        self._record_step("prefill" if is_prefill else "decode", seqs, num_tokens, now - t0)
+        kind = "decode" if not is_prefill else ("mixed" if any(
+            len(s) - s.num_cached_tokens == 1 for s in seqs) and self.config.chunked_prefill else "prefill")
+        self._record_step(kind, seqs, num_tokens, now - t0)
         self.scheduler.postprocess(seqs, tokens, self._check_stop)
         for seq in seqs:
             if seq.is_finished and seq.finish_s is None:
@@ -174,7 +178,8 @@ class Engine:
         kv_used = kv_reserved = 0
         if self.kv_cache is not None:
             stepped = set(id(s) for s in seqs)
-            cached = sum(len(s) if id(s) in stepped else s.num_cached_tokens for s in self.scheduler.running)
+            cached = sum(s.num_cached_tokens + s.num_scheduled_tokens if id(s) in stepped else s.num_cached_tokens
+                         for s in self.scheduler.running)
             kv_used = self.kv_cache.bytes_per_token * cached
             kv_reserved = self.kv_cache.bytes_per_token * self.block_manager.block_size * self.block_manager.num_used_blocks
         st = self.stats

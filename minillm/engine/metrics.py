@@ -32,7 +32,7 @@ class RequestMetrics:
 @dataclass
 class StepStats:
     index: int
-    kind: str               # "prefill" | "decode"
+    kind: str               # "prefill" | "decode" | "mixed" (chunked prefill: prompt chunks beside decodes)
     num_seqs: int
     num_tokens: int         # tokens fed to the model this step (all of them when kv_cache=False)
     duration_s: float

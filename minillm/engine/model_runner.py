@@ -45,22 +45,25 @@ class ModelRunner:
         use_cache = self.block_manager is not None
         bm = self.block_manager
         for seq in seqs:
-            start = seq.num_cached_tokens if use_cache else 0  # no cache: recompute from token 0
-            new = seq.token_ids[start:]
-            input_ids.extend(new)
-            positions.extend(range(start, len(seq)))
-            query_lens.append(len(new))
+            if use_cache:
+                start = seq.num_cached_tokens
+                end = start + (seq.num_scheduled_tokens or len(seq) - start)  # a prompt chunk may stop early
+            else:
+                start, end = 0, len(seq)  # no cache: recompute from token 0
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
             num_cached.append(start)
             last_rows.append(len(input_ids) - 1)
             if use_cache:
                 table = seq.block_table
                 if bm.contiguous:
                     base = table[0] * bm.block_size
-                    slots.extend(range(base + start, base + len(seq)))
-                    kv_read.append(slice(base, base + len(seq)))
+                    slots.extend(range(base + start, base + end))
+                    kv_read.append(slice(base, base + end))
                 else:
                     blocks = torch.tensor(table, dtype=torch.long)
-                    seq_slots = (blocks[:, None] * bm.block_size + torch.arange(bm.block_size)).flatten()[: len(seq)]
+                    seq_slots = (blocks[:, None] * bm.block_size + torch.arange(bm.block_size)).flatten()[:end]
                     slots.extend(seq_slots[start:].tolist())
                     kv_read.append(seq_slots.to(self.device))
         dev = self.device
@@ -71,19 +74,44 @@ class ModelRunner:
             kv_read=kv_read,
             use_cache=use_cache,
         )
+        if use_cache and getattr(self.backend, "batched", False):
+            # Contiguous reservations are runs of blocks, so they have block tables too.
+            width = max(len(s.block_table) for s in seqs)
+            meta.block_size = bm.block_size
+            meta.block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                             dtype=torch.int32, device=dev)
+            meta.seq_lens = torch.tensor([c + n for c, n in zip(num_cached, query_lens)], dtype=torch.int32, device=dev)
+            starts = [0]
+            for n in query_lens:
+                starts.append(starts[-1] + n)
+            meta.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
+            meta.max_query_len = max(query_lens)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, last_rows)
 
     @torch.inference_mode()
-    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Next-token logits [len(seqs), vocab] in fp32."""
+    def logits(self, seqs: list[Sequence], rows: list[int] | None = None) -> torch.Tensor:
+        """Next-token logits [len(rows or seqs), vocab] in fp32 (rows: which sequences need them)."""
         self.bind()
         input_ids, positions, meta, last_rows = self.prepare(seqs)
+        if rows is not None:
+            last_rows = [last_rows[i] for i in rows]
         hidden = self.model(input_ids, positions, meta)
         if len(last_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(last_rows, device=hidden.device)]
+            hidden = hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden)
 
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        logits = self.logits(seqs)
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def run(self, seqs: list[Sequence]) -> list[int | None]:
+        """One token per sequence whose step reaches its last token; None for a prompt chunk
+        that stops short (it samples nothing, so seeded sampling does not depend on chunking)."""
+        if self.block_manager is None:
+            done = list(seqs)
+        else:
+            done = [s for s in seqs if s.num_cached_tokens + (s.num_scheduled_tokens or len(s)) >= len(s)]
+        if len(done) == len(seqs):
+            logits = self.logits(seqs)
+        else:
+            rows = [i for i, s in enumerate(seqs) if s in done]
+            logits = self.logits(seqs, rows)
+        tokens = iter(sample(logits, [s.params for s in done], [s.generator for s in done]))
+        return [next(tokens) if s in done else None for s in seqs]

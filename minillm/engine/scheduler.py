@@ -35,7 +35,18 @@ class Scheduler:
         return len(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Admit waiting requests (prefill) if any fit, else decode every running one."""
+        """Admit waiting requests (prefill) if any fit, else decode every running one.
+
+        Sets `seq.num_scheduled_tokens` (tokens to feed this step) on every returned sequence.
+        """
+        if self.config.chunked_prefill:
+            return self._schedule_chunked()
+        seqs, is_prefill = self._schedule_whole()
+        for seq in seqs:
+            seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+        return seqs, is_prefill
+
+    def _schedule_whole(self) -> tuple[list[Sequence], bool]:
         cfg = self.config
         batch: list[Sequence] = []
         # Static batching holds the batch until its longest member finishes.
@@ -60,18 +71,24 @@ class Scheduler:
             return batch, True
         return self._schedule_decode(), False
 
-    def _schedule_decode(self) -> list[Sequence]:
-        """Every running sequence decodes; with paged blocks, one that needs a new block and
-        finds none preempts the most recently admitted sequence (its K/V are recomputed later)."""
+    def _schedule_decode(self, limit: int | None = None) -> list[Sequence]:
+        """Every running sequence that has finished its prefill decodes (at most `limit`).
+
+        With paged blocks, one that needs a new block and finds none preempts the most
+        recently admitted sequence (its K/V are recomputed later), possibly itself.
+        """
         bm = self.block_manager
+        decoding = [s for s in self.running if len(s) - s.num_cached_tokens <= 1 or bm is None]
         if bm is None or bm.contiguous:
-            return list(self.running)
-        queue = list(self.running)
+            return decoding[:limit]
+        queue = list(decoding)
         scheduled: list[Sequence] = []
-        while queue:
+        while queue and (limit is None or len(scheduled) < limit):
             seq = queue.pop(0)
             while not bm.can_grow(seq.block_table, len(seq)):
-                victim = queue.pop() if queue else seq
+                victim = self._newest_running(exclude=scheduled)
+                if victim in queue:
+                    queue.remove(victim)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -79,6 +96,54 @@ class Scheduler:
                 bm.grow(seq.block_table, len(seq))
                 scheduled.append(seq)
         return scheduled
+
+    def _newest_running(self, exclude: list[Sequence]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq not in exclude:
+                return seq
+        raise RuntimeError("no running sequence left to preempt")
+
+    def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
+        """Chunked prefill: one token budget per step, shared by decodes and prompt chunks.
+
+        Decodes go first (one token each), then the unfinished prompts of running requests,
+        then newly admitted ones, each taking as many prompt tokens as the budget has left.
+        """
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        decodes = self._schedule_decode(limit=budget)
+        for seq in decodes:
+            seq.num_scheduled_tokens = 1
+        budget -= len(decodes)
+        chunks: list[Sequence] = []
+        for seq in list(self.running):
+            remaining = len(seq) - seq.num_cached_tokens
+            if budget <= 0 or seq in decodes or remaining <= 1:
+                continue
+            n = min(remaining, budget)
+            if bm is not None and not bm.contiguous:
+                if not bm.can_grow(seq.block_table, seq.num_cached_tokens + n):
+                    break  # wait for blocks; decodes keep going
+                bm.grow(seq.block_table, seq.num_cached_tokens + n)
+            seq.num_scheduled_tokens = n
+            chunks.append(seq)
+            budget -= n
+        admit = cfg.batching == "continuous" or not self.running
+        while admit and budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(len(seq) - seq.num_cached_tokens, budget)
+            if bm is not None:
+                need = self._reservation(seq) if bm.contiguous else seq.num_cached_tokens + n
+                if not bm.can_allocate(need):
+                    break
+                seq.block_table = bm.allocate(need)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seq.num_scheduled_tokens = n
+            chunks.append(seq)
+            budget -= n
+        return decodes + chunks, bool(chunks)
 
     def preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back; it waits at the front and is prefilled again."""
@@ -110,6 +175,9 @@ class Scheduler:
         `check_stop(seq) -> reason | None` is the engine's rule (EOS, stop strings, length).
         """
         for seq, token in zip(seqs, token_ids):
+            if token is None:  # a prompt chunk that does not reach the prompt's end yet
+                seq.num_cached_tokens += seq.num_scheduled_tokens
+                continue
             seq.num_cached_tokens = len(seq)   # every token fed this step is now in the cache
             seq.token_ids.append(token)
             reason = check_stop(seq)

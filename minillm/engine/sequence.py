@@ -28,6 +28,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     token_ids: list[int] = field(default_factory=list)   # prompt + output
     num_cached_tokens: int = 0      # tokens whose K/V are already in the cache
+    num_scheduled_tokens: int = 0   # tokens fed to the model in the current step
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

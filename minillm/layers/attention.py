@@ -34,6 +34,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None     # [num_tokens] pool slot for each new token
     kv_read: list[slice | torch.Tensor] = field(default_factory=list)  # pool slots each sequence reads
     use_cache: bool = True                # False: no cache, attend over this step's keys only
+    # Whole-batch layout for kernels that walk block tables (built only for such backends):
+    block_size: int = 0
+    block_tables: torch.Tensor | None = None     # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor | None = None         # [num_seqs] int32, keys per sequence after this step
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32, offsets of each sequence's queries
+    max_query_len: int = 0
 
 
 def causal_mask(num_q: int, num_keys: int, num_cached: int, device) -> torch.Tensor:
@@ -69,11 +75,47 @@ class TorchAttentionBackend:
         return out.squeeze(0).transpose(0, 1)  # [num_q, H, D]
 
 
+class TritonAttentionBackend:
+    """Triton kernels over the whole batch: store_kv, then paged decode or extend attention.
+
+    On a machine without CUDA the kernels run in Triton's interpreter (slow: for checking
+    values, not for speed); the interpreter must be chosen before triton is first imported.
+    """
+
+    name = "triton"
+    batched = True  # wants the whole batch (block tables) instead of one sequence at a time
+
+    def __init__(self):
+        import os
+        import sys
+
+        import torch
+
+        if not torch.cuda.is_available():
+            if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 set before triton "
+                                   "is imported; start Python with TRITON_INTERPRET=1")
+            os.environ["TRITON_INTERPRET"] = "1"
+        from ..kernels import extend_attention, paged_decode, store_kv
+
+        self._store_kv = store_kv.store_kv
+        self._decode = paged_decode.paged_decode_attention
+        self._extend = extend_attention.extend_attention
+
+    def forward_batch(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
+        self._store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.block_size)
+        return self._extend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                            meta.block_size, max_query_len=meta.max_query_len)
+
+
 def resolve_backend(backend) -> object:
     if backend == "torch":
         return TorchAttentionBackend()
-    if backend == "triton":  # refused by EngineConfig until the kernels land (lab 04)
-        raise NotImplementedError("attention_backend='triton' arrives with lab 04")
+    if backend == "triton":
+        return TritonAttentionBackend()
     return backend
 
 
@@ -91,6 +133,8 @@ class Attention(nn.Module):
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (T = all sequences' new tokens) -> [T, Hq, D]."""
+        if getattr(self.backend, "batched", False):
+            return self.backend.forward_batch(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         if meta.use_cache:
             self.backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         outs = []
