@@ -1,0 +1,460 @@
+"""Lab 03 helpers — batching: the step-simulator checks, Gantt charts, the real-engine sweeps
+(batch size, static vs continuous) and the service-level chooser.
+
+The learner writes, with fixed signatures:
+
+    num_steps(schedule) -> int
+    utilisation(schedule) -> float                       # busy slot-steps / total slot-steps
+    simulate_batching(output_lengths, num_slots, policy) -> schedule
+    largest_batch_meeting_floor(batch_sizes, per_user_tps, floor) -> int | None
+
+A schedule is a list of steps; each step is a list of `num_slots` entries, the id of the
+request decoding in that slot (its index in `output_lengths`) or None for an idle slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..sampling import SamplingParams
+from .common import CheckFailed, as_widget, device_label, new_figure, passed
+
+POLICIES = ("static", "continuous")
+
+# The course's example: 12 requests on 4 slots. These lengths (found by a search over lists
+# of 12 lengths in 1..7) give static 19 steps and continuous 14, utilisation 62% -> 84%.
+EXAMPLE_OUTPUT_LENGTHS: tuple[int, ...] = (3, 3, 4, 7, 2, 6, 3, 4, 3, 6, 1, 5)
+EXAMPLE_NUM_SLOTS = 4
+
+
+# =================================================================== the reference simulator
+def reference_schedule(output_lengths: Sequence[int], num_slots: int, policy: str) -> list[list[int | None]]:
+    """The schedule the checks expect: first come, first served; a request holds one slot for
+    `output_lengths[i]` consecutive steps. Static admits a new group only when every slot is
+    free; continuous refills each free slot (lowest slot first) at the start of every step."""
+    _validate(output_lengths, num_slots, policy)
+    waiting = list(range(len(output_lengths)))
+    slots: list[int | None] = [None] * num_slots
+    steps_left = [0] * num_slots
+    schedule: list[list[int | None]] = []
+    while waiting or any(r is not None for r in slots):
+        if policy == "continuous" or all(r is None for r in slots):
+            for s in range(num_slots):
+                if slots[s] is None and waiting:
+                    slots[s] = waiting.pop(0)
+                    steps_left[s] = output_lengths[slots[s]]
+        schedule.append(list(slots))
+        for s in range(num_slots):
+            if slots[s] is not None:
+                steps_left[s] -= 1
+                if steps_left[s] == 0:
+                    slots[s] = None
+    return schedule
+
+
+def _validate(output_lengths, num_slots, policy) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots={num_slots!r} must be an int >= 1")
+    for i, n in enumerate(output_lengths):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"output_lengths[{i}]={n!r} must be an int >= 1")
+
+
+def _num_steps(schedule) -> int:
+    busy = [i for i, step in enumerate(schedule) if any(r is not None for r in step)]
+    return busy[-1] + 1 if busy else 0
+
+
+def _utilisation(schedule) -> float:
+    steps = _num_steps(schedule)
+    if steps == 0:
+        return 0.0
+    busy = sum(r is not None for step in schedule[:steps] for r in step)
+    return busy / (steps * len(schedule[0]))
+
+
+# =================================================================== checks
+SCHEDULE_CASES = (  # hand-made schedules: (schedule, steps, utilisation, what it shows)
+    ([[0, 1], [0, None], [None, None]], 2, 0.75, "an idle step at the end does not count"),
+    ([[0, 1, 2], [0, 1, None], [0, None, None]], 3, 6 / 9, "3 slots, requests of 3, 2, 1 steps"),
+    ([[0], [1], [2], [3]], 4, 1.0, "one slot, always busy"),
+    ([[None, None], [0, None]], 2, 0.25, "an idle step at the start counts (the slots were there)"),
+    ([], 0, 0.0, "an empty schedule: 0 steps, utilisation 0 (not a ZeroDivisionError)"),
+)
+
+
+def check_num_steps(num_steps: Callable) -> str:
+    for schedule, expected, _, why in SCHEDULE_CASES:
+        got = num_steps([list(s) for s in schedule])
+        if got != expected:
+            hint = ""
+            if len(schedule) != expected and got == len(schedule):
+                hint = " — you counted the trailing all-idle steps; stop at the last step where a slot is busy"
+            raise CheckFailed(f"num_steps({schedule}) returned {got!r}, expected {expected} ({why}){hint}")
+    return passed("num_steps", len(SCHEDULE_CASES))
+
+
+def check_utilisation(utilisation: Callable) -> str:
+    for schedule, _, expected, why in SCHEDULE_CASES:
+        try:
+            got = utilisation([list(s) for s in schedule])
+        except ZeroDivisionError:
+            raise CheckFailed(f"utilisation({schedule}) divided by zero: {why}") from None
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
+            hint = ""
+            if isinstance(got, (int, float)) and schedule and abs(got - expected * 100) < 1e-6:
+                hint = " — return a fraction in [0, 1], not a percentage"
+            elif isinstance(got, (int, float)) and schedule and len(schedule) != _num_steps(schedule):
+                busy = sum(r is not None for step in schedule for r in step)
+                if abs(got - busy / (len(schedule) * len(schedule[0]))) < 1e-9:
+                    hint = " — the trailing idle steps count in neither the steps nor the slot-steps (use num_steps)"
+            raise CheckFailed(f"utilisation({schedule}) returned {got!r}, expected {expected:.4g} ({why}){hint}")
+    return passed("utilisation", len(SCHEDULE_CASES))
+
+
+SIMULATION_CASES = (  # (output_lengths, num_slots)
+    (EXAMPLE_OUTPUT_LENGTHS, EXAMPLE_NUM_SLOTS),
+    ((5, 1, 1, 1, 1), 2),
+    ((2, 2, 2), 1),
+    ((1, 8, 2, 3, 3, 9, 1), 3),
+    ((4, 4), 5),
+    ((6,), 2),
+)
+
+
+def _describe_schedule(schedule, limit: int = 24) -> str:
+    rows = [f"  step {t:>2}: " + " ".join(f"{'.' if r is None else r:>3}" for r in step) for t, step in enumerate(schedule[:limit])]
+    if len(schedule) > limit:
+        rows.append(f"  ... ({len(schedule) - limit} more steps)")
+    return "\n".join(rows)
+
+
+def _check_one(simulate: Callable, lengths: Sequence[int], num_slots: int, policy: str) -> None:
+    call = f"simulate_batching({list(lengths)}, num_slots={num_slots}, policy={policy!r})"
+    schedule = simulate(list(lengths), num_slots, policy)
+    if not isinstance(schedule, (list, tuple)):
+        raise CheckFailed(f"{call} returned {type(schedule).__name__}; expected a list of steps, each a list of "
+                          f"{num_slots} request ids or None")
+    for t, step in enumerate(schedule):
+        if not isinstance(step, (list, tuple)) or len(step) != num_slots:
+            raise CheckFailed(f"{call}: step {t} is {step!r}; every step must list exactly {num_slots} slots "
+                              f"(a request id or None for an idle slot)")
+    # Where each request ran: (step, slot) pairs in step order.
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for t, step in enumerate(schedule):
+        for s, r in enumerate(step):
+            if r is None:
+                continue
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(lengths):
+                raise CheckFailed(f"{call}: step {t}, slot {s} holds {r!r}; a slot holds a request id "
+                                  f"0..{len(lengths) - 1} or None")
+            runs.setdefault(r, []).append((t, s))
+    for r, n in enumerate(lengths):
+        got = runs.get(r, [])
+        if len(got) != n:
+            raise CheckFailed(f"{call}: request {r} decodes in {len(got)} slot-steps, but it needs "
+                              f"output_lengths[{r}] = {n} steps (one token per step)")
+        steps = [t for t, _ in got]
+        if len(set(steps)) != len(steps):
+            raise CheckFailed(f"{call}: request {r} sits in two slots at step {steps[0]}; a request decodes "
+                              f"in one slot, one token per step")
+        if steps != list(range(steps[0], steps[0] + n)) or len({s for _, s in got}) != 1:
+            raise CheckFailed(f"{call}: request {r} ran at steps {steps} in slots {sorted({s for _, s in got})}; once "
+                              f"admitted, a request keeps its slot for {n} consecutive steps until it finishes")
+    start = {r: runs[r][0][0] for r in runs}
+    end = {r: start[r] + lengths[r] - 1 for r in runs}
+    for a, b in zip(range(len(lengths)), range(1, len(lengths))):
+        if start[b] < start[a]:
+            raise CheckFailed(f"{call}: request {b} started at step {start[b]}, before request {a} (step {start[a]}); "
+                              f"requests are admitted first come, first served (in id order)")
+    if policy == "static":
+        for r in range(len(lengths)):
+            running = [q for q in range(len(lengths)) if q != r and start[q] < start[r] <= end[q]]
+            if running:
+                q = running[0]
+                raise CheckFailed(f"static policy admitted request {r} at step {start[r]} while request {q} of the "
+                                  f"same batch was still running (it runs until step {end[q]}) — static waits for the "
+                                  f"whole batch to finish before admitting the next group.\n{call}:\n"
+                                  f"{_describe_schedule(schedule)}")
+        for t in sorted(set(start.values())):
+            group = [q for q in range(len(lengths)) if start[q] == t]
+            later = [q for q in range(len(lengths)) if start[q] > t]
+            if len(group) < num_slots and later:
+                raise CheckFailed(f"static policy started only {len(group)} request(s) at step {t} ({group}) with "
+                                  f"{num_slots} slots free; request {later[0]} was waiting and should have joined "
+                                  f"that batch — static fills every free slot, then waits for the whole batch.\n"
+                                  f"{call}:\n{_describe_schedule(schedule)}")
+    else:
+        for t, step in enumerate(schedule[: _num_steps(schedule)]):
+            for s, r in enumerate(step):
+                waiting = [q for q in range(len(lengths)) if start[q] > t]
+                if r is None and waiting:
+                    raise CheckFailed(f"continuous policy left slot {s} idle at step {t} while request {waiting[0]} "
+                                      f"was waiting — continuous batching refills a slot the step after it frees.\n"
+                                      f"{call}:\n{_describe_schedule(schedule)}")
+    expected = reference_schedule(lengths, num_slots, policy)
+    if _num_steps(schedule) != _num_steps(expected):
+        raise CheckFailed(f"{call} takes {_num_steps(schedule)} steps; expected {_num_steps(expected)}. Yours:\n"
+                          f"{_describe_schedule(schedule)}\nexpected:\n{_describe_schedule(expected)}")
+
+
+def check_simulate_batching(simulate: Callable, policies: Sequence[str] = POLICIES,
+                            cases: Sequence[tuple[Sequence[int], int]] = SIMULATION_CASES) -> str:
+    """Run the learner's simulator on a few workloads; say which rule a schedule breaks."""
+    for policy in policies:
+        for lengths, num_slots in cases:
+            _check_one(simulate, lengths, num_slots, policy)
+    return passed(f"simulate_batching ({', '.join(policies)})", len(cases) * len(policies))
+
+
+def check_largest_batch_meeting_floor(choose: Callable) -> str:
+    cases = (  # (batch_sizes, per_user_tps, floor, expected, why)
+        ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 20.0, 4, "per-user speed falls as the batch grows"),
+        ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 30.0, 4, "a batch exactly at the floor meets it (>=)"),
+        ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 60.0, None, "no batch meets the floor: return None"),
+        ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 0.0, 8, "no floor: the largest batch"),
+        ([8, 1, 4, 2], [12.0, 50.0, 30.0, 45.0], 40.0, 2, "sizes in any order: pair each with its own speed"),
+        ([1, 2, 4, 8, 16], [40.0, 41.0, 25.0, 26.0, 5.0], 25.5, 8, "noisy measurements: the largest that meets it"),
+    )
+    for sizes, tps, floor, expected, why in cases:
+        got = choose(list(sizes), list(tps), floor)
+        if got != expected:
+            hint = ""
+            if expected is not None and got == max(b for b, v in zip(sizes, tps) if v > floor):
+                hint = " — use >= (a batch exactly at the floor meets it)"
+            raise CheckFailed(f"largest_batch_meeting_floor({sizes}, {tps}, floor={floor}) returned {got!r}, "
+                              f"expected {expected!r} ({why}){hint}")
+    return passed("largest_batch_meeting_floor", len(cases))
+
+
+# =================================================================== the Gantt chart
+def _heatmap(schedule, output_lengths: Sequence[int] | None = None) -> go.Heatmap:
+    num_slots = len(schedule[0]) if schedule else 1
+    z = [[step[s] if step[s] is not None else None for step in schedule] for s in range(num_slots)]
+    text = [["" if r is None else f"r{r}" for r in row] for row in z]
+    top = max(len(output_lengths) - 1, 1) if output_lengths else max((r for row in z for r in row if r is not None), default=1)
+    return go.Heatmap(z=z, x=list(range(len(schedule))), y=[f"slot {s}" for s in range(num_slots)],
+                      text=text, texttemplate="%{text}", colorscale="Turbo", zmin=0, zmax=top, showscale=False,
+                      xgap=2, ygap=2, hovertemplate="step %{x}, %{y}: request %{z}<extra></extra>")
+
+
+def schedule_title(schedule, policy: str) -> str:
+    return f"{policy}: {_num_steps(schedule)} steps, utilisation {_utilisation(schedule):.0%}"
+
+
+def gantt_figure(schedules: dict[str, list], output_lengths: Sequence[int] | None = None) -> go.Figure:
+    """One Gantt row per slot, one column per step, each cell coloured by its request (blank = idle)."""
+    names = list(schedules)
+    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[schedule_title(schedules[n], n) for n in names])
+    for i, name in enumerate(names, start=1):
+        fig.add_trace(_heatmap(schedules[name], output_lengths), row=i, col=1)
+        fig.update_yaxes(autorange="reversed", row=i, col=1)
+    fig.update_xaxes(title_text="step", row=len(names), col=1)
+    fig.update_layout(height=180 + 90 * sum(len(s[0]) if s else 1 for s in schedules.values()),
+                      template="plotly_white", title="slot-by-step schedule (a simulation, not a measurement)",
+                      margin=dict(t=90, l=70, r=30, b=50))
+    return fig
+
+
+class ScheduleExplorer:
+    """Slider (number of slots) + dropdown (policy) -> the Gantt chart of `simulate`'s schedule."""
+
+    def __init__(self, simulate: Callable, output_lengths: Sequence[int] = EXAMPLE_OUTPUT_LENGTHS,
+                 num_slots: int = EXAMPLE_NUM_SLOTS, policy: str = "continuous"):
+        import ipywidgets as widgets
+
+        self.simulate = simulate
+        self.output_lengths = list(output_lengths)
+        self.slider = widgets.IntSlider(value=num_slots, min=1, max=len(self.output_lengths), description="slots",
+                                        continuous_update=False)
+        self.dropdown = widgets.Dropdown(options=list(POLICIES), value=policy, description="policy")
+        self.label = widgets.HTML()
+        base = new_figure("", "step", "", height=420)
+        base.add_trace(_heatmap([[None] * num_slots], self.output_lengths))
+        base.update_yaxes(autorange="reversed")
+        self.figure = as_widget(base)
+        self.slider.observe(lambda _: self.update(), names="value")
+        self.dropdown.observe(lambda _: self.update(), names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.slider, self.dropdown]), self.label, self.figure])
+        self.update()
+
+    def update(self) -> None:
+        try:
+            schedule = self.simulate(list(self.output_lengths), self.slider.value, self.dropdown.value)
+        except NotImplementedError:
+            self.label.value = "<b>finish exercise 2 (simulate_batching) first</b>"
+            return
+        self.schedule = schedule
+        heat = _heatmap(schedule, self.output_lengths)
+        with self.figure.batch_update():
+            self.figure.data[0].z, self.figure.data[0].x = heat.z, heat.x
+            self.figure.data[0].y, self.figure.data[0].text = heat.y, heat.text
+            self.figure.layout.title.text = schedule_title(schedule, self.dropdown.value)
+        self.label.value = (f"{len(self.output_lengths)} requests, lengths {self.output_lengths}: "
+                            f"<b>{schedule_title(schedule, self.dropdown.value)}</b>")
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+# =================================================================== the real engine
+def _token_prompts(tokenizer_or_vocab, num_requests: int, prompt_len: int, seed: int = 0) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    vocab = tokenizer_or_vocab
+    return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(prompt_len)]} for _ in range(num_requests)]
+
+
+def measure_batch_sweep(llm, batch_sizes: Sequence[int], prompt_len: int = 16, max_tokens: int = 32,
+                        repeats: int = 1) -> list[dict]:
+    """For each batch size b: b identical-length requests on an engine with max_num_seqs=b.
+
+    aggregate tokens/s = all output tokens / wall time; per-user tokens/s = 1 / mean TPOT (the
+    decode speed one user sees). Best of `repeats` runs (the least disturbed)."""
+    vocab = llm.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    llm.generate(_token_prompts(vocab, 1, prompt_len, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    rows = []
+    for b in batch_sizes:
+        engine = llm.with_levers(max_num_seqs=int(b))
+        best = None
+        for r in range(repeats):
+            outs = engine.generate(_token_prompts(vocab, int(b), prompt_len, seed=r), params)
+            stats = engine.stats
+            tpots = [o.metrics.tpot_s for o in outs if o.metrics.tpot_s]
+            tpot = sum(tpots) / len(tpots)
+            row = {"batch": int(b), "aggregate_tps": stats.output_tokens_per_s, "per_user_tps": 1.0 / tpot,
+                   "tpot_s": tpot, "wall_s": stats.wall_s, "output_tokens": stats.num_output_tokens}
+            if best is None or row["aggregate_tps"] > best["aggregate_tps"]:
+                best = row
+        rows.append(best)
+        del engine
+    return rows
+
+
+def print_batch_sweep(rows: Sequence[dict], device: str) -> None:
+    print(f"measured on {device}")
+    print(f"{'batch':>5} {'aggregate tok/s':>16} {'per-user tok/s':>15} {'TPOT':>9} {'vs batch 1':>11}")
+    base = rows[0]["aggregate_tps"]
+    for r in rows:
+        print(f"{r['batch']:>5} {r['aggregate_tps']:>16.1f} {r['per_user_tps']:>15.1f} {r['tpot_s'] * 1e3:>7.1f}ms "
+              f"{r['aggregate_tps'] / base:>10.2f}x")
+
+
+def batch_sweep_figure(rows: Sequence[dict], device: str) -> go.Figure:
+    fig = new_figure("throughput vs batch size", "batch size (max_num_seqs)", "tokens / s", device=device, log_x=False)
+    sizes = [r["batch"] for r in rows]
+    fig.add_scatter(x=sizes, y=[r["aggregate_tps"] for r in rows], mode="lines+markers", name="aggregate tokens/s")
+    fig.add_scatter(x=sizes, y=[r["per_user_tps"] for r in rows], mode="lines+markers", name="per-user tokens/s (1/TPOT)")
+    fig.update_xaxes(type="log", tickvals=sizes, ticktext=[str(s) for s in sizes])
+    return fig
+
+
+def measure_policies(llm, output_lengths: Sequence[int] = EXAMPLE_OUTPUT_LENGTHS, num_slots: int = EXAMPLE_NUM_SLOTS,
+                     prompt_len: int = 16) -> dict[str, dict]:
+    """Run the example workload on the real engine with each policy.
+
+    Request i asks for output_lengths[i] + 1 tokens: its first token comes from the prefill, the
+    other output_lengths[i] from decode steps — so the engine's decode steps are the simulator's steps."""
+    vocab = llm.model_config.vocab_size
+    prompts = _token_prompts(vocab, len(output_lengths), prompt_len, seed=3)
+    params = [SamplingParams(max_tokens=n + 1, ignore_eos=True, temperature=0) for n in output_lengths]
+    results = {}
+    for policy in POLICIES:
+        engine = llm.with_levers(batching=policy, max_num_seqs=num_slots)
+        engine.generate(prompts, params)
+        stats = engine.stats
+        decode = [s for s in stats.steps if s.kind == "decode"]
+        results[policy] = {
+            "decode_steps": len(decode), "prefill_steps": len(stats.steps) - len(decode), "wall_s": stats.wall_s,
+            "decode_s": stats.decode_s, "prefill_s": stats.prefill_s, "output_tokens": stats.num_output_tokens,
+            "tokens_per_s": stats.output_tokens_per_s,
+            "mean_seqs_per_decode_step": sum(s.num_seqs for s in decode) / max(len(decode), 1),
+        }
+        del engine
+    return results
+
+
+def print_policies(results: dict[str, dict], device: str, num_slots: int = EXAMPLE_NUM_SLOTS) -> None:
+    print(f"measured on {device}: the example workload, max_num_seqs={num_slots}")
+    print(f"{'policy':>11} {'decode steps':>13} {'prefill steps':>14} {'seqs/step':>10} {'wall':>8} {'tok/s':>8}")
+    for policy, r in results.items():
+        print(f"{policy:>11} {r['decode_steps']:>13} {r['prefill_steps']:>14} {r['mean_seqs_per_decode_step']:>10.2f} "
+              f"{r['wall_s']:>7.2f}s {r['tokens_per_s']:>8.1f}")
+    if set(results) == set(POLICIES):
+        s, c = results["static"], results["continuous"]
+        print(f"continuous / static wall time: {c['wall_s'] / s['wall_s']:.2f} "
+              f"(decode steps {c['decode_steps']} / {s['decode_steps']} = {c['decode_steps'] / s['decode_steps']:.2f})")
+
+
+# =================================================================== the service-level choice
+class FloorExplorer:
+    """Slider: a per-user tokens/s floor -> the largest measured batch that keeps above it."""
+
+    def __init__(self, rows: Sequence[dict], choose: Callable, device: str, floor: float | None = None):
+        import ipywidgets as widgets
+
+        self.rows, self.choose = list(rows), choose
+        self.sizes = [r["batch"] for r in self.rows]
+        self.per_user = [r["per_user_tps"] for r in self.rows]
+        self.aggregate = [r["aggregate_tps"] for r in self.rows]
+        top = max(self.per_user)
+        start = floor if floor is not None else round(top / 2, 1)
+        self.slider = widgets.FloatSlider(value=start, min=0.0, max=round(top * 1.2, 1), step=max(round(top / 100, 1), 0.1),
+                                          description="floor tok/s", continuous_update=False,
+                                          style={"description_width": "initial"})
+        self.label = widgets.HTML()
+        base = batch_sweep_figure(self.rows, device)
+        base.update_layout(title_text="per-user floor -> the largest batch that meets it")
+        base.add_scatter(x=[min(self.sizes), max(self.sizes)], y=[start, start], mode="lines", name="floor",
+                         line=dict(dash="dash", color="gray"))
+        base.add_scatter(x=[], y=[], mode="markers", name="chosen batch", marker=dict(size=16, symbol="star", color="black"))
+        self.figure = as_widget(base)
+        self.slider.observe(lambda _: self.update(), names="value")
+        self.widget = widgets.VBox([self.slider, self.label, self.figure])
+        self.update()
+
+    def update(self) -> None:
+        floor = self.slider.value
+        try:
+            chosen = self.choose(list(self.sizes), list(self.per_user), floor)
+        except NotImplementedError:
+            self.label.value = "<b>finish exercise 3 (largest_batch_meeting_floor) first</b>"
+            return
+        self.chosen = chosen
+        with self.figure.batch_update():
+            self.figure.data[2].y = [floor, floor]
+            if chosen is None:
+                self.figure.data[3].x, self.figure.data[3].y = [], []
+            else:
+                i = self.sizes.index(chosen)
+                self.figure.data[3].x, self.figure.data[3].y = [chosen], [self.aggregate[i]]
+        if chosen is None:
+            self.label.value = f"floor {floor:.1f} tok/s per user: <b>no measured batch is that fast</b> (not even batch 1)"
+        else:
+            i = self.sizes.index(chosen)
+            self.label.value = (f"floor {floor:.1f} tok/s per user: <b>batch {chosen}</b> ({self.per_user[i]:.1f} tok/s "
+                                f"each), aggregate <b>{self.aggregate[i]:.1f} tok/s</b> = "
+                                f"{self.aggregate[i] / self.aggregate[0]:.2f}x batch 1")
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+__all__ = [
+    "POLICIES", "EXAMPLE_OUTPUT_LENGTHS", "EXAMPLE_NUM_SLOTS", "reference_schedule", "check_num_steps",
+    "check_utilisation", "check_simulate_batching", "check_largest_batch_meeting_floor", "gantt_figure",
+    "ScheduleExplorer", "measure_batch_sweep", "print_batch_sweep", "batch_sweep_figure", "measure_policies",
+    "print_policies", "FloorExplorer", "device_label",
+]
