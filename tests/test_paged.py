@@ -118,3 +118,17 @@ def test_paged_block_manager_random_admit_grow_finish(ops):
     for table, _ in tables:
         bm.free(table)
     assert bm.num_free_blocks == bm.num_blocks and all(bm.is_free)
+
+
+def test_two_hundred_requests_through_a_pool_that_holds_a_few(default_llm):
+    # Issue 3's acceptance: every request completes, outputs identical to an unconstrained run.
+    prompts = [f"Request {i}: the number after {i} is" for i in range(200)]
+    sampling = [SamplingParams(max_tokens=2 + i % 3, ignore_eos=True) for i in range(200)]
+    free = [o.outputs[0].token_ids for o in default_llm.with_levers(max_num_seqs=64).generate(prompts, sampling)]
+    block_bytes = default_llm.kv_bytes_per_token * 4
+    tight = default_llm.with_levers(paged=True, block_size=4, kv_cache_bytes=20 * block_bytes, max_num_seqs=64)
+    outs = tight.generate(prompts, sampling)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 200
+    assert [o.outputs[0].token_ids for o in outs] == free
+    assert max(s.num_seqs for s in tight.stats.steps) < 10, "the pool was meant to hold only a few at once"
+    assert_engine_idle(tight)
