@@ -52,21 +52,22 @@ def cmd_generate(args) -> int:
 
 # ------------------------------------------------------------------ bench
 def _format_table(rows: list[dict], device: str) -> str:
+    # (key, header, width, number format)
     cols = [
-        ("label", "setting", "{:<22}"),
-        ("ttft_p50_ms", "TTFT p50 ms", "{:>12.1f}"),
-        ("ttft_p90_ms", "TTFT p90 ms", "{:>12.1f}"),
-        ("tpot_p50_ms", "TPOT p50 ms", "{:>12.1f}"),
-        ("tpot_p90_ms", "TPOT p90 ms", "{:>12.1f}"),
-        ("output_tok_per_s", "out tok/s", "{:>10.1f}"),
-        ("peak_kv_mib", "KV MiB", "{:>8.1f}"),
-        ("usd_per_mtok", "$/Mtok", "{:>9.3f}"),
+        ("label", "setting", 22, ""),
+        ("ttft_p50_ms", "TTFT p50 ms", 12, ".1f"),
+        ("ttft_p90_ms", "TTFT p90 ms", 12, ".1f"),
+        ("tpot_p50_ms", "TPOT p50 ms", 12, ".1f"),
+        ("tpot_p90_ms", "TPOT p90 ms", 12, ".1f"),
+        ("output_tok_per_s", "out tok/s", 10, ".1f"),
+        ("peak_kv_mib", "KV MiB", 8, ".1f"),
+        ("usd_per_mtok", "$/Mtok", 9, ".3f"),
     ]
-    head = "".join(("{:<22}" if k == "label" else "{:>" + f.split(":>")[1].split(".")[0] + "}").format(h)
-                   for k, h, f in cols)
+    align = {"label": "<"}
+    head = "".join(f"{h:{align.get(k, '>')}{w}}" for k, h, w, _ in cols)
     lines = [f"device: {device}", head]
     for row in rows:
-        lines.append("".join(f.format(row[k]) for k, _, f in cols))
+        lines.append("".join(f"{row[k]:{align.get(k, '>')}{w}{fmt}}" for k, _, w, fmt in cols))
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Example on-demand price of one H100 80GB hour in USD (late 2025 cloud list prices
@@ -55,14 +55,12 @@ class EngineConfig:
     draft_model: str | None = None
     cuda_graphs: bool = False
 
-    extra: dict = field(default_factory=dict, repr=False)
-
     def __post_init__(self) -> None:
         self.validate()
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
@@ -36,7 +37,7 @@ class LLM:
         """
         import dataclasses
 
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "extra"}
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
         model = fields.pop("model")
         fields.update(changes)
         return LLM(model, _share_weights_with=self, **fields)
@@ -83,8 +84,6 @@ class LLM:
         requests = self._requests(prompts, sampling_params)
         engine = self.engine
         stats = engine.reset_stats()
-        import time
-
         t0 = time.perf_counter()
         seqs = [engine.add_request(ids, p, prompt=text) for text, ids, p in requests]
         bar = None

@@ -59,17 +59,22 @@ class BlockManager:
             start = self._find_run(count)
             if start is None:
                 raise MemoryError(f"no run of {count} free blocks ({self.num_free_blocks} free of {self.num_blocks})")
-            table = list(range(start, start + count))
-        else:
-            table = [i for i, free in enumerate(self.is_free) if free][:count]
-            if len(table) < count:
-                raise MemoryError(f"{count} blocks needed, {self.num_free_blocks} free")
-        for block in table:
+            return self._take(list(range(start, start + count)))
+        if count > self.num_free_blocks:
+            raise MemoryError(f"{count} blocks needed, {self.num_free_blocks} free")
+        return self._take(self._first_free(count))
+
+    def _first_free(self, count: int) -> list[int]:
+        return [i for i, free in enumerate(self.is_free) if free][:count]
+
+    def _take(self, blocks: list[int]) -> list[int]:
+        """Mark `blocks` used and update the counters; returns them."""
+        for block in blocks:
             self.is_free[block] = 0
-        self.num_free_blocks -= count
-        self.num_reserved_tokens += count * self.block_size
+        self.num_free_blocks -= len(blocks)
+        self.num_reserved_tokens += len(blocks) * self.block_size
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
-        return table
+        return blocks
 
     def can_grow(self, table: list[int], num_tokens: int) -> bool:
         """Whether `table` can be extended (paged) to hold `num_tokens` tokens."""
@@ -84,13 +89,7 @@ class BlockManager:
             raise RuntimeError("a contiguous reservation cannot grow; reserve the full length up front")
         if extra > self.num_free_blocks:
             raise MemoryError(f"{extra} more blocks needed, {self.num_free_blocks} free")
-        new = [i for i, free in enumerate(self.is_free) if free][:extra]
-        for block in new:
-            self.is_free[block] = 0
-        table.extend(new)
-        self.num_free_blocks -= extra
-        self.num_reserved_tokens += extra * self.block_size
-        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+        table.extend(self._take(self._first_free(extra)))
 
     def free(self, table: list[int]) -> None:
         for block in table:
