@@ -8,25 +8,16 @@ reads past a sequence, above the causal diagonal's last tile, or through the wro
 table entry returns NaN, not a near miss. The output starts as NaN: every row must be written.
 """
 
-import os
-
 import pytest
-
 import torch
 
-# Without a GPU the kernels run in Triton's interpreter, chosen before triton decorates them.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_utils import DEVICE, DTYPES, TOLERANCE  # first: picks the interpreter before triton is imported
 
-from minillm.kernels.extend_attention import (  # noqa: E402
+from minillm.kernels.extend_attention import (
     extend_attention,
     extend_attention_reference,
 )
-from minillm.kernels.store_kv import store_kv  # noqa: E402
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from minillm.kernels.store_kv import store_kv
 
 
 def make_extend_batch(rows, num_kv_heads, group, head_dim, block_size, dtype, seed, spare_blocks=3):

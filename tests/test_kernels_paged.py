@@ -5,25 +5,16 @@ every slot no sequence owns (and the tail of each last block) holds NaN, so a ke
 reads past a sequence or through the wrong block table entry returns NaN, not a near miss.
 """
 
-import os
-
 import pytest
-
 import torch
 
-# Without a GPU the kernels run in Triton's interpreter, chosen before triton decorates them.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_utils import DEVICE, DTYPES, TOLERANCE  # first: picks the interpreter before triton is imported
 
-from minillm.kernels.paged_decode import (  # noqa: E402
+from minillm.kernels.paged_decode import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from minillm.kernels.store_kv import store_kv, store_kv_reference  # noqa: E402
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from minillm.kernels.store_kv import store_kv, store_kv_reference
 
 
 # ---------------------------------------------------------------- store_kv

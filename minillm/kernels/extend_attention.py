@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .paged_decode import LOG2_E, dot_in_fp32
+from .softmax import online_softmax_update
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per dtype. fp32 tiles take twice the registers and
 # shared memory of 16-bit ones, so fp32 halves the key tile.
@@ -98,18 +99,10 @@ def extend_attention_kernel(
             scores = tl.dot(q, tl.trans(k))                                  # [BLOCK_M, BLOCK_N] fp32
         visible = key_mask[None, :] & (positions[None, :] <= q_positions[:, None])
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)     # [BLOCK_N, BLOCK_D]
         # Key 0 is visible to every row and lies in the first tile, so row_max is finite from
         # then on, and a row that sees nothing in a later tile gets exp2(-inf) = 0 there.
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.math.exp2(scores - new_max[:, None])
-        correction = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)     # [BLOCK_N, BLOCK_D]
-        if DOT_IN_FP32:
-            acc = acc * correction[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_update(scores, v, row_max, row_sum, acc, DOT_IN_FP32)
 
     out = acc / row_sum[:, None]
     o_rows = (q_start + rows).to(tl.int64)

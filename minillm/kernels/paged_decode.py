@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .softmax import online_softmax_update
+
 LOG2_E = 1.4426950408889634
 TILE_N = 64                 # keys per inner-loop step (crosses block boundaries: each key looks up its block)
 MIN_DOT_ROWS = 16           # tl.dot needs at least 16 rows; the GQA group is padded up to this
@@ -99,17 +101,9 @@ def paged_decode_partition_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))                                  # [GROUP_ROWS, TILE_N] fp32
         scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
-        # Every tile holds at least one real key (the loop stops at part_end), so new_max is finite.
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.math.exp2(scores - new_max[:, None])
-        correction = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * correction + tl.sum(probs, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)     # [TILE_N, BLOCK_D]
-        if DOT_IN_FP32:
-            acc = acc * correction[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
-        row_max = new_max
+        # Every tile holds at least one real key (the loop stops at part_end), so the new max is finite.
+        row_max, row_sum, acc = online_softmax_update(scores, v, row_max, row_sum, acc, DOT_IN_FP32)
 
     stat_offsets = (seq * num_heads + heads).to(tl.int64) * max_num_partitions + part
     tl.store(part_max_ptr + stat_offsets, row_max, mask=row_mask)
