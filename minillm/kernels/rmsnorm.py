@@ -18,16 +18,20 @@ def rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        x = x + r
-        tl.store(residual_ptr + row * stride_r + cols, x.to(residual_ptr.dtype.element_ty), mask=mask)
+        # Normalise the sum as stored (rounded to the model dtype), as the unfused `x + r` then norm does.
+        x = (x + r).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+        x = x.to(tl.float32)
     var = tl.sum(x * x, axis=0) / hidden
-    y = x * tl.rsqrt(var + eps)
+    # Round the normalised row to the model dtype before the weight, like Llama's reference
+    # (`weight * x.to(dtype)`); a no-op for fp32.
+    y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -54,5 +58,5 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
         x = x + residual
         residual.copy_(x)
     x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y.float() * weight.float()).to(x.dtype)

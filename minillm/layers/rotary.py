@@ -42,6 +42,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.args = (head_dim, max_positions, theta, scaling, dtype)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.use_triton = False  # set by the model: rotate with the Triton kernel, in place
         if self.cos.device.type != "meta":
             self.build()
 
@@ -56,7 +57,11 @@ class RotaryEmbedding(torch.nn.Module):
         self.sin = (emb.sin() * attention_scaling).to(dtype=dtype, device=device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated q, k."""
+        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated q, k (in place with use_triton)."""
+        if self.use_triton:
+            from ..kernels import rotary  # imported late: the interpreter is chosen before triton is imported
+
+            return rotary.rotary_embedding(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -32,20 +32,36 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
+        self.use_triton = False  # Triton SiLU-and-mul (set with the model's use_triton_ops)
 
     def forward(self, positions, hidden, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        hidden = hidden + self.attention(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(self, positions, delta, residual, meta: AttentionMetadata):
+        """The same layer with each residual add fused into the norm after it (the Triton ops).
+
+        The layer's input is residual + delta (delta None for the first layer); returns
+        (delta, residual) whose sum is its output. `residual` is updated in place.
+        """
+        x, residual = self.input_layernorm.add_and_norm(delta, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.attention(positions, x, meta), residual)
+        return self.mlp(x), residual
+
+    def attention(self, positions, x, meta: AttentionMetadata) -> torch.Tensor:
+        """Normed hidden [T, hidden] -> o_proj(attention) [T, hidden]."""
+        num_tokens = x.shape[0]
         cfg = self.cfg
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        attn = self.attn(q, k, v, meta).reshape(num_tokens, self.q_size)
-        hidden = hidden + self.o_proj(attn)
-        mlp = self.down_proj(silu_and_mul(self.gate_up_proj(self.post_attention_layernorm(hidden))))
-        return hidden + mlp
+        return self.o_proj(self.attn(q, k, v, meta).reshape(num_tokens, self.q_size))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -64,12 +80,29 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     @property
+    def use_triton_ops(self) -> bool:
+        """RMSNorm (residual fused), rotary and SiLU-and-mul as Triton kernels (set by the model runner
+        for attention_backend="triton"); False: plain torch ops."""
+        return self.rotary.use_triton
+
+    @use_triton_ops.setter
+    def use_triton_ops(self, value: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, DecoderLayer)):
+                module.use_triton = bool(value)
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (before lm_head)."""
         hidden = self.embed_tokens(input_ids)
+        if self.use_triton_ops:  # the residual stream is carried apart and added inside each norm
+            delta = None
+            for layer in self.layers:
+                delta, hidden = layer.forward_fused(positions, delta, hidden, meta)
+            return self.norm.add_and_norm(delta, hidden)[0]
         for layer in self.layers:
             hidden = layer(positions, hidden, meta)
         return self.norm(hidden)
