@@ -99,6 +99,15 @@ class EngineConfig:
             raise ValueError("attention_backend='triton' needs kv_cache=True: its kernels read the paged KV pool")
         if self.chunked_prefill and not self.kv_cache:
             raise ValueError("chunked_prefill=True needs kv_cache=True: a chunk attends to the cached earlier chunks")
+        # CUDA graphs replay captured decode steps (the CUDA-device check happens when the engine
+        # resolves its device). The torch backend loops over sequences in Python and reads each
+        # one's cache through host-built indices, so only the Triton kernels can be captured.
+        need(isinstance(self.cuda_graphs, bool), f"cuda_graphs={self.cuda_graphs!r} must be True or False")
+        if self.cuda_graphs and not self.kv_cache:
+            raise ValueError("cuda_graphs=True needs kv_cache=True: a captured decode step reads and writes the KV pool")
+        if self.cuda_graphs and self.attention_backend != "triton":
+            raise ValueError(f"cuda_graphs=True needs attention_backend='triton' (got {self.attention_backend!r}): "
+                             "the torch backend loops over sequences in Python and cannot be captured")
         if self.paged and not self.kv_cache:
             raise ValueError("paged=True needs kv_cache=True: there is no cache to page")
 
@@ -108,7 +117,6 @@ class EngineConfig:
             f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),
             "prefix_caching=True": (self.prefix_caching, "lab 06 (prefix caching)"),
             f"speculative={self.speculative!r}": (self.speculative is not None, "lab 07 (speculative decoding)"),
-            "cuda_graphs=True": (self.cuda_graphs, "the GPU work of lab 04"),
         }
         for name, (asked, where) in later.items():
             if asked:

@@ -47,6 +47,9 @@ class LLM:
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("the prompt is empty (''); give at least one character")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.engine.model_path!r} has no tokenizer; "
+                                 "pass prompts as {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

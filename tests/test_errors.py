@@ -172,7 +172,6 @@ LATER_LEVERS = [
     {"kv_dtype": "fp8"},
     {"prefix_caching": True},
     {"speculative": "ngram"},
-    {"cuda_graphs": True},
 ]
 
 

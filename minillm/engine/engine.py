@@ -23,6 +23,10 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, but this engine runs on {self.device.type!r} "
+                             f"(device={config.device!r}); CUDA graphs replay GPU kernel launches. "
+                             "Leave cuda_graphs=False on this machine.")
         donor = share_weights_with
         self.model_path = donor.model_path if donor is not None else resolve_model_path(config.model)
         self.model_config = mcfg = load_model_config(self.model_path)
@@ -39,7 +43,7 @@ class Engine:
             self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
             self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(read_generation_eos(self.model_path))
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
         self.kv_cache: KVCache | None = None
@@ -55,6 +59,8 @@ class Engine:
             self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.device, self.block_manager, self.kv_cache, config.attention_backend)
+        if config.cuda_graphs:
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
         self.device_label = device_name(self.device)
@@ -128,6 +134,8 @@ class Engine:
         return None
 
     def _detokenize(self, seq: Sequence) -> None:
+        if self.tokenizer is None:  # random-weight presets have no tokenizer: token ids only
+            return
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         # An incomplete UTF-8 character decodes to U+FFFD: hold it back until it completes.
         seq.output_text = text[:-1] if text.endswith("\ufffd") else text

@@ -7,6 +7,7 @@ import torch
 from ..layers.attention import AttentionMetadata, resolve_backend
 from ..layers.sampler import sample
 from .block_manager import BlockManager
+from .cuda_graph import DecodeGraphs
 from .sequence import Sequence
 
 
@@ -17,11 +18,24 @@ class ModelRunner:
         self.device = device
         self.block_manager = block_manager
         self.kv_cache = kv_cache
+        self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend) -> None:
         self.backend = resolve_backend(backend)
         self.model.bound_runner = None
+        if self.graphs is not None:  # captured graphs hold the old backend's launches
+            self.graphs.reset()
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Decode steps replay captured CUDA graphs (captured at the first decode step).
+
+        capture=False runs the same padded static-buffer path eagerly (for CPU tests).
+        """
+        if self.block_manager is None:
+            raise ValueError("cuda_graphs=True needs kv_cache=True")
+        self.graphs = DecodeGraphs(self.model, self.device, self.block_manager.block_size, max_num_seqs,
+                                   max_model_len, capture=capture)
 
     def bind(self) -> None:
         """Point every attention layer at this runner's KV pool and backend.
@@ -34,6 +48,8 @@ class ModelRunner:
             layer.backend = self.backend
             layer.k_cache = self.kv_cache.k[i] if self.kv_cache is not None else None
             layer.v_cache = self.kv_cache.v[i] if self.kv_cache is not None else None
+        # The Triton backend brings the model's other Triton ops along (RMSNorm, rotary, SiLU-and-mul).
+        self.model.use_triton_ops = getattr(self.backend, "name", None) == "triton"
         self.model.bound_runner = self
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -93,6 +109,9 @@ class ModelRunner:
     def logits(self, seqs: list[Sequence], rows: list[int] | None = None) -> torch.Tensor:
         """Next-token logits [len(rows or seqs), vocab] in fp32 (rows: which sequences need them)."""
         self.bind()
+        if self.graphs is not None and getattr(self.backend, "name", None) == "triton" and self.graphs.can_run(seqs):
+            logits = self.graphs.logits(seqs)  # a decode step: one token per sequence
+            return logits if rows is None else logits[rows]
         input_ids, positions, meta, last_rows = self.prepare(seqs)
         if rows is not None:
             last_rows = [last_rows[i] for i in rows]

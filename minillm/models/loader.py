@@ -10,10 +10,15 @@ import torch
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .presets import is_random, preset_config, random_model
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
-    """None -> the default model (converted on first use); a directory; or a hub id."""
+    """None -> the default model (converted on first use); a directory; a hub id; or
+    'random:<preset>' (random weights of a preset's shapes, see presets.py)."""
+    if is_random(model):
+        preset_config(model)  # an unknown preset fails here, before anything loads
+        return model
     if model is None:
         from .default import default_model_path
 
@@ -42,6 +47,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
 
 
 def load_model_config(path: str) -> ModelConfig:
+    if is_random(path):
+        return preset_config(path)
     from transformers import AutoConfig
 
     return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
@@ -69,6 +76,11 @@ def _iter_checkpoint(path: str):
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
     cfg = load_model_config(path)
+    if is_random(path):  # weights drawn on the device, no file
+        model = random_model(cfg, dtype, device, max_positions)
+        if device.type == "cpu":
+            use_column_major_weights(model)
+        return model
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, dtype)
     # Materialise on the target device, then copy checkpoint tensors in.
@@ -145,6 +157,9 @@ def use_column_major_weights(model: LlamaForCausalLM) -> None:
 
 
 def load_tokenizer(path: str):
+    """The model directory's tokenizer; None for random-weight presets (prompts come as token ids)."""
+    if is_random(path):
+        return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,100 @@
+"""Model shapes without files: ModelConfig presets and random-weight models built on the device.
+
+`LLM("random:llama-3-8b")` builds a Llama-3-8B-shaped model with random weights directly on
+the target device in the target dtype (no 16 GB checkpoint to write or read) and no
+tokenizer: prompts come as `{"prompt_token_ids": [...]}`. The GPU check script times real
+shapes this way on a machine without network. The tokens mean nothing; the speed is real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+RANDOM_PREFIX = "random:"
+INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
+
+_LLAMA = dict(model_type="llama", qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None)
+
+PRESETS: dict[str, ModelConfig] = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct): the course's default model.
+    "smollm2-135m": ModelConfig(
+        **_LLAMA, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    # meta-llama/Llama-3.1-8B(-Instruct): GQA 32:8, llama3 rope scaling, untied 128k vocab.
+    "llama-3-8b": ModelConfig(
+        **_LLAMA, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
+    # Tiny shapes for tests and the CPU dry run (GQA 4:2, untied, llama3 rope scaling).
+    "tiny-llama": ModelConfig(
+        **_LLAMA, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,)),
+}
+
+
+def register_preset(name: str, cfg: ModelConfig) -> None:
+    """Make `random:<name>` available (e.g. a preset with fewer layers)."""
+    PRESETS[name] = cfg
+
+
+def is_random(model: str | None) -> bool:
+    return isinstance(model, str) and model.startswith(RANDOM_PREFIX)
+
+
+def preset_config(model: str) -> ModelConfig:
+    """'random:llama-3-8b' or 'llama-3-8b' -> its ModelConfig."""
+    name = model[len(RANDOM_PREFIX):] if is_random(model) else model
+    if name not in PRESETS:
+        raise ValueError(f"model={model!r}: no preset {name!r}; the presets are {sorted(PRESETS)} "
+                         f"(use '{RANDOM_PREFIX}<preset>')")
+    return PRESETS[name]
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The equivalent transformers LlamaConfig keyword arguments (for `LlamaConfig(**...)`)."""
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias,
+        bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
+        rope_parameters=rope,  # transformers 5 (4.x took rope_theta / rope_scaling instead)
+    )
+
+
+def with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
+    return dataclasses.replace(cfg, num_layers=num_layers)
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 seed: int = 0) -> LlamaForCausalLM:
+    """A LlamaForCausalLM of cfg's shapes, weights drawn on `device` in `dtype`:
+    matrices and embeddings N(0, 0.02), norm weights 1, biases 0 (Hugging Face's init)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions, dtype)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary.build(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, INIT_STD, generator=gen)
+    model.eval()
+    return model
