@@ -20,19 +20,49 @@ _QUERY_GROUP_SIZES = (1, 3, 8)   # num_heads // num_kv_heads: MHA, SmolLM2-135M 
 # extend_attention takes the GQA group size at run time too: one variant per dtype and head_dim.
 
 
+# Hidden sizes the model's RMSNorm sees: SmolLM2-135M's 576 (BLOCK 1024), Llama-3-8B's 4096 (BLOCK 4096),
+# and 8192 for the wider Llamas. The SiLU-and-mul and rotary launches have no size-dependent constants.
+_HIDDEN_SIZES = (576, 4096, 8192)
+
+
 def configurations():
+    yield from _pointwise_configurations()
+    yield from _paged_configurations()
+
+
+def _pointwise_configurations():
+    import triton
+
+    from . import activation, rotary
     from .rmsnorm import rmsnorm_kernel
 
     for dtype in _FLOAT_TYPES:
         for has_residual in (False, True):
-            for block in (64, 1024, 8192):  # head-sized, SmolLM2's 576 -> 1024, Llama-8B's 4096 -> 8192
+            for hidden in _HIDDEN_SIZES:
+                block = triton.next_power_of_2(hidden)
                 sig = {"x_ptr": f"*{dtype}", "residual_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}",
                        "out_ptr": f"*{dtype}", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32",
                        "hidden": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
                 yield (f"rmsnorm[{dtype},residual={has_residual},BLOCK={block}]", rmsnorm_kernel, sig,
                        {"HAS_RESIDUAL": has_residual, "BLOCK": block})
 
-    yield from _paged_configurations()
+        # intermediate (1536, 14336, ...) is a runtime argument: one variant per dtype.
+        sig = {"gate_up_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "stride_in": "i32", "stride_out": "i32",
+               "intermediate": "i32", "BLOCK": "constexpr"}
+        yield (f"silu_and_mul[{dtype}]", activation.silu_and_mul_kernel, sig, {"BLOCK": activation.SILU_BLOCK},
+               {"num_warps": activation.SILU_NUM_WARPS})
+
+        # Head counts are runtime arguments; the cos/sin tables share the model dtype, positions are int64.
+        for head_dim in _HEAD_DIMS:
+            block_h, block_half = rotary.rotary_blocks(head_dim)
+            sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "q_out_ptr": f"*{dtype}", "k_out_ptr": f"*{dtype}",
+                   "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}", "positions_ptr": "*i64",
+                   "stride_q_token": "i32", "stride_q_head": "i32", "stride_k_token": "i32", "stride_k_head": "i32",
+                   "stride_qo_token": "i32", "stride_qo_head": "i32", "stride_ko_token": "i32",
+                   "stride_ko_head": "i32", "stride_table": "i32", "num_q_heads": "i32", "num_kv_heads": "i32",
+                   "half": "i32", "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr"}
+            yield (f"rotary[{dtype},head_dim={head_dim}]", rotary.rotary_kernel, sig,
+                   {"BLOCK_H": block_h, "BLOCK_HALF": block_half}, {"num_warps": rotary.ROTARY_NUM_WARPS})
 
 
 def _paged_configurations():
