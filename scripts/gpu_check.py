@@ -1,0 +1,730 @@
+#!/usr/bin/env python
+"""minillm on a GPU: correctness of every Triton kernel, attention speed, engine speed.
+
+    python scripts/gpu_check.py            # full run, about 5 minutes on one H100/H200
+    python scripts/gpu_check.py --quick    # fewer shapes and shorter outputs
+    python scripts/gpu_check.py --dry-run  # tiny shapes; on a CPU under the Triton interpreter
+
+Sections, each guarded (a failure is reported in its table and the JSON, the rest still run):
+  kernels   every Triton kernel in minillm/kernels against its torch reference, fp32/bf16/fp16
+  decode    paged decode attention: KV bytes read / time, against a device-to-device copy
+  prefill   extend (prefill) attention TFLOP/s against torch scaled_dot_product_attention
+  engine    decode tokens/s at batch 1/16/64/256, cuda_graphs on (and off at batch 1),
+            random-weight llama-3-8b and smollm2-135m shapes in bf16
+  hf        the same workload through transformers' generate (same weights, same prompt ids,
+            same output length) at a couple of batch sizes
+
+Needs only the repository (random weights, no network, no model files). Writes every number
+to $OUT/gpu_check.json when OUT is set (or --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # the Triton interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's minillm, installed or not
+
+import triton  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Max error allowed relative to max(1, largest reference magnitude) (as tests/kernel_utils.py;
+# fp32 a little looser: GPU sums run in another order than torch over long rows).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+LLAMA_8B_ATTN = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+# ----------------------------------------------------------------------------- helpers
+class Clock:
+    """The run's time budget: every section prints where it stands."""
+
+    def __init__(self, budget_s: float):
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @property
+    def left(self) -> float:
+        return self.budget_s - self.elapsed
+
+    def line(self, what: str) -> str:
+        return f"[{self.elapsed:6.1f} s of {self.budget_s:.0f} s budget, {max(self.left, 0):.0f} s left] {what}"
+
+
+def sync() -> None:
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, quick: bool = False) -> float:
+    """Median milliseconds per call: triton's do_bench on a GPU (L2 flushed between calls), a
+    few perf_counter repeats on a CPU."""
+    if HAS_CUDA:
+        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                             return_mode="median"))
+    fn()
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, allowed error for want's dtype and magnitude)."""
+    if not want.numel():
+        return 0.0, 0.0
+    err = (got.float() - want.float()).abs().max().item()
+    return err, TOLERANCE[want.dtype] * max(1.0, want.float().abs().max().item())
+
+
+def print_table(title: str, rows: list[dict], columns: list[str] | None = None) -> None:
+    print(f"\n== {title}")
+    if not rows:
+        print("  (no rows)")
+        return
+    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  " + "-+-".join("-" * w for w in widths))
+    for row in cells:
+        print("  " + " | ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
+def randn(shape, dtype, dev, seed: int) -> torch.Tensor:
+    """Standard normal drawn on the device itself (GBs of test data would take long on the host)."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+
+
+def paged_pool(num_seqs: int, seq_len: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, dev,
+               gen: torch.Generator, spare_blocks: int = 3):
+    """K/V pools holding num_seqs sequences of seq_len tokens in shuffled blocks, and their tables."""
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)[: num_seqs * blocks_per_seq]
+    tables = perm.view(num_seqs, blocks_per_seq).to(torch.int32).to(dev)
+    shape = (num_kv_heads, num_blocks * block_size, head_dim)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    return randn(shape, dtype, dev, seed), randn(shape, dtype, dev, seed + 1), tables
+
+
+# ----------------------------------------------------------------------------- (a) kernels
+def kernel_cases(dev, dtype, dims: list[dict], seq_len: int):
+    """(kernel, shape label, run -> (got, want)) for every kernel with a checker."""
+    from minillm.kernels import activation, extend_attention, paged_decode, rmsnorm, rotary, store_kv
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(dtype=dtype, device=dev)
+
+    block = 16
+    for d in dims:
+        h, hkv, hd, hidden = d["num_heads"], d["num_kv_heads"], d["head_dim"], d["hidden"]
+        label = f"H{h}/{hkv} D{hd}"
+
+        def case_store_kv(h=h, hkv=hkv, hd=hd):
+            num_slots, t = 4 * block * 8, 37
+            k_cache, v_cache = rand(hkv, num_slots, hd), rand(hkv, num_slots, hd)
+            k, v = rand(t, hkv, hd), rand(t, hkv, hd)
+            slots = torch.randperm(num_slots, generator=gen)[:t]
+            slots[::5] = -1  # padding rows of a CUDA-graph batch: written nowhere
+            slots = slots.to(dev)
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            store_kv.store_kv_reference(ref_k, ref_v, k, v, slots)
+            store_kv.store_kv(k_cache, v_cache, k, v, slots)
+            return torch.cat([k_cache, v_cache]), torch.cat([ref_k, ref_v])
+
+        def case_decode(h=h, hkv=hkv, hd=hd):
+            lens = [1, 17, seq_len, max(1, seq_len // 3), 2 * block + 1]
+            k_cache, v_cache, tables = paged_pool(len(lens), seq_len, hkv, hd, block, dtype, dev, gen)
+            q = rand(len(lens), h, hd)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            args = (q, k_cache, v_cache, tables, seq_lens, hd ** -0.5, block)
+            return paged_decode.paged_decode_attention(*args), paged_decode.paged_decode_attention_reference(*args)
+
+        def case_extend(h=h, hkv=hkv, hd=hd):
+            cached, new = [0, 5, seq_len // 2, 0], [seq_len // 2, 1, 33, 70]
+            lens = [c + n for c, n in zip(cached, new)]
+            k_cache, v_cache, tables = paged_pool(len(lens), max(lens), hkv, hd, block, dtype, dev, gen)
+            q = rand(sum(new), h, hd)
+            starts = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            args = (q, k_cache, v_cache, tables, starts, seq_lens, hd ** -0.5, block)
+            return (extend_attention.extend_attention(*args, max_query_len=max(new)),
+                    extend_attention.extend_attention_reference(*args))
+
+        def case_rmsnorm(hidden=hidden, residual=False):
+            x, w = rand(29, hidden), rand(hidden, scale=0.2) + 1
+            r = rand(29, hidden) if residual else None
+            r_ref = r.clone() if residual else None
+            got = rmsnorm.rmsnorm(x, w, 1e-5, residual=r)
+            want = rmsnorm.rmsnorm_reference(x, w, 1e-5, residual=r_ref)
+            if residual:  # the residual stream is updated in place too
+                return torch.cat([got, r]), torch.cat([want, r_ref])
+            return got, want
+
+        def case_rotary(h=h, hkv=hkv, hd=hd):
+            from minillm.layers.rotary import RotaryEmbedding
+
+            table = RotaryEmbedding(hd, 4096, 500000.0, None, dtype)
+            cos, sin = table.cos.to(dev), table.sin.to(dev)
+            t = 41
+            positions = torch.randint(0, 4096, (t,), generator=gen).to(dev)
+            qkv = rand(t, (h + 2 * hkv) * hd)  # strided views of a fused projection, as in the model
+            q = qkv[:, : h * hd].view(t, h, hd)
+            k = qkv[:, h * hd: (h + hkv) * hd].view(t, hkv, hd)
+            want_q, want_k = rotary.rotary_embedding_reference(positions, q.clone(), k.clone(), cos, sin)
+            got_q, got_k = rotary.rotary_embedding(positions, q, k, cos, sin)
+            return torch.cat([got_q.flatten(), got_k.flatten()]), torch.cat([want_q.flatten(), want_k.flatten()])
+
+        def case_silu(hidden=hidden):
+            gate_up = rand(23, 2 * 3 * hidden)
+            return activation.silu_and_mul(gate_up), activation.silu_and_mul_reference(gate_up)
+
+        yield "store_kv", label, case_store_kv
+        yield "paged_decode", f"{label} L{seq_len}", case_decode
+        yield "extend_attention", f"{label} L{seq_len}", case_extend
+        yield "rmsnorm", f"hidden {hidden}", case_rmsnorm
+        yield "rmsnorm+residual", f"hidden {hidden}", lambda hidden=hidden: case_rmsnorm(hidden, True)
+        yield "rotary", label, case_rotary
+        yield "silu_and_mul", f"inter {3 * hidden}", case_silu
+
+
+CHECKED_MODULES = {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "activation"}
+
+
+def unchecked_kernel_modules() -> list[str]:
+    """Kernel modules with a launcher + reference that this script has no checker for."""
+    out = []
+    for path in sorted((ROOT / "minillm" / "kernels").glob("*.py")):
+        name = path.stem
+        if name.startswith("_") or name in CHECKED_MODULES:
+            continue
+        text = path.read_text()
+        if "@triton.jit" in text and "_reference(" in text:
+            out.append(name)
+    return out
+
+
+def section_kernels(args, dev) -> list[dict]:
+    if args.dry_run:
+        dims, seq_len, dtypes = [dict(num_heads=4, num_kv_heads=2, head_dim=16, hidden=64)], 70, ["fp32", "bf16"]
+    elif args.quick:
+        dims, seq_len, dtypes = [dict(LLAMA_8B_ATTN, hidden=4096)], 1500, list(DTYPES)
+    else:
+        dims = [dict(LLAMA_8B_ATTN, hidden=4096), dict(num_heads=9, num_kv_heads=3, head_dim=64, hidden=576),
+                dict(num_heads=8, num_kv_heads=1, head_dim=80, hidden=640)]
+        seq_len, dtypes = 3000, list(DTYPES)
+    rows = []
+    for dname in dtypes:
+        for kernel, shape, run in kernel_cases(dev, DTYPES[dname], dims, seq_len):
+            row = {"kernel": kernel, "dtype": dname, "shape": shape}
+            t = time.perf_counter()
+            try:
+                got, want = run()
+                sync()
+                err, tol = max_error(got, want)
+                row.update(ok=bool(err <= tol), max_err=err, tol=tol)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            row["s"] = round(time.perf_counter() - t, 2)
+            rows.append(row)
+    for name in unchecked_kernel_modules():
+        rows.append({"kernel": name, "dtype": "-", "shape": "-", "ok": False,
+                     "error": "no checker in scripts/gpu_check.py for this kernel module"})
+    return rows
+
+
+# ----------------------------------------------------------------------------- (b) decode bandwidth
+def copy_bandwidth(dev, nbytes: int, quick: bool) -> float:
+    """Device-to-device copy: bytes read + written per second."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), quick)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def section_decode(args, dev, results: dict) -> list[dict]:
+    from minillm.kernels.paged_decode import paged_decode_attention
+
+    if args.dry_run:
+        dtype, shape, points = torch.float32, dict(num_heads=4, num_kv_heads=2, head_dim=16), [(1, 100), (3, 70)]
+        copy_bytes = 64 << 20
+    else:
+        dtype, shape = torch.bfloat16, LLAMA_8B_ATTN
+        points = [(1, 8192), (16, 4096), (64, 2048), (256, 1024)]
+        if not args.quick:
+            points += [(1, 32768), (16, 512), (256, 4096)]
+        copy_bytes = 1 << 30
+    copy_bw = copy_bandwidth(dev, copy_bytes, args.quick)
+    results["copy_bandwidth_GBps"] = copy_bw / 1e9
+    rows = [{"batch": "-", "seq_len": "-", "what": f"D2D copy of {copy_bytes >> 20} MiB", "GB/s": copy_bw / 1e9,
+             "% of copy": 100.0}]
+    h, hkv, hd = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    gen = torch.Generator().manual_seed(1)
+    elt = torch.finfo(dtype).bits // 8
+    for batch, seq_len in points:
+        row = {"batch": batch, "seq_len": seq_len, "what": f"paged decode H{h}/{hkv} D{hd} {str(dtype)[6:]}"}
+        try:
+            k, v, tables = paged_pool(batch, seq_len, hkv, hd, 16, dtype, dev, gen, spare_blocks=0)
+            q = randn((batch, h, hd), dtype, dev, 10)
+            lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+            out = torch.empty_like(q)
+            ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, hd ** -0.5, 16, out=out), args.quick)
+            kv_bytes = 2 * batch * seq_len * hkv * hd * elt
+            bw = kv_bytes / (ms * 1e-3)
+            row.update({"KV MiB": kv_bytes / 2**20, "us": ms * 1e3, "GB/s": bw / 1e9, "% of copy": 100 * bw / copy_bw})
+            del k, v, tables, q, out
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+        free_memory()
+    return rows
+
+
+# ----------------------------------------------------------------------------- (c) prefill attention
+def attention_flops(cached: int, new: int, num_heads: int, head_dim: int) -> float:
+    """Causal: query i (of `new`, after `cached`) sees cached + i + 1 keys; QK^T and PV, 2 FLOPs per MAC."""
+    keys = new * cached + new * (new + 1) / 2
+    return 4.0 * num_heads * head_dim * keys
+
+
+def section_prefill(args, dev) -> list[dict]:
+    import torch.nn.functional as F
+
+    from minillm.kernels.extend_attention import extend_attention
+
+    if args.dry_run:
+        dtype, shape, points = torch.float32, dict(num_heads=4, num_kv_heads=2, head_dim=16), [(1, 0, 40), (2, 0, 24), (1, 30, 9)]
+    else:
+        dtype, shape = torch.bfloat16, LLAMA_8B_ATTN
+        points = [(1, 0, 4096), (4, 0, 2048), (1, 3584, 512)]  # (batch, cached, new): prefill, prefill, a chunk
+        if not args.quick:
+            points += [(16, 0, 512), (1, 0, 16384)]
+    h, hkv, hd = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    scale = hd ** -0.5
+    block = 16
+    rows = []
+    for batch, cached, new in points:
+        total = cached + new
+        row = {"batch": batch, "cached": cached, "new": new, "shape": f"H{h}/{hkv} D{hd} {str(dtype)[6:]}"}
+        try:
+            q = randn((batch, h, new, hd), dtype, dev, 20)
+            k = randn((batch, hkv, total, hd), dtype, dev, 21)
+            v = randn((batch, hkv, total, hd), dtype, dev, 22)
+            # The same keys in a paged pool (identity block tables: sequence b owns a run of blocks).
+            blocks_per_seq = -(-total // block)
+            slots = blocks_per_seq * block
+            k_cache = torch.zeros(hkv, batch * slots, hd, dtype=dtype, device=dev)
+            v_cache = torch.zeros_like(k_cache)
+            for b in range(batch):
+                k_cache[:, b * slots: b * slots + total] = k[b]
+                v_cache[:, b * slots: b * slots + total] = v[b]
+            tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32, device=dev).view(batch, blocks_per_seq)
+            q_flat = q.permute(0, 2, 1, 3).reshape(batch * new, h, hd).contiguous()
+            starts = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=dev)
+            lens = torch.full((batch,), total, dtype=torch.int32, device=dev)
+            out = torch.empty_like(q_flat)
+
+            def ours():
+                return extend_attention(q_flat, k_cache, v_cache, tables, starts, lens, scale, block,
+                                        max_query_len=new, out=out)
+
+            if cached:  # bottom-right aligned causal mask: query i sees keys <= cached + i
+                mask = (torch.arange(total, device=dev)[None, :] <= cached + torch.arange(new, device=dev)[:, None])
+                sdpa_kw = dict(attn_mask=mask)
+            else:
+                sdpa_kw = dict(is_causal=True)
+            k_rep, v_rep = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+
+            def sdpa_gqa():
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **sdpa_kw)
+
+            def sdpa_rep():
+                return F.scaled_dot_product_attention(q, k_rep, v_rep, scale=scale, **sdpa_kw)
+
+            got = ours()
+            want = sdpa_rep().permute(0, 2, 1, 3).reshape(batch * new, h, hd)
+            err, tol = max_error(got, want)
+            flops = batch * attention_flops(cached, new, h, hd)
+            ms = bench_ms(ours, args.quick)
+            row.update({"ok": bool(err <= tol), "max_err": err, "ours ms": ms, "ours TFLOP/s": flops / ms / 1e9})
+            best, which = float("inf"), None
+            for name, fn in (("gqa", sdpa_gqa), ("repeat_kv", sdpa_rep)):
+                try:
+                    t = bench_ms(fn, args.quick)
+                    if t < best:
+                        best, which = t, name
+                except Exception as exc:  # noqa: BLE001 - e.g. enable_gqa unsupported by a backend
+                    row[f"sdpa_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            if which is not None:
+                row.update({"sdpa ms": best, "sdpa TFLOP/s": flops / best / 1e9, "sdpa variant": which,
+                            "ours / sdpa": best / ms})
+            del q, k, v, k_cache, v_cache, k_rep, v_rep, out
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+        free_memory()
+    return rows
+
+
+# ----------------------------------------------------------------------------- (d) engine decode
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (n, length), generator=gen).tolist()
+
+
+def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    from minillm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sync()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    sync()
+    wall = time.perf_counter() - t
+    steps = [s for s in llm.stats.steps if s.kind == "decode"]
+    decode_s = sum(s.duration_s for s in steps)
+    decode_tokens = sum(s.num_seqs for s in steps)
+    full = [s.duration_s for s in steps if s.num_seqs == len(prompts)]
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "wall_s": wall,
+        "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+        "decode_tok_s": decode_tokens / decode_s if decode_s else float("nan"),
+        "step_ms": 1e3 * sorted(full)[len(full) // 2] if full else float("nan"),  # median full-batch step
+    }
+
+
+def engine_models(args) -> list[str]:
+    if args.dry_run:
+        return ["tiny-llama"]
+    return ["llama-3-8b", "smollm2-135m"]
+
+
+def workload(args) -> tuple[list[int], int, int]:
+    """(batch sizes, prompt length, output tokens)."""
+    if args.dry_run:
+        return [1, 3], 8, 2
+    if args.quick:
+        return [1, 16, 64, 256], 128, 64
+    return [1, 16, 64, 256], 256, 128
+
+
+def build_engine(model: str, max_num_seqs: int, max_model_len: int, graphs: bool, dry_run: bool):
+    from minillm import LLM
+    from minillm.models.presets import preset_config
+
+    cfg = preset_config(model)
+    dtype = "bfloat16" if HAS_CUDA else "float32"
+    per_token = cfg.kv_bytes_per_token(2 if HAS_CUDA else 4)
+    kv_bytes = per_token * (max_num_seqs + 1) * (max_model_len + 16)
+    use_graphs = graphs and HAS_CUDA
+    llm = LLM(f"random:{model}", attention_backend="triton", dtype=dtype, cuda_graphs=use_graphs,
+              max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_bytes=kv_bytes,
+              max_num_batched_tokens=max(8192, max_model_len))
+    if graphs and not HAS_CUDA:  # no capture on a CPU: run the padded static-buffer path eagerly
+        llm.engine.runner.enable_cuda_graphs(max_num_seqs, max_model_len, capture=False)
+    return llm
+
+
+def section_engine(args, clock: Clock, results: dict) -> list[dict]:
+    batches, prompt_len, out_len = workload(args)
+    max_len = prompt_len + out_len + 16
+    rows = []
+    for model in engine_models(args):
+        if clock.left < 30 and not args.dry_run:
+            rows.append({"model": model, "error": "skipped: time budget"})
+            continue
+        llm = eager = None
+        try:
+            t = time.perf_counter()
+            llm = build_engine(model, triton.next_power_of_2(max(batches)), max_len, graphs=True,
+                               dry_run=args.dry_run)
+            build_s = time.perf_counter() - t
+            vocab = llm.model_config.vocab_size
+            t = time.perf_counter()
+            if not args.dry_run:
+                run_engine(llm, random_prompts(2, prompt_len, vocab, 0), 2)  # warm-up: capture, compile
+            graphs = llm.engine.runner.graphs
+            warm_s = time.perf_counter() - t
+            weight_gb = llm.weight_bytes / 1e9
+            print(clock.line(f"engine {model}: built in {build_s:.1f} s, warm-up (graph capture {graphs.capture_s:.1f} s) "
+                             f"{warm_s:.1f} s, {weight_gb:.2f} GB of weights"))
+            mode = "graphs" if graphs.capture else "padded-eager (CPU: no capture)"
+            for batch in batches:
+                if clock.left < 15 and not args.dry_run:
+                    rows.append({"model": model, "batch": batch, "error": "skipped: time budget"})
+                    continue
+                r = run_engine(llm, random_prompts(batch, prompt_len, vocab, batch), out_len)
+                row = {"model": model, "batch": batch, "cuda_graphs": mode, "decode tok/s": r["decode_tok_s"],
+                       "step ms": r["step_ms"], "output tok/s": r["output_tok_s"], "wall s": r["wall_s"]}
+                if batch == 1:  # weights (+ a little KV) read once per step
+                    row["weights GB/s"] = weight_gb / (r["step_ms"] * 1e-3)
+                rows.append(row)
+            eager = llm.with_levers(cuda_graphs=False, max_num_seqs=1,
+                                    kv_cache_bytes=llm.engine.kv_bytes_per_token * 2 * (max_len + 16))
+            if not args.dry_run:
+                run_engine(eager, random_prompts(1, prompt_len, vocab, 0), 2)
+            r = run_engine(eager, random_prompts(1, prompt_len, vocab, 1), out_len)
+            graphs_row = next((x for x in rows if x.get("model") == model and x.get("batch") == 1
+                               and "decode tok/s" in x), None)
+            row = {"model": model, "batch": 1, "cuda_graphs": "off (eager)", "decode tok/s": r["decode_tok_s"],
+                   "step ms": r["step_ms"], "output tok/s": r["output_tok_s"], "wall s": r["wall_s"]}
+            if graphs_row:
+                row["graphs speedup"] = graphs_row["decode tok/s"] / r["decode_tok_s"]
+            rows.append(row)
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"model": model, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            traceback.print_exc()
+        finally:
+            del llm, eager
+            free_memory()
+    return rows
+
+
+# ----------------------------------------------------------------------------- (e) transformers
+def to_hf_state_dict(model, cfg) -> dict[str, torch.Tensor]:
+    """minillm's fused parameters -> transformers Llama names (views, no copies)."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    sd = {}
+    for name, p in model.named_parameters():
+        t = p.data
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            pre = f"model.layers.{i}."
+            module, kind = rest.rsplit(".", 1)
+            if module == "qkv_proj":
+                sd[pre + f"self_attn.q_proj.{kind}"] = t[:q]
+                sd[pre + f"self_attn.k_proj.{kind}"] = t[q:q + kv]
+                sd[pre + f"self_attn.v_proj.{kind}"] = t[q + kv:]
+            elif module == "gate_up_proj":
+                sd[pre + f"mlp.gate_proj.{kind}"] = t[:inter]
+                sd[pre + f"mlp.up_proj.{kind}"] = t[inter:]
+            elif module == "o_proj":
+                sd[pre + f"self_attn.o_proj.{kind}"] = t
+            elif module == "down_proj":
+                sd[pre + f"mlp.down_proj.{kind}"] = t
+            else:
+                sd[pre + rest] = t
+        elif name.startswith("lm_head."):
+            sd[name] = t
+        else:
+            sd["model." + name] = t
+    return sd
+
+
+def build_hf_model(llm):
+    """transformers' LlamaForCausalLM of the same config, holding a copy of the engine's weights."""
+    import transformers
+
+    from minillm.models.presets import hf_config_dict
+
+    cfg = llm.model_config
+    hf_cfg = transformers.LlamaConfig(**hf_config_dict(cfg))
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    with torch.device(dev):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=llm.dtype)
+    params = dict(hf.named_parameters())
+    sd = to_hf_state_dict(llm.engine.model, cfg)
+    missing = sorted(set(params) - set(sd))
+    if missing:
+        raise KeyError(f"no minillm weight for transformers parameters {missing[:4]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(sd[name])
+    return hf.eval()
+
+
+def hf_generate(hf, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    dev = next(hf.parameters()).device
+    ids = torch.tensor(prompts, device=dev)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+              do_sample=False, pad_token_id=0)
+    sync()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, **kw)
+    sync()
+    wall = time.perf_counter() - t
+    return out[:, ids.shape[1]:].tolist(), wall
+
+
+def section_hf(args, clock: Clock) -> list[dict]:
+    if args.dry_run:
+        batches, prompt_len, out_len = [2], 8, 3
+    else:
+        batches, prompt_len, out_len = ([1, 16] if args.quick else [1, 16, 64]), 128, 64
+    rows = []
+    for model in engine_models(args):
+        if clock.left < 40 and not args.dry_run:
+            rows.append({"model": model, "error": "skipped: time budget"})
+            continue
+        llm = hf = None
+        try:
+            llm = build_engine(model, max(batches), prompt_len + out_len + 16, graphs=True, dry_run=args.dry_run)
+            vocab = llm.model_config.vocab_size
+            hf = build_hf_model(llm)
+            if not args.dry_run:
+                warm = random_prompts(1, prompt_len, vocab, 99)
+                run_engine(llm, warm, 2)
+                hf_generate(hf, warm, 2)
+            for batch in batches:
+                if clock.left < 20 and not args.dry_run:
+                    rows.append({"model": model, "batch": batch, "error": "skipped: time budget"})
+                    continue
+                prompts = random_prompts(batch, prompt_len, vocab, 1000 + batch)
+                ours = run_engine(llm, prompts, out_len)
+                theirs, hf_wall = hf_generate(hf, prompts, out_len)
+                same = sum(a == b for a, b in zip(ours["tokens"], theirs))
+                agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                         for a, b in zip(ours["tokens"], theirs)]
+                hf_tok_s = batch * out_len / hf_wall
+                rows.append({"model": model, "batch": batch, "prompt": prompt_len, "new": out_len,
+                             "minillm tok/s": ours["output_tok_s"], "transformers tok/s": hf_tok_s,
+                             "speedup": ours["output_tok_s"] / hf_tok_s,
+                             "identical outputs": f"{same}/{batch}",
+                             "min agreeing prefix": min(agree)})
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"model": model, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            traceback.print_exc()
+        finally:
+            del llm, hf
+            free_memory()
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+SECTIONS = ["kernels", "decode", "prefill", "engine", "hf"]
+TITLES = {
+    "kernels": "(a) Triton kernels vs torch references",
+    "decode": "(b) paged decode attention: KV bandwidth",
+    "prefill": "(c) prefill / extend attention vs scaled_dot_product_attention",
+    "engine": "(d) engine decode tokens/s (random weights)",
+    "hf": "(e) minillm vs transformers generate (same weights, prompts, lengths)",
+}
+# Rough minimum seconds a section needs on an H100/H200 (skip it when less is left).
+MIN_SECONDS = {"kernels": 20, "decode": 15, "prefill": 15, "engine": 40, "hf": 40}
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if HAS_CUDA else
+            f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        info["transformers"] = None
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and shorter outputs")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes (runs on a CPU under the Triton interpreter)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="time budget; sections past it are skipped")
+    ap.add_argument("--json", default=None, help="where to write the JSON (default: $OUT/gpu_check.json if OUT is set)")
+    args = ap.parse_args(argv)
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {SECTIONS}")
+    if not HAS_CUDA and not args.dry_run:
+        print("no CUDA device: the full check needs a GPU. Use --dry-run to walk the sections on tiny shapes "
+              "under the Triton interpreter.")
+        return 2
+
+    clock = Clock(args.budget_s)
+    env = environment()
+    mode = "dry-run" if args.dry_run else ("quick" if args.quick else "full")
+    results = {"mode": mode, "environment": env, "budget_s": args.budget_s, "sections": {}}
+    print(f"minillm gpu_check ({mode}) on {env['device']}: torch {env['torch']}, triton {env['triton']}, "
+          f"transformers {env['transformers']}, CUDA {env['cuda']}")
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    torch.manual_seed(0)
+
+    runners = {
+        "kernels": lambda extra: section_kernels(args, dev),
+        "decode": lambda extra: section_decode(args, dev, extra),
+        "prefill": lambda extra: section_prefill(args, dev),
+        "engine": lambda extra: section_engine(args, clock, extra),
+        "hf": lambda extra: section_hf(args, clock),
+    }
+    failed = 0
+    for name in SECTIONS:
+        if name not in wanted:
+            continue
+        entry = {"title": TITLES[name], "rows": [], "error": None}
+        results["sections"][name] = entry
+        if clock.left < MIN_SECONDS[name] and not args.dry_run:
+            entry["error"] = f"skipped: {clock.left:.0f} s left of the budget, the section needs about {MIN_SECONDS[name]} s"
+            print(clock.line(f"{TITLES[name]}: {entry['error']}"))
+            failed += 1
+            continue
+        print(clock.line(f"{TITLES[name]} ..."), flush=True)
+        t = time.perf_counter()
+        try:
+            entry["rows"] = runners[name](entry)
+        except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc()
+            print(entry["traceback"])
+        entry["seconds"] = round(time.perf_counter() - t, 1)
+        bad = [r for r in entry["rows"] if r.get("error") or r.get("ok") is False]
+        entry["num_failed_rows"] = len(bad)
+        failed += bool(entry["error"]) + len(bad)
+        print_table(f"{TITLES[name]} — {env['device']}, torch {env['torch']}, triton {env['triton']} "
+                    f"({entry['seconds']} s)", entry["rows"])
+        if entry["error"]:
+            print(f"  SECTION ERROR: {entry['error']}")
+        free_memory()
+
+    results["total_s"] = round(clock.elapsed, 1)
+    results["num_failed"] = failed
+    print(f"\n{clock.line('done')}: {failed} failed rows/sections")
+    path = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
