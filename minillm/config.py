@@ -53,7 +53,7 @@ class EngineConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 4
     draft_model: str | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool = False           # built: GPU decode steps replay CUDA graphs (needs attention_backend="triton")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -56,8 +56,8 @@ def test_batch_buckets():
 
 
 @pytest.mark.parametrize("lengths,max_tokens", [
-    ((15, 33, 1), (3, 2, 4)),                  # 3 sequences: bucket 4, then 2 and 1 as they finish
-    ((1, 15, 17, 31, 40), (3, 2, 3, 2, 3)),    # 5 sequences: bucket 8, then 3 in bucket 4; 15 and 31 cross a block
+    ((15, 6, 1), (3, 2, 4)),                   # 3 sequences: bucket 4, then 2 and 1 as they finish; 15 -> block 2
+    ((1, 16, 3, 32, 5), (3, 2, 3, 2, 3)),      # 5 sequences: bucket 8, then 3 in bucket 4; 16 and 32 start a block
 ])
 def test_padded_decode_matches_plain_path(plain, padded, lengths, max_tokens):
     prompts, params = prompts_and_params(lengths, max_tokens, seed=len(lengths))
