@@ -46,7 +46,7 @@ ROTARY_CASES = [
     pytest.param(64, 1, 2, 1, id="d64-T1-mha"),
     pytest.param(80, 5, 1, 3, id="d80-T5-gqa3"),
     pytest.param(128, 100, 1, 8, id="d128-T100-gqa8"),
-    pytest.param(80, 100, 3, 3, id="d80-T100-gqa3"),
+    pytest.param(80, 37, 3, 3, id="d80-T37-gqa3"),
     pytest.param(64, 5, 1, 8, id="d64-T5-gqa8"),
     pytest.param(128, 1, 2, 3, id="d128-T1-gqa3"),
 ]
