@@ -152,7 +152,7 @@ def kernel_cases(dev, dtype, dims: list[dict], seq_len: int):
 
     block = 16
     for d in dims:
-        h, hkv, hd, hidden = d["num_heads"], d["num_kv_heads"], d["head_dim"], d["hidden"]
+        h, hkv, hd, hidden, inter = d["num_heads"], d["num_kv_heads"], d["head_dim"], d["hidden"], d["inter"]
         label = f"H{h}/{hkv} D{hd}"
 
         def case_store_kv(h=h, hkv=hkv, hd=hd):
@@ -210,8 +210,8 @@ def kernel_cases(dev, dtype, dims: list[dict], seq_len: int):
             got_q, got_k = rotary.rotary_embedding(positions, q, k, cos, sin)
             return torch.cat([got_q.flatten(), got_k.flatten()]), torch.cat([want_q.flatten(), want_k.flatten()])
 
-        def case_silu(hidden=hidden):
-            gate_up = rand(23, 2 * 3 * hidden)
+        def case_silu(inter=inter):
+            gate_up = rand(23, 2 * inter)
             return activation.silu_and_mul(gate_up), activation.silu_and_mul_reference(gate_up)
 
         yield "store_kv", label, case_store_kv
@@ -220,7 +220,7 @@ def kernel_cases(dev, dtype, dims: list[dict], seq_len: int):
         yield "rmsnorm", f"hidden {hidden}", case_rmsnorm
         yield "rmsnorm+residual", f"hidden {hidden}", lambda hidden=hidden: case_rmsnorm(hidden, True)
         yield "rotary", label, case_rotary
-        yield "silu_and_mul", f"inter {3 * hidden}", case_silu
+        yield "silu_and_mul", f"inter {inter}", case_silu
 
 
 CHECKED_MODULES = {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "activation"}
@@ -241,12 +241,14 @@ def unchecked_kernel_modules() -> list[str]:
 
 def section_kernels(args, dev) -> list[dict]:
     if args.dry_run:
-        dims, seq_len, dtypes = [dict(num_heads=4, num_kv_heads=2, head_dim=16, hidden=64)], 70, ["fp32", "bf16"]
+        dims = [dict(num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, inter=96)]
+        seq_len, dtypes = 70, ["fp32", "bf16"]
     elif args.quick:
-        dims, seq_len, dtypes = [dict(LLAMA_8B_ATTN, hidden=4096)], 1500, list(DTYPES)
-    else:
-        dims = [dict(LLAMA_8B_ATTN, hidden=4096), dict(num_heads=9, num_kv_heads=3, head_dim=64, hidden=576),
-                dict(num_heads=8, num_kv_heads=1, head_dim=80, hidden=640)]
+        dims, seq_len, dtypes = [dict(LLAMA_8B_ATTN, hidden=4096, inter=14336)], 1500, list(DTYPES)
+    else:  # llama-3-8b, smollm2-135m, and an MQA model with head_dim 80 (padded to 128 in the kernels)
+        dims = [dict(LLAMA_8B_ATTN, hidden=4096, inter=14336),
+                dict(num_heads=9, num_kv_heads=3, head_dim=64, hidden=576, inter=1536),
+                dict(num_heads=8, num_kv_heads=1, head_dim=80, hidden=640, inter=1720)]
         seq_len, dtypes = 3000, list(DTYPES)
     rows = []
     for dname in dtypes:
