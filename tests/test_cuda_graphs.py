@@ -104,6 +104,20 @@ def test_load_pads_with_slot_minus_one_and_length_one():
     assert not graphs.can_run([c] * 9)                            # more than the largest bucket
 
 
+def test_contexts_longer_than_the_capture_limit_run_eagerly():
+    graphs = DecodeGraphs(model=None, device=torch.device("cpu"), block_size=4, max_num_seqs=2, max_model_len=4096,
+                          capture=False, max_capture_len=16)
+    assert graphs.max_blocks == 4                                 # the decode grid is sized for 16 keys, not 4096
+    long = Sequence(list(range(17)), SamplingParams())
+    long.num_cached_tokens, long.block_table = 16, list(range(5))   # position 16: the 17th key
+    assert not graphs.can_run([long])
+    short = Sequence(list(range(6)), SamplingParams())
+    short.num_cached_tokens, short.block_table = 5, [9, 8, 7, 6, 5, 4, 3, 2]  # a long contiguous reservation
+    assert graphs.can_run([short])
+    graphs.load([short], 1)
+    assert graphs.block_tables[0].tolist() == [9, 8, 7, 6] and graphs.slot_mapping[0].item() == 8 * 4 + 1
+
+
 def test_cuda_graphs_refused_on_cpu():
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device, but this engine runs on 'cpu'"):
         LLM(TINY, attention_backend="triton", cuda_graphs=True, device="cpu")

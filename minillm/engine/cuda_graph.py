@@ -13,8 +13,13 @@ A batch of n sequences runs the graph of the smallest bucket >= n (1, 2, 4, 8, 1
 max_num_seqs, as vLLM and nano-vllm do). The rows past n are padding: slot -1 (store_kv
 writes nothing for it) and seq_len 1 (attention reads one key through a block table row of
 0s); every operation of the model is row-wise, so padding never touches real rows, whose
-logits are the first n of the graph's output. The split-KV decode kernel sizes its
-partitions from the block table's width, which is fixed here by max_model_len.
+logits are the first n of the graph's output.
+
+The split-KV decode kernel sizes its partition grid from the block table's width, fixed
+here by the longest context a graph serves: min(max_model_len, MAX_CAPTURE_LEN). A grid
+sized for Llama-3's 128k context would launch hundreds of idle programs per sequence and
+layer, so (like vLLM's max_seq_len_to_capture) a decode step whose context is longer runs
+eagerly instead.
 
 Logits are computed inside the graph; sampling runs outside it. Prefill and mixed steps
 run eagerly (their token counts vary too much to capture).
@@ -32,6 +37,8 @@ import torch
 from ..layers.attention import AttentionMetadata
 from .sequence import Sequence
 
+MAX_CAPTURE_LEN = 8192  # longest context served by a graph (vLLM's max_seq_len_to_capture default)
+
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, ... up to max_num_seqs (which is itself the last bucket)."""
@@ -47,7 +54,7 @@ class DecodeGraphs:
     """Static buffers + one captured graph per bucket, for one engine's model and KV pool."""
 
     def __init__(self, model, device: torch.device, block_size: int, max_num_seqs: int, max_model_len: int,
-                 capture: bool = True):
+                 capture: bool = True, max_capture_len: int = MAX_CAPTURE_LEN):
         if capture and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this engine runs on {device.type!r}")
         self.model = model
@@ -55,7 +62,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.buckets = batch_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_len = min(max_model_len, max_capture_len)
+        self.max_blocks = -(-self.max_len // block_size)
         self.capture = capture
         dev, n = device, self.max_bs
         # One int64 buffer holds ids, positions and slots: one host-to-device copy per step.
@@ -76,12 +84,12 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def can_run(self, seqs: list[Sequence]) -> bool:
-        """Every sequence feeds exactly one token, and the batch and tables fit the buffers."""
+        """Every sequence feeds exactly one token, and the batch and contexts fit the buffers."""
         if not seqs or len(seqs) > self.max_bs:
             return False
         for s in seqs:
             new = s.num_scheduled_tokens or len(s) - s.num_cached_tokens
-            if new != 1 or len(s.block_table) > self.max_blocks:
+            if new != 1 or s.num_cached_tokens + 1 > self.max_len:
                 return False
         return True
 
@@ -109,7 +117,7 @@ class DecodeGraphs:
             pos.append(p)
             slots.append(table[p // block] * block + p % block)
             lens.append(p + 1)
-            tables.append(table)
+            tables.append(table[: self.max_blocks])  # a reservation may run past what is read
         pad = bs - len(seqs)
         width = max(len(t) for t in tables)
         packed = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.long)
