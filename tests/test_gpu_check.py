@@ -49,6 +49,8 @@ def test_dry_run_walks_every_section(tmp_path):
     engine = sections["engine"]["rows"]
     timed = [r for r in engine if "decode tok/s" in r]
     assert {r["batch"] for r in timed} == {1, 3} and all(r["decode tok/s"] > 0 for r in timed)
+    replayed = [r["graph steps"].split("/") for r in timed if "graph steps" in r]
+    assert len(replayed) == 2 and all(a == b != "0" for a, b in replayed)  # every decode step took the graph path
     same = [r["same tokens as graphs"] for r in engine if "same tokens as graphs" in r]
     assert same == ["1/1", "3/3"]  # the padded static-buffer path gives eager's tokens
     # transformers on the engine's own weights gives the engine's greedy tokens (fp32 on the CPU)
