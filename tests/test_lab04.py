@@ -183,7 +183,9 @@ def test_allocator_checks_name_the_mistake(solution):
         lab04.check_allocate_and_slot(contiguous_slot)
 
     def new_list_append(self, table, num_tokens):
-        return table + self.allocate(num_tokens - len(table) * self.block_size)
+        grown = list(table)
+        solution.BlockAllocator.append(self, grown, num_tokens)
+        return grown
     with pytest.raises(CheckFailed, match="in place"):
         lab04.check_append(_variant(solution, append=new_list_append))
 
