@@ -239,6 +239,13 @@ def test_kernel_check_names_the_mistake():
     with pytest.raises(CheckFailed, match="scale"):
         lab04.check_paged_decode(_reference_with(scale=1.0))
 
+    def forgets_a_head(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size):
+        out = lab04.paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size)
+        out[0, 0] = float("nan")  # what the NaN-filled output keeps where a kernel stores nothing
+        return out
+    with pytest.raises(CheckFailed, match="never stored"):
+        lab04.check_paged_decode(forgets_a_head)
+
     def unmasked(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size):  # reads whole last blocks
         rounded = (seq_lens + block_size - 1) // block_size * block_size
         return lab04.paged_decode_reference(q, k_cache, v_cache, block_tables, rounded, scale, block_size)

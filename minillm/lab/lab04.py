@@ -689,7 +689,7 @@ def _diagnose_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, bl
     group = q.shape[1] // num_kv_heads
     if got.isnan().any():
         return (where + " — NaN: your kernel read a slot that holds no token of this sequence (every such slot is "
-                "NaN here). Mask positions >= seq_len in the last block (load with mask=..., other=0.0, and set "
+                "NaN here), or never stored this output (the launcher fills out with NaN). Mask positions >= seq_len in the last block (load with mask=..., other=0.0, and set "
                 "their scores to -inf), and look up each block in block_tables[seq, b], never block b of the pool")
 
     def agrees(alt) -> bool:
