@@ -79,7 +79,9 @@ def cmd_bench(args) -> int:
 
     levers = _parse_levers(args.set)
     llm = LLM(args.model, **levers)
-    requests = chat_workload(args.num_requests, args.max_tokens, llm.tokenizer)
+    if args.workload == "mixed":
+        return _bench_mixed(llm, args)
+    requests = chat_workload(args.num_requests or 8, args.max_tokens, llm.tokenizer)
     results = [run_workload(llm, requests, label=", ".join(f"{k}={v}" for k, v in levers.items()) or "default")]
     if args.compare_kv_cache:
         other = LLM(args.model, **{**levers, "kv_cache": not llm.config.kv_cache})
@@ -108,6 +110,21 @@ def cmd_bench(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+def _bench_mixed(llm, args) -> int:
+    from .bench.batching import compare_batching, format_batching
+    from .bench.workloads import mixed_workload
+
+    requests = mixed_workload(llm.tokenizer, num_requests=args.num_requests or 256, scale=args.scale, seed=args.seed)
+    result = compare_batching(llm, requests, batch_size=llm.config.max_num_seqs,
+                              with_transformers=args.compare_transformers)
+    print(format_batching(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "rows": [{**r.__dict__, "tok_per_s": r.tok_per_s} for r in result["rows"]]}, f,
+                      indent=1, default=str)
     return 0
 
 
@@ -225,12 +242,19 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="run a workload and print latency, throughput, memory, cost and bounds")
     b.add_argument("--model", default=None)
-    b.add_argument("--num-requests", type=int, default=8)
+    b.add_argument("--workload", choices=["chat", "mixed"], default="chat",
+                   help="chat: questions from data/prompts.txt, one setting (plus comparisons); mixed: nano-vllm's "
+                        "shape (prompt and output lengths uniform in 100-1024, times --scale) on data/corpus.txt, "
+                        "static vs continuous and paged vs contiguous side by side")
+    b.add_argument("--num-requests", type=int, default=None, help="default 8 (chat) or 256 (mixed)")
+    b.add_argument("--scale", type=float, default=1.0, help="mixed: multiply the 100-1024 lengths (0.125 on a CPU)")
+    b.add_argument("--seed", type=int, default=0, help="mixed: the lengths and text windows drawn")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--set", nargs="*", metavar="LEVER=VALUE", help="engine levers, e.g. kv_cache=false max_num_seqs=4")
     b.add_argument("--compare-kv-cache", action="store_true", help="also run with the kv_cache lever flipped")
     b.add_argument("--compare-transformers", action="store_true",
-                   help="single-request decode tokens/s of minillm beside transformers' generate, same prompts")
+                   help="chat: single-request decode tokens/s beside transformers' generate, same prompts; "
+                        "mixed: transformers' generate with static padded batches of the same size")
     b.add_argument("--compare-prompts", type=int, default=4)
     b.add_argument("--json", default=None, help="also write the results to this file")
     b.set_defaults(func=cmd_bench)

@@ -30,8 +30,9 @@ class EngineConfig:
     kv_cache: bool = True
     max_model_len: int | None = None    # None -> the model's max_position_embeddings
     block_size: int = 16                # KV pool granularity, in tokens
-    kv_cache_bytes: int | None = None   # KV pool size; None -> enough for the batch, capped
-    paged: bool = False                 # True: blocks on demand (PagedAttention); False: one contiguous region per request
+    kv_cache_bytes: int | None = None   # KV pool size in bytes; None -> enough for the batch, capped
+    kv_cache_memory_fraction: float | None = None  # or: this fraction of the device's free memory
+    paged: bool = True                  # True: blocks on demand (PagedAttention); False: max_model_len reserved per request
 
     # Batching lever.
     batching: str = "continuous"
@@ -86,6 +87,12 @@ class EngineConfig:
              f"max_model_len={self.max_model_len!r} must be None or an integer >= 1")
         need(self.kv_cache_bytes is None or (isinstance(self.kv_cache_bytes, int) and self.kv_cache_bytes > 0),
              f"kv_cache_bytes={self.kv_cache_bytes!r} must be None or a positive integer")
+        need(self.kv_cache_memory_fraction is None or (isinstance(self.kv_cache_memory_fraction, (int, float))
+                                                       and 0 < self.kv_cache_memory_fraction <= 0.95),
+             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be None or in (0, 0.95]")
+        need(self.kv_cache_bytes is None or self.kv_cache_memory_fraction is None,
+             f"give the KV pool size once: kv_cache_bytes={self.kv_cache_bytes} or "
+             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction}, not both")
         need(self.gpu_hourly_usd is None or self.gpu_hourly_usd >= 0,
              f"gpu_hourly_usd={self.gpu_hourly_usd!r} must be >= 0")
         if isinstance(self.attention_backend, str):
@@ -108,8 +115,6 @@ class EngineConfig:
         if self.cuda_graphs and self.attention_backend != "triton":
             raise ValueError(f"cuda_graphs=True needs attention_backend='triton' (got {self.attention_backend!r}): "
                              "the torch backend loops over sequences in Python and cannot be captured")
-        if self.paged and not self.kv_cache:
-            raise ValueError("paged=True needs kv_cache=True: there is no cache to page")
 
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {

@@ -47,7 +47,8 @@ def assert_engine_idle(llm) -> None:
     if bm is not None:
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
         assert bm.num_reserved_tokens == 0
-        assert all(bm.is_free)
+        assert all(bm.is_free) and not any(bm.ref_count)
+        bm.check()
 
 
 @pytest.fixture

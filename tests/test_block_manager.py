@@ -151,3 +151,133 @@ def test_contiguous_allocation_succeeds_whenever_a_free_run_exists(num_blocks, s
             assert table[0] == free.find(b"\x01" * n)   # first fit
             if i % 3 == 0:
                 bm.free(table)
+
+
+# ----------------------------------------------------------------- reference counts and usage
+def test_share_counts_owners_and_frees_on_the_last():
+    bm = BlockManager(6, 4, contiguous=False)
+    a = bm.allocate(9)                       # 3 blocks at count 1
+    b = bm.share(a[:2])                      # a second owner of the first two (a shared prefix)
+    assert [bm.ref_count[x] for x in a] == [2, 2, 1]
+    bm.free(a)                               # the first owner leaves: only its own last block returns
+    assert bm.num_free_blocks == 4 and [bm.ref_count[x] for x in a] == [1, 1, 0]
+    bm.check()
+    bm.free(b)
+    assert bm.num_free_blocks == 6 and bm.ref_count == [0] * 6
+    with pytest.raises(RuntimeError, match="freed twice"):
+        bm.free(b)
+    with pytest.raises(RuntimeError, match="is free and cannot be shared"):
+        bm.share(b)
+    bm.check()
+
+
+def test_a_failed_free_changes_nothing():
+    bm = BlockManager(4, 2, contiguous=False)
+    a = bm.allocate(4)
+    with pytest.raises(RuntimeError, match="block 3 freed twice"):
+        bm.free(a + [3])
+    assert bm.num_free_blocks == 2 and [bm.ref_count[x] for x in a] == [1, 1]
+    bm.check()
+
+
+def test_usage_reports_reserved_unused_and_utilization():
+    bm = BlockManager(10, 16)               # contiguous: a request reserves its whole future
+    bm.allocate(64)                          # 4 blocks reserved, say 10 tokens written
+    bm.allocate(32)                          # 2 blocks, 20 tokens written
+    u = bm.usage(real_tokens=30)
+    assert (u.used_blocks, u.free_blocks, u.reserved_slots) == (6, 4, 96)
+    assert u.unused_reserved_slots == 66
+    assert u.utilization == pytest.approx(30 / 96)
+    assert bm.usage(0).utilization == 0.0
+    assert BlockManager(3, 4).usage(0).utilization == 1.0   # nothing reserved, nothing wasted
+
+
+# ----------------------------------------------------------------- the scheduler drives the pool
+def _scheduler(num_blocks, block_size, paged, chunked, max_num_seqs=4):
+    from minillm.config import EngineConfig
+    from minillm.engine.scheduler import Scheduler
+
+    cfg = EngineConfig(paged=paged, block_size=block_size, max_num_seqs=max_num_seqs, chunked_prefill=chunked,
+                       max_num_batched_tokens=12 if chunked else 64)
+    max_model_len = num_blocks * block_size if paged else 3 * block_size
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, contiguous=not paged), max_model_len)
+
+
+def _check_scheduler(sched, forks):
+    bm = sched.block_manager
+    bm.check()
+    owners = [0] * bm.num_blocks
+    for seq in sched.running:
+        assert len(seq.block_table) >= bm.blocks_for(seq.num_cached_tokens), "cached tokens without blocks"
+        for b in seq.block_table:
+            owners[b] += 1
+    for table in forks:
+        for b in table:
+            owners[b] += 1
+    for seq in sched.waiting:
+        assert seq.block_table == [], "a waiting sequence holds blocks"
+    assert owners == bm.ref_count, "reference counts disagree with the block tables that hold them"
+
+
+op = st.tuples(st.sampled_from(["add", "step", "step", "step", "finish", "preempt", "fork", "drop_fork"]),
+               st.integers(1, 20), st.integers(0, 99))
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(paged=st.booleans(), chunked=st.booleans(), block_size=st.sampled_from([1, 2, 4]),
+       ops=st.lists(op, max_size=80))
+def test_random_admit_step_finish_preempt_fork_never_leaks(paged, chunked, block_size, ops):
+    """Issue 3: random admit / append / finish / preempt (and forks sharing blocks): no leak,
+    no double free, reference counts equal the tables that hold each block, all back at the end."""
+    from minillm.engine.sequence import Sequence
+    from minillm.sampling import SamplingParams
+
+    sched = _scheduler(num_blocks=12, block_size=block_size, paged=paged, chunked=chunked)
+    bm = sched.block_manager
+    forks: list[list[int]] = []
+    limit = sched.max_model_len
+    for kind, n, pick in ops:
+        if kind == "add":
+            prompt = list(range(min(n, limit - 2)))
+            sched.add(Sequence(prompt, SamplingParams(max_tokens=min(1 + pick % 6, limit - len(prompt)))))
+        elif kind == "step":
+            seqs, _ = sched.schedule()
+            if not seqs and sched.has_unfinished():
+                seqs, _ = sched.schedule()
+            done = [s.num_cached_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
+            tokens = [7 if d else None for d in done]
+            sched.postprocess(seqs, tokens, lambda s: "length" if s.num_output_tokens >= s.params.max_tokens
+                              or len(s) >= limit else None)
+        elif kind in ("finish", "preempt") and sched.running:
+            seq = sched.running[pick % len(sched.running)]
+            if kind == "finish":
+                sched.finish(seq, "abort")
+            else:
+                sched.preempt(seq)
+        elif kind == "fork" and sched.running:
+            seq = sched.running[pick % len(sched.running)]
+            if seq.block_table:
+                forks.append(bm.share(seq.block_table))
+        elif kind == "drop_fork" and forks:
+            bm.free(forks.pop(pick % len(forks)))
+        _check_scheduler(sched, forks)
+    # Drain: everything admitted finishes (no request is lost), then every block is back.
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        seqs, _ = sched.schedule()
+        if not seqs and sched.has_unfinished():
+            seqs, _ = sched.schedule()
+        if not seqs:   # only forks pin the pool: release them and go on
+            assert forks, "nothing runs, nothing is pinned, yet requests wait"
+            bm.free(forks.pop())
+            continue
+        done = [s.num_cached_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
+        sched.postprocess(seqs, [7 if d else None for d in done],
+                          lambda s: "length" if s.num_output_tokens >= s.params.max_tokens or len(s) >= limit else None)
+        _check_scheduler(sched, forks)
+    assert not sched.has_unfinished()
+    for table in forks:
+        bm.free(table)
+    bm.check()
+    assert bm.num_free_blocks == bm.num_blocks and bm.ref_count == [0] * bm.num_blocks

@@ -96,12 +96,22 @@ def test_request_bigger_than_the_kv_pool(default_model_dir, idle_check):
         llm.generate({"prompt_token_ids": [100] * 20}, SamplingParams(max_tokens=20))
     out = llm.generate({"prompt_token_ids": [100] * 20}, SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 12
-    # two requests that each fit but not together run one after the other
-    outs = llm.generate([{"prompt_token_ids": [100] * 10}] * 2, SamplingParams(max_tokens=12, ignore_eos=True))
+    # two requests that each fit but not together: paged starts both, then preempts one when
+    # the pool runs dry; contiguous (max_model_len reserved per request) runs one after the other
+    two = [{"prompt_token_ids": [100] * 10}] * 2
+    outs = llm.generate(two, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
-    assert max(s.num_seqs for s in llm.stats.steps) == 1
+    assert llm.stats.peak_running == 2 and llm.stats.num_preemptions >= 1
     idle_check(llm)
+    contiguous = llm.with_levers(paged=False, max_model_len=32)
+    outs = contiguous.generate(two, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+    assert contiguous.stats.peak_running == 1 and contiguous.stats.num_preemptions == 0
+    idle_check(contiguous)
+    with pytest.raises(ValueError, match=rf"paged=False reserves max_model_len=256 tokens per request, but the KV "
+                                         rf"pool of {per_token * 32} bytes holds 32 tokens"):
+        llm.with_levers(paged=False)
 
 
 # ---------------------------------------------------------------- sampling parameters
@@ -159,7 +169,8 @@ def test_unknown_engine_option():
     ({"gpu_hourly_usd": -1.0}, r"gpu_hourly_usd=-1.0 must be >= 0"),
     ({"attention_backend": "cuda"}, r"attention_backend='cuda' is not one of"),
     ({"attention_backend": object()}, r"store_kv\(\) and attend\(\)"),
-    ({"paged": True, "kv_cache": False}, r"paged=True needs kv_cache=True"),
+    ({"kv_cache_memory_fraction": 1.5}, r"kv_cache_memory_fraction=1.5 must be None or in \(0, 0.95\]"),
+    ({"kv_cache_memory_fraction": 0.5, "kv_cache_bytes": 1 << 20}, r"give the KV pool size once"),
 ])
 def test_bad_engine_options(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

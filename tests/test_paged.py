@@ -68,21 +68,39 @@ def test_a_pool_that_holds_a_few_requests_serves_them_all_with_preemption(defaul
     assert_engine_idle(tight)
 
 
-def test_paged_reserves_less_than_contiguous(default_llm):
-    # Short chat answers with room for 200 tokens: contiguous reserves prompt + 200 slots per
-    # request up front, paged only the blocks the tokens actually fill.
+def test_paged_reserves_less_than_contiguous_and_fits_more(default_llm):
+    # Short chat answers in a pool of 2.5 contexts: contiguous reserves max_model_len slots per
+    # request up front, so two run at once; paged holds only the blocks the tokens fill, so all three.
     questions = ["What is 2 + 2?", "Say hello.", "Name a colour."]
     prompts = [{"prompt_token_ids": default_llm.chat_token_ids([{"role": "user", "content": q}])} for q in questions]
     room = SamplingParams(max_tokens=200)
-    contiguous = default_llm.with_levers(paged=False)
-    paged = default_llm.with_levers(paged=True)
+    per_token, context = default_llm.kv_bytes_per_token, 512
+    budget = dict(max_model_len=context, kv_cache_bytes=int(2.5 * context * per_token))
+    contiguous = default_llm.with_levers(paged=False, **budget)
+    paged = default_llm.with_levers(paged=True, **budget)
     a = contiguous.generate(prompts, room)
     b = paged.generate(prompts, room)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(o.outputs[0].finish_reason == "stop" and len(o.outputs[0].token_ids) < 60 for o in b)
-    assert paged.stats.peak_kv_bytes == contiguous.stats.peak_kv_bytes
-    assert 2 * paged.stats.peak_kv_reserved_bytes < contiguous.stats.peak_kv_reserved_bytes, (
-        paged.stats.peak_kv_reserved_bytes, contiguous.stats.peak_kv_reserved_bytes)
+    assert (contiguous.stats.peak_running, paged.stats.peak_running) == (2, 3)
+    assert contiguous.stats.peak_kv_reserved_bytes == 2 * context * per_token
+    assert paged.stats.peak_kv_reserved_bytes <= paged.stats.peak_kv_bytes + 3 * 15 * per_token  # < 1 block each
+    # The fraction of reserved memory holding real tokens: a few percent contiguous, most of it paged.
+    assert contiguous.stats.kv_utilization < 0.1 < 0.7 < paged.stats.kv_utilization
+    assert_engine_idle(contiguous)
+    assert_engine_idle(paged)
+
+
+def test_block_usage_while_running(default_llm):
+    llm = default_llm.with_levers(paged=True, block_size=16)
+    engine = llm.engine
+    seq = engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()                                   # prefill: 20 tokens in 2 blocks
+    usage = engine.block_usage()
+    assert (usage.used_blocks, usage.real_tokens, usage.unused_reserved_slots) == (2, 20, 12)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.finish_reason == "length" and engine.block_usage().used_blocks == 0
 
 
 # --------------------------------------------------------------------- block manager, paged

@@ -48,3 +48,33 @@ def fixed_length_workload(num_requests: int, prompt_len: int, max_tokens: int, v
                 SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         for _ in range(num_requests)
     ]
+
+
+def shipped_corpus() -> str:
+    """data/corpus.txt: original prose shipped with minillm (workloads, perplexity, calibration)."""
+    return resources.files("minillm").joinpath("data/corpus.txt").read_text()
+
+
+def mixed_workload(tokenizer, num_requests: int = 256, min_len: int = 100, max_len: int = 1024,
+                   scale: float = 1.0, seed: int = 0) -> list[Request]:
+    """nano-vllm's benchmark shape on real text: prompt and output lengths each uniform in
+    [min_len, max_len] (times `scale`, so a CPU can run it), prompts cut from data/corpus.txt
+    at random places, outputs held to their length with ignore_eos."""
+    import random
+
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale={scale} must be in (0, 1]")
+    lo, hi = max(1, round(min_len * scale)), max(1, round(max_len * scale))
+    if lo > hi:
+        raise ValueError(f"min_len={min_len} > max_len={max_len}")
+    ids = tokenizer.encode(shipped_corpus(), add_special_tokens=False)
+    if len(ids) < hi + 1:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than the longest prompt ({hi})")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        n_in, n_out = rng.randint(lo, hi), rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - n_in)
+        out.append(Request({"prompt_token_ids": ids[start:start + n_in]},
+                           SamplingParams(max_tokens=n_out, ignore_eos=True)))
+    return out

@@ -11,7 +11,7 @@ from ..hardware import device_name, resolve_device, resolve_dtype
 from ..models.loader import load_model, load_model_config, load_tokenizer, read_generation_eos, resolve_model_path
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .kv_cache import KVCache, default_pool_bytes
+from .kv_cache import KVCache, pool_bytes
 from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -49,12 +49,18 @@ class Engine:
         self.kv_cache: KVCache | None = None
         self.block_manager: BlockManager | None = None
         if config.kv_cache:
-            pool_bytes = config.kv_cache_bytes or default_pool_bytes(
-                mcfg, self.dtype, self.device, config.max_num_seqs, self.max_model_len)
+            size = pool_bytes(mcfg, self.dtype, self.device, config.max_num_seqs, self.max_model_len,
+                              config.kv_cache_bytes, config.kv_cache_memory_fraction)
             per_block = mcfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * config.block_size
-            num_blocks = pool_bytes // per_block
+            num_blocks = size // per_block
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_bytes={pool_bytes} holds no block of {per_block} bytes")
+                raise ValueError(f"the KV pool of {size} bytes holds no block of {per_block} bytes; "
+                                 "raise kv_cache_bytes or kv_cache_memory_fraction")
+            if not config.paged and num_blocks * config.block_size < self.max_model_len:
+                raise ValueError(
+                    f"paged=False reserves max_model_len={self.max_model_len} tokens per request, but the KV pool "
+                    f"of {size} bytes holds {num_blocks * config.block_size} tokens; lower max_model_len, raise "
+                    "kv_cache_bytes, or use paged=True")
             self.block_manager = BlockManager(num_blocks, config.block_size, contiguous=not config.paged)
             self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
@@ -85,7 +91,7 @@ class Engine:
                 f"the prompt has {n} tokens; the context (max_model_len) is {self.max_model_len}, "
                 f"so a prompt may have at most {self.max_model_len - 1} tokens to leave room for one output token"
             )
-        if self.block_manager is not None:
+        if self.block_manager is not None and not self.block_manager.contiguous:
             need = min(n + params.max_tokens, self.max_model_len)
             if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
                 raise ValueError(
@@ -188,12 +194,16 @@ class Engine:
             stepped = set(id(s) for s in seqs)
             cached = sum(s.num_cached_tokens + s.num_scheduled_tokens if id(s) in stepped else s.num_cached_tokens
                          for s in self.scheduler.running)
-            kv_used = self.kv_cache.bytes_per_token * cached
-            kv_reserved = self.kv_cache.bytes_per_token * self.block_manager.block_size * self.block_manager.num_used_blocks
+            usage = self.block_manager.usage(cached)
+            kv_used = self.kv_cache.bytes_per_token * usage.real_tokens
+            kv_reserved = self.kv_cache.bytes_per_token * usage.reserved_slots
         st = self.stats
-        st.steps.append(StepStats(len(st.steps), kind, len(seqs), num_tokens, duration_s, kv_used))
+        running = len(self.scheduler.running)
+        st.steps.append(StepStats(len(st.steps), kind, len(seqs), num_tokens, duration_s, kv_used, kv_reserved,
+                                  running))
         st.peak_kv_bytes = max(st.peak_kv_bytes, kv_used)
         st.peak_kv_reserved_bytes = max(st.peak_kv_reserved_bytes, kv_reserved)
+        st.peak_running = max(st.peak_running, running)
         st.num_preemptions = self.scheduler.num_preemptions - self._preemptions_at_reset
 
     def reset_stats(self) -> RunStats:
@@ -202,6 +212,14 @@ class Engine:
         return self.stats
 
     # ----------------------------------------------------------------- sizes
+    def block_usage(self):
+        """The block manager's statistics now (None without a KV cache): blocks in use,
+        reserved-but-unused slots, and the fraction of reserved KV memory holding real tokens."""
+        if self.block_manager is None:
+            return None
+        return self.block_manager.usage(sum(s.num_cached_tokens for s in self.scheduler.running))
+
+
     @property
     def weight_bytes(self) -> int:
         seen, total = set(), 0

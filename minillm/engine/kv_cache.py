@@ -15,14 +15,33 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_KV_FRACTION = 0.5
 
 
-def default_pool_bytes(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int) -> int:
-    per_token = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
-    need = per_token * max_num_seqs * max_model_len
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of the device now: the GPU's free bytes, or the OS's available RAM on a CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        cap = int(free * DEFAULT_GPU_KV_FRACTION)
-    else:
-        cap = DEFAULT_CPU_KV_BYTES
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_bytes(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int,
+               kv_cache_bytes: int | None = None, memory_fraction: float | None = None) -> int:
+    """The KV pool size: given in bytes, or as a fraction of free memory, or by default
+    enough for `max_num_seqs` full-length sequences capped at 1 GiB (CPU) / half of free GPU memory."""
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes
+    if memory_fraction is not None:
+        return int(free_memory_bytes(device) * memory_fraction)
+    per_token = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+    need = per_token * max_num_seqs * max_model_len
+    cap = int(free_memory_bytes(device) * DEFAULT_GPU_KV_FRACTION) if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
     return max(min(need, cap), per_token * max_model_len)
 
 

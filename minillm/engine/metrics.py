@@ -37,6 +37,8 @@ class StepStats:
     num_tokens: int         # tokens fed to the model this step (all of them when kv_cache=False)
     duration_s: float
     kv_bytes_used: int      # bytes of K/V holding real tokens after the step
+    kv_bytes_reserved: int = 0  # bytes of pool blocks handed out to sequences after the step
+    num_running: int = 0        # sequences holding KV (running) after the step
 
 
 @dataclass
@@ -52,6 +54,17 @@ class RunStats:
     peak_kv_bytes: int = 0        # bytes of K/V holding real tokens, at the fullest step
     peak_kv_reserved_bytes: int = 0  # bytes of pool blocks handed out, at the fullest step
     num_preemptions: int = 0      # sequences whose blocks were taken back and recomputed
+    peak_running: int = 0         # most sequences running (holding KV) at once
+
+    @property
+    def kv_utilization(self) -> float:
+        """Fraction of reserved KV memory holding real tokens, averaged over the steps.
+
+        The vLLM paper measured 20.4-38.2% in systems that reserve a contiguous region per request."""
+        steps = [s for s in self.steps if s.kv_bytes_reserved]
+        if not steps:
+            return float("nan")
+        return sum(s.kv_bytes_used / s.kv_bytes_reserved for s in steps) / len(steps)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -82,6 +95,8 @@ class RunStats:
             "output_tokens_per_s": self.output_tokens_per_s,
             "peak_kv_bytes": self.peak_kv_bytes,
             "peak_kv_reserved_bytes": self.peak_kv_reserved_bytes,
+            "kv_utilization": self.kv_utilization,
+            "peak_running": self.peak_running,
             "preemptions": self.num_preemptions,
             "usd_per_hour": self.hourly_usd,
             "usd_per_million_output_tokens": self.cost_per_million_tokens_usd,

@@ -78,18 +78,28 @@ class ModelRunner:
                     slots.extend(range(base + start, base + end))
                     kv_read.append(slice(base, base + end))
                 else:
-                    blocks = torch.tensor(table, dtype=torch.long)
-                    seq_slots = (blocks[:, None] * bm.block_size + torch.arange(bm.block_size)).flatten()[:end]
-                    slots.extend(seq_slots[start:].tolist())
-                    kv_read.append(seq_slots.to(self.device))
+                    size = bm.block_size
+                    seq_slots = [b * size + o for b in table[:-(-end // size)] for o in range(size)][:end]
+                    slots.extend(seq_slots[start:])
+                    kv_read.append(seq_slots)
         dev = self.device
         meta = AttentionMetadata(
             query_lens=query_lens,
             num_cached=num_cached,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev) if use_cache else None,
-            kv_read=kv_read,
+            kv_read=[r if isinstance(r, slice) else torch.tensor(r, dtype=torch.long, device=dev) for r in kv_read],
             use_cache=use_cache,
         )
+        if use_cache and len(seqs) > 1 and max(query_lens) == 1 and hasattr(self.backend, "decode_batch"):
+            # A decode step: one padded gather and one attention call per layer for the whole batch.
+            width = max(c + 1 for c in num_cached)
+            read, mask = [], []
+            for r, c in zip(kv_read, num_cached):
+                seq_slots = list(range(r.start, r.stop)) if isinstance(r, slice) else r
+                read.append(seq_slots + [seq_slots[0]] * (width - c - 1))
+                mask.append([True] * (c + 1) + [False] * (width - c - 1))
+            meta.decode_read = torch.tensor(read, dtype=torch.long, device=dev)
+            meta.decode_mask = torch.tensor(mask, dtype=torch.bool, device=dev)[:, None, None, :]
         if use_cache and getattr(self.backend, "batched", False):
             # Contiguous reservations are runs of blocks, so they have block tables too.
             width = max(len(s.block_table) for s in seqs)

@@ -28,11 +28,26 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _reservation(self, seq: Sequence) -> int:
-        """Token slots to hold at admission: the whole future (contiguous) or what is there (paged)."""
+    def _reservation(self, seq: Sequence, num_tokens: int) -> int:
+        """Token slots to hold at admission: the longest any request may grow (contiguous), or the
+        `num_tokens` it is about to feed (paged; more blocks come as it grows)."""
         if self.block_manager.contiguous:
-            return min(seq.max_total_tokens, self.max_model_len)
-        return len(seq)
+            return self.max_model_len
+        return seq.num_cached_tokens + num_tokens
+
+    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Move the head of the waiting queue to running if its blocks fit; False leaves it waiting."""
+        bm = self.block_manager
+        if bm is not None:
+            need = self._reservation(seq, num_tokens)
+            if not bm.can_allocate(need):
+                return False  # wait for running requests to free their blocks
+            seq.block_table = bm.allocate(need)
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        seq.num_scheduled_tokens = num_tokens
+        return True
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Admit waiting requests (prefill) if any fit, else decode every running one.
@@ -52,22 +67,16 @@ class Scheduler:
         # Static batching holds the batch until its longest member finishes.
         admit = cfg.batching == "continuous" or not self.running
         num_tokens = 0
-        while admit and self.waiting and len(self.running) + len(batch) < cfg.max_num_seqs:
+        while admit and self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             new_tokens = len(seq) - seq.num_cached_tokens
             if batch and num_tokens + new_tokens > cfg.max_num_batched_tokens:
                 break
-            if self.block_manager is not None:
-                need = self._reservation(seq)
-                if not self.block_manager.can_allocate(need):
-                    break  # wait for running requests to free their blocks
-                seq.block_table = self.block_manager.allocate(need)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            if not self._admit(seq, new_tokens):
+                break
             batch.append(seq)
             num_tokens += new_tokens
         if batch:
-            self.running.extend(batch)
             return batch, True
         return self._schedule_decode(), False
 
@@ -132,15 +141,8 @@ class Scheduler:
         while admit and budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             n = min(len(seq) - seq.num_cached_tokens, budget)
-            if bm is not None:
-                need = self._reservation(seq) if bm.contiguous else seq.num_cached_tokens + n
-                if not bm.can_allocate(need):
-                    break
-                seq.block_table = bm.allocate(need)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            seq.num_scheduled_tokens = n
+            if not self._admit(seq, n):
+                break
             chunks.append(seq)
             budget -= n
         return decodes + chunks, bool(chunks)

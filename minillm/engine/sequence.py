@@ -66,8 +66,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def max_total_tokens(self) -> int:
-        """The longest this request can grow: prompt + max_tokens."""
-        return self.num_prompt_tokens + self.params.max_tokens

@@ -40,6 +40,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None         # [num_seqs] int32, keys per sequence after this step
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32, offsets of each sequence's queries
     max_query_len: int = 0
+    # Decode steps of backends with decode_batch(): every sequence's key slots, padded to one width.
+    decode_read: torch.Tensor | None = None      # [num_seqs, max_keys] int64 pool slots (padding repeats a slot)
+    decode_mask: torch.Tensor | None = None      # [num_seqs, 1, 1, max_keys] bool, False on the padding
 
 
 def causal_mask(num_q: int, num_keys: int, num_cached: int, device) -> torch.Tensor:
@@ -73,6 +76,17 @@ class TorchAttentionBackend:
             enable_gqa=qh.shape[1] != kh.shape[1],
         )
         return out.squeeze(0).transpose(0, 1)  # [num_q, H, D]
+
+    def decode_batch(self, q, k_cache, v_cache, read, mask, scale):
+        """A whole decode step at once. q: [B, Hq, D]; read: [B, L] pool slots; mask: [B, 1, 1, L]
+        -> [B, Hq, D]. Padded keys are masked out, so each row equals attend() on its own keys."""
+        num_seqs, width = read.shape
+        flat = read.flatten()
+        k = k_cache.index_select(1, flat).view(k_cache.shape[0], num_seqs, width, -1).transpose(0, 1)
+        v = v_cache.index_select(1, flat).view(v_cache.shape[0], num_seqs, width, -1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.squeeze(2)
 
 
 class TritonAttentionBackend:
@@ -137,13 +151,19 @@ class Attention(nn.Module):
             return self.backend.forward_batch(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         if meta.use_cache:
             self.backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        if meta.decode_read is not None and hasattr(self.backend, "decode_batch"):
+            return self.backend.decode_batch(q, self.k_cache, self.v_cache, meta.decode_read, meta.decode_mask,
+                                             self.scale)
         outs = []
         start = 0
         for i, num_q in enumerate(meta.query_lens):
             end = start + num_q
             if meta.use_cache:
                 read = meta.kv_read[i]
-                k_seq, v_seq = self.k_cache[:, read], self.v_cache[:, read]
+                if isinstance(read, slice):
+                    k_seq, v_seq = self.k_cache[:, read], self.v_cache[:, read]
+                else:  # paged: gather this sequence's slots (index_select is faster than k_cache[:, read])
+                    k_seq, v_seq = self.k_cache.index_select(1, read), self.v_cache.index_select(1, read)
                 num_cached = meta.num_cached[i]
             else:
                 k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
