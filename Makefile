@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model lab test test-fast labs labs-check bench doctor browser-deps clean
+.PHONY: setup model lab test test-fast labs labs-check bench bench-batching doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ labs-check: setup   ## fail when labs/ or solutions/ drifted from the masters
 
 bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache
+
+bench-batching: model   ## issue 3's comparison: transformers static batches, static vs continuous, contiguous vs paged
+	$(BIN)/minillm bench --workload mixed --num-requests 32 --scale 0.125 --set max_num_seqs=16 --compare-transformers
 
 doctor: setup
 	$(BIN)/minillm doctor
