@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from minillm.bench.runner import percentile
 from minillm.cli import _parse_levers, main
 
@@ -53,3 +55,37 @@ def test_doctor_without_model(capsys):
 def test_model_check(capsys):
     assert main(["model", "--check"]) == 0
     assert capsys.readouterr().out.startswith("ok:")
+
+
+def test_mixed_workload_shape(default_llm):
+    from minillm.bench.workloads import mixed_workload, shipped_corpus
+
+    tok = default_llm.tokenizer
+    reqs = mixed_workload(tok, num_requests=50, scale=0.125, seed=1)
+    assert len(reqs) == 50
+    lens = [len(r.prompt["prompt_token_ids"]) for r in reqs]
+    outs = [r.params.max_tokens for r in reqs]
+    assert min(lens) >= 12 and max(lens) <= 128 and min(outs) >= 12 and max(outs) <= 128
+    assert len(set(lens)) > 20 and len(set(outs)) > 20          # spread, not one length
+    assert all(r.params.ignore_eos for r in reqs)
+    assert tok.decode(reqs[0].prompt["prompt_token_ids"]).strip() in shipped_corpus()   # real text, cut from the corpus
+    again = mixed_workload(tok, num_requests=50, scale=0.125, seed=1)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]   # the seed fixes the workload
+    with pytest.raises(ValueError, match="scale=2 must be in"):
+        mixed_workload(tok, scale=2)
+
+
+def test_bench_mixed_prints_batching_and_paging_side_by_side(tmp_path, capsys):
+    out_json = tmp_path / "mixed.json"
+    assert main(["bench", "--workload", "mixed", "--num-requests", "6", "--scale", "0.02", "--set", "max_num_seqs=3",
+                 "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("minillm static", "minillm continuous", "contiguous, fixed KV", "paged, fixed KV",
+                   "continuous / static (minillm):", "as many sequences at once as contiguous"):
+        assert needle in text, f"{needle!r} missing from:\n{text}"
+    report = json.loads(out_json.read_text())
+    rows = {r["label"]: r for r in report["rows"]}
+    assert all(r["same_tokens"] == "6/6" for r in rows.values())           # greedy: every setting agrees
+    assert rows["contiguous, fixed KV"]["peak_running"] == report["reservations"]
+    assert rows["paged, fixed KV"]["peak_running"] > rows["contiguous, fixed KV"]["peak_running"]
+    assert report["paged_over_contiguous_concurrency"] > 1
