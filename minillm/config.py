@@ -15,6 +15,8 @@ DEFAULT_CPU_HOURLY_USD = 0.08
 BATCHING_MODES = ("continuous", "static")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
+WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 
 
 @dataclass
@@ -48,7 +50,8 @@ class EngineConfig:
     # Levers that arrive with later labs. They exist so configs are stable; values other
     # than the baseline are refused at construction with the reason.
     chunked_prefill: bool = False
-    weight_dtype: str | None = None
+    weight_dtype: str | None = None     # built: None (model dtype) | "int8" | "int4" | "fp8" (see minillm/quant)
+    weight_group_size: int = 128        # int4 only: input channels per scale and zero
     kv_dtype: str | None = None
     prefix_caching: bool = False
     speculative: str | None = None
@@ -116,9 +119,13 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs=True needs attention_backend='triton' (got {self.attention_backend!r}): "
                              "the torch backend loops over sequences in Python and cannot be captured")
 
+        need(self.weight_dtype in (None, "auto") + WEIGHT_DTYPES,
+             f"weight_dtype={self.weight_dtype!r} is not one of {(None,) + WEIGHT_DTYPES}")
+        need(self.weight_group_size in WEIGHT_GROUP_SIZES,
+             f"weight_group_size={self.weight_group_size!r} is not one of {WEIGHT_GROUP_SIZES}")
+
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
-            f"weight_dtype={self.weight_dtype!r}": (self.weight_dtype not in (None, "auto"), "lab 05 (quantization)"),
             f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),
             "prefix_caching=True": (self.prefix_caching, "lab 06 (prefix caching)"),
             f"speculative={self.speculative!r}": (self.speculative is not None, "lab 07 (speculative decoding)"),

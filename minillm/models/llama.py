@@ -78,6 +78,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # weight_dtype lever: the head as a QuantizedLinear (set by models/quantize.py); the
+        # embedding table stays in the model dtype, also when the head is tied to it.
+        self.quantized_head = None
 
     @property
     def use_triton_ops(self) -> bool:
@@ -93,6 +96,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        if self.quantized_head is not None:  # a dequantized copy: what the quantized head multiplies by
+            return self.quantized_head.dequantized_weight()
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -109,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
 
     def attention_layers(self) -> list[Attention]:

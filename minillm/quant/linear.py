@@ -1,0 +1,171 @@
+"""QuantizedLinear: y = x W^T (+ b) with W stored in int8 / int4 / fp8, and the fastest path
+this machine has for it.
+
+Paths (chosen at construction, named in `.path`):
+
+- "int8pack" int8 on the CPU: `aten._weight_int8pack_mm` with bf16 activations and bf16
+             scales (weight-only: activations stay floating point). With fp32 activations the
+             same op takes a scalar path about 10x slower than fp32 F.linear; with bf16 it
+             streams the int8 matrix. (Tried and dropped: fbgemm's dynamic int8 GEMM,
+             `quantized.linear_dynamic`: fast, but it also quantizes the activations per tensor
+             to 7 bits, and SmolLM2's outlier channels then cost the top-1 token on 5 of 6 prompts.)
+- "int4pack" int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` (bf16 activations; needs
+             out_features % 16 == 0), weights stay 4-bit in memory.
+- "dequant"  everything else (fp8 everywhere, GPUs until Triton kernels land, odd shapes):
+             dequantize the whole matrix to the activation dtype at each call, then F.linear.
+             Correct, and the reference, but it reads and writes a float copy per call: slow.
+
+Scales (and int4's zeros) are stored in bfloat16 on the CPU fast paths (what the kernels take),
+in fp32 otherwise. `dequantized_weight()` returns the matrix every path multiplies by, so tests
+compare each fast path against F.linear with it (the fast paths round activations to bf16).
+
+Activation-aware hook: `input_scale` [K] (e.g. from an AWQ-style search on calibration text)
+quantizes W * input_scale and multiplies x by 1 / input_scale first, so y is unchanged in exact
+arithmetic while salient input channels get finer quantization levels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8 import dequantize_fp8, quantize_fp8
+from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from .int8 import dequantize_int8, quantize_int8
+
+WEIGHT_DTYPES = ("int8", "int4", "fp8")
+GROUP_SIZES = (32, 64, 128)
+
+
+def _int4pack_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+class QuantizedLinear(nn.Module):
+    """Built from a float weight [out_features, in_features] (the weight is not kept)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_dtype: str = "int8",
+                 group_size: int = 128, fast: bool = True, input_scale: torch.Tensor | None = None):
+        super().__init__()
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={weight_dtype!r} is not one of {WEIGHT_DTYPES}")
+        if weight_dtype == "int4" and group_size not in GROUP_SIZES:
+            raise ValueError(f"weight_group_size={group_size!r} is not one of {GROUP_SIZES}")
+        self.out_features, self.in_features = weight.shape
+        self.weight_dtype, self.group_size = weight_dtype, group_size
+        self.act_dtype = weight.dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.inv_input_scale = None
+        w = weight.detach().float().contiguous()  # row-major: the packers read raw memory
+        if input_scale is not None:
+            s = input_scale.detach().float().to(w.device)
+            w = w * s[None, :]
+            self.register_buffer("inv_input_scale", (1.0 / s).to(weight.dtype))
+        on_cpu = weight.device.type == "cpu"
+        self.pad = 0
+        if weight_dtype == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("q", q)
+            if fast and on_cpu and hasattr(torch, "_weight_int8pack_mm"):
+                self.path = "int8pack"
+                self.register_buffer("scale", scale.to(torch.bfloat16))
+            else:
+                self.path = "dequant"
+                self.register_buffer("scale", scale)
+        elif weight_dtype == "int4":
+            self.pad = (-self.in_features) % group_size  # zero columns meet zero activations
+            if self.pad:
+                w = F.pad(w, (0, self.pad))
+            q, scale, zero = quantize_int4(w, group_size)
+            scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+            if fast and on_cpu and _int4pack_available() and self.out_features % 16 == 0:
+                self.path = "int4pack"
+                # The kernel computes (q - 8) * scale + zero8, so zero8 = zero + 8 * scale.
+                zero8 = (zero.float() + 8 * scale.float()).to(torch.bfloat16)
+                self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
+                self.register_buffer("scales_and_zeros", torch.stack([scale, zero8], dim=-1).transpose(0, 1).contiguous())
+            else:
+                self.path = "dequant"
+                self.register_buffer("packed", pack_int4(q))
+                self.register_buffer("scale", scale)
+                self.register_buffer("zero", zero)
+        else:
+            q, scale = quantize_fp8(w)
+            self.path = "dequant"
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale)
+
+    # ------------------------------------------------------------ the matrix
+    @torch.no_grad()
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The [out_features, in_features] matrix this layer multiplies by (input_scale folded in
+        when given: it multiplies x / input_scale)."""
+        dtype = dtype or self.act_dtype
+        if self.weight_dtype == "int8":
+            return dequantize_int8(self.q, self.scale, dtype)
+        if self.weight_dtype == "fp8":
+            return dequantize_fp8(self.q, self.scale, dtype)
+        if self.path == "int4pack":  # multiply the identity: exact for 4-bit levels, bf16 result
+            k = self.in_features + self.pad
+            eye = torch.eye(k, dtype=torch.bfloat16)
+            w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size,
+                                                           self.scales_and_zeros).t()
+        else:
+            w = dequantize_int4(unpack_int4(self.packed), self.scale, self.zero)
+        return w[:, : self.in_features].to(dtype)
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the stored weight: quantized values + scales (+ zeros) (+ bias)."""
+        n, k = self.out_features, self.in_features + self.pad
+        if self.weight_dtype in ("int8", "fp8"):
+            total = n * k + 4 * n
+        else:
+            total = n * k // 2 + 2 * 2 * n * (k // self.group_size)
+        if self.bias is not None:
+            total += self.bias.numel() * self.bias.element_size()
+        if self.inv_input_scale is not None:
+            total += self.inv_input_scale.numel() * self.inv_input_scale.element_size()
+        return total
+
+    # ------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_input_scale is not None:
+            x = x * self.inv_input_scale
+        shape = x.shape[:-1]
+        if self.path == "int8pack":
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.q,
+                                          self.scale).to(x.dtype)
+        elif self.path == "int4pack":
+            xb = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            if self.pad:
+                xb = F.pad(xb, (0, self.pad))
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size,
+                                                          self.scales_and_zeros).to(x.dtype)
+        else:
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape, self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.weight_dtype == "int4" else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight_dtype={self.weight_dtype}{group}, path={self.path}")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights as stored: float parameters (each tensor once) plus every
+    QuantizedLinear's quantized values, scales and zeros."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.quantized_bytes()
+            if module.bias is not None:
+                seen.add(module.bias.data_ptr())
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,182 @@
+"""Weight quantization (minillm/quant, the weight_dtype lever): error bounds of the quantizers on
+fresh random matrices, int4 packing, weight bytes, the CPU fast paths against the dequantize
+reference, and the engine on the default model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm import LLM, SamplingParams
+from minillm.config import EngineConfig
+from minillm.layers.linear import Linear
+from minillm.quant import (QuantizedLinear, dequantize_fp8, dequantize_int4, dequantize_int8, pack_int4,
+                           quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
+
+SHAPES = [(1, 2), (37, 53), (96, 200), (3, 576)]
+
+
+def fresh(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.05
+    w[0, 0] = 0.7  # an outlier, as real checkpoints have
+    return w
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_error_is_at_most_half_a_step_per_channel(shape):
+    w = fresh(shape, 1)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (shape[0],)
+    assert q.abs().max() <= 127
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all()
+
+
+def test_int8_zero_row_stays_zero():
+    w = torch.zeros(3, 8)
+    w[1] = 1.0
+    q, scale = quantize_int8(w)
+    assert torch.equal(dequantize_int8(q, scale), w)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 48])
+def test_int4_error_is_at_most_half_a_step_per_group(group, rows):
+    k = group * 3
+    w = fresh((rows, k), group + rows)
+    q, scale, zero = quantize_int4(w, group)
+    assert q.dtype == torch.uint8 and q.max() <= 15 and scale.shape == zero.shape == (rows, k // group)
+    g = w.reshape(rows, k // group, group)
+    bound = (g.amax(2) - g.amin(2)) / 15 / 2
+    err = (dequantize_int4(q, scale, zero) - w).abs().reshape(rows, k // group, group)
+    assert (err <= bound[..., None] * (1 + 1e-5) + 1e-7).all()
+
+
+def test_int4_odd_in_features_are_refused_by_the_quantizer_and_padded_by_the_layer():
+    w = fresh((16, 200), 3)
+    with pytest.raises(ValueError, match=r"in_features=200 is not a multiple of group_size=128"):
+        quantize_int4(w, 128)
+    for fast in (True, False):
+        layer = QuantizedLinear(w, None, "int4", 128, fast=fast)
+        assert layer.pad == 56 and layer.dequantized_weight().shape == (16, 200)
+        x = torch.randn(3, 200)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.dequantized_weight()), rtol=2e-2, atol=2e-2)
+        # Padding changes nothing the first 128 columns see: their group quantizes as alone.
+        q, scale, zero = quantize_int4(w[:, :128], 128)
+        torch.testing.assert_close(layer.dequantized_weight()[:, :128], dequantize_int4(q, scale, zero),
+                                   rtol=0, atol=float(scale.max()) / 10)  # bf16 scales, zeros and output
+
+
+def test_int4_pack_unpack_round_trip():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (7, 34), dtype=torch.uint8, generator=g)
+    packed = pack_int4(q)
+    assert packed.shape == (7, 17) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert torch.equal(packed[0, 0], q[0, 0] | (q[0, 1] << 4))
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_int4(q[:, :3])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_error_is_relative(shape):
+    w = fresh(shape, 5)
+    q, scale = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn
+    err = (dequantize_fp8(q, scale) - w).abs()
+    # e4m3: 3 mantissa bits -> half an ulp is 1/16 of the value; subnormals step by 2^-9 (x scale).
+    assert (err <= w.abs() / 16 + scale[:, None] * 2.0 ** -10 + 1e-12).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_fast_path_matches_the_dequantize_reference(kind):
+    w = fresh((96, 200), 6).t().contiguous().t()  # column-major, as the CPU loader stores weights
+    fast = QuantizedLinear(w, None, kind, 64, fast=True)
+    ref = QuantizedLinear(w, None, kind, 64, fast=False)
+    assert ref.path == "dequant"
+    if kind != "fp8":
+        assert fast.path == f"{kind}pack", "torch's packed CPU kernel should be available in this torch"
+    x = torch.randn(5, 200)
+    expected = F.linear(x, ref.dequantized_weight())
+    step = {"int8": 1 / 127, "int4": 1 / 15, "fp8": 1 / 16}[kind]
+    # Same levels; fast paths round activations and scales to bf16.
+    torch.testing.assert_close(fast(x), expected, rtol=2e-2, atol=0.02 * float(expected.abs().max()))
+    torch.testing.assert_close(fast(x), F.linear(x, fast.dequantized_weight()), rtol=1e-2, atol=1e-2)
+    # And the quantized layer is close to the float one, within the quantization step.
+    assert (fast(x) - x @ w.t()).abs().max() < step * float(w.abs().max()) * 200 ** 0.5 * 2
+    # 3-d inputs keep their leading shape.
+    assert fast(x.reshape(1, 5, 200)).shape == (1, 5, 96)
+
+
+def test_weight_bytes_int8_half_int4_under_30_percent_of_bf16():
+    w = fresh((960, 576), 7)  # SmolLM2's qkv shape: 576 is not a multiple of 128 (padded to 640)
+    bf16 = w.numel() * 2
+    assert QuantizedLinear(w, None, "int8").quantized_bytes() / bf16 == pytest.approx(0.5, abs=0.01)
+    for group in (64, 128):
+        assert QuantizedLinear(w, None, "int4", group).quantized_bytes() / bf16 <= 0.30
+    # group 32: 0.5 + 2 x 2 bytes / 32 per weight = 0.625 bytes, 31% of bf16.
+    assert QuantizedLinear(w, None, "int4", 32).quantized_bytes() / bf16 == pytest.approx(0.3125)
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"weight_dtype": "int3"}, r"weight_dtype='int3' is not one of \(None, 'int8', 'int4', 'fp8'\)"),
+    ({"weight_dtype": "int4", "weight_group_size": 100}, r"weight_group_size=100 is not one of \(32, 64, 128\)"),
+])
+def test_bad_weight_options_are_refused_before_loading(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        LLM(**kwargs)
+
+
+# ------------------------------------------------------------------ the engine on the default model
+PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
+           "The three primary colours are", "Water boils at a temperature of", "My favourite food is",
+           "The largest planet in the solar system is", "To make a cup of tea, first"]
+
+
+@pytest.fixture(scope="module")
+def int8_llm(default_llm):
+    return default_llm.with_levers(weight_dtype="int8")
+
+
+def test_int8_engine_agrees_with_the_float_model_and_leaves_it_untouched(default_llm, int8_llm, idle_check):
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    ref = [o.outputs[0].token_ids[0] for o in default_llm.generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids[0] for o in int8_llm.generate(PROMPTS, params)]
+    agree = sum(a == b for a, b in zip(ref, got))
+    assert agree >= 6, f"int8 top-1 agrees with fp32 on {agree}/{len(PROMPTS)} prompts"
+    # The donor keeps its float layers; the quantized engine shares its embedding.
+    model, qmodel = default_llm.engine.model, int8_llm.engine.model
+    assert qmodel is not model and isinstance(model.layers[0].qkv_proj, Linear) and model.quantized_head is None
+    assert isinstance(qmodel.layers[0].qkv_proj, QuantizedLinear) and qmodel.quantized_head is not None
+    assert qmodel.embed_tokens.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert int8_llm.weight_bytes < 0.5 * default_llm.weight_bytes
+    again = [o.outputs[0].token_ids[0] for o in default_llm.generate(PROMPTS, params)]
+    assert again == ref
+    idle_check(default_llm)
+    idle_check(int8_llm)
+
+
+def test_int8_engine_generates_end_to_end_and_shares_with_its_own_levers(int8_llm, idle_check):
+    out = int8_llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text.strip()
+    no_cache = int8_llm.with_levers(kv_cache=False)
+    assert no_cache.engine.model is int8_llm.engine.model
+    again = no_cache.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
+    assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    idle_check(int8_llm)
+
+
+def test_int4_engine_runs(default_llm, idle_check):
+    int4 = default_llm.with_levers(weight_dtype="int4", weight_group_size=64)
+    layer = int4.engine.model.layers[0].gate_up_proj
+    assert layer.weight_dtype == "int4" and layer.group_size == 64
+    out = int4.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    idle_check(int4)
