@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
+WEIGHT_CALIBRATIONS = ("awq",)            # or None: round-to-nearest
 
 
 @dataclass
@@ -52,6 +53,7 @@ class EngineConfig:
     chunked_prefill: bool = False
     weight_dtype: str | None = None     # built: None (model dtype) | "int8" | "int4" | "fp8" (see minillm/quant)
     weight_group_size: int = 128        # int4 only: input channels per scale and zero
+    weight_calibration: str | None = None  # "awq": activation-aware scales from data/corpus.txt; None: round-to-nearest
     kv_dtype: str | None = None
     prefix_caching: bool = False
     speculative: str | None = None
@@ -123,6 +125,11 @@ class EngineConfig:
              f"weight_dtype={self.weight_dtype!r} is not one of {(None,) + WEIGHT_DTYPES}")
         need(self.weight_group_size in WEIGHT_GROUP_SIZES,
              f"weight_group_size={self.weight_group_size!r} is not one of {WEIGHT_GROUP_SIZES}")
+        need(self.weight_calibration in (None,) + WEIGHT_CALIBRATIONS,
+             f"weight_calibration={self.weight_calibration!r} is not one of {(None,) + WEIGHT_CALIBRATIONS}")
+        need(self.weight_calibration is None or self.weight_dtype not in (None, "auto"),
+             f"weight_calibration={self.weight_calibration!r} needs a weight_dtype (one of {WEIGHT_DTYPES}): "
+             "it calibrates the quantization of the weights")
 
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {

@@ -126,6 +126,8 @@ def test_weight_bytes_int8_half_int4_under_30_percent_of_bf16():
 @pytest.mark.parametrize("kwargs, pattern", [
     ({"weight_dtype": "int3"}, r"weight_dtype='int3' is not one of \(None, 'int8', 'int4', 'fp8'\)"),
     ({"weight_dtype": "int4", "weight_group_size": 100}, r"weight_group_size=100 is not one of \(32, 64, 128\)"),
+    ({"weight_dtype": "int4", "weight_calibration": "gptq"}, r"weight_calibration='gptq' is not one of \(None, 'awq'\)"),
+    ({"weight_calibration": "awq"}, r"weight_calibration='awq' needs a weight_dtype"),
 ])
 def test_bad_weight_options_are_refused_before_loading(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -180,3 +182,35 @@ def test_int4_engine_runs(default_llm, idle_check):
     out = int4.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
     idle_check(int4)
+
+
+# ------------------------------------------------------------------ activation-aware hook (AWQ)
+def test_awq_scale_search_beats_round_to_nearest_on_salient_channels():
+    from minillm.quant.awq import fake_quantize, search_input_scale
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(64, 256, generator=g) * 0.05
+    x = torch.randn(96, 256, generator=g)
+    x[:, :4] *= 30  # four salient input channels, as in LLM activations
+    s, alpha, errors = search_input_scale(w, x, "int4", 128)
+    assert alpha > 0 and errors[0] == pytest.approx(float((x @ fake_quantize(w, "int4", 128).t() - x @ w.t()).pow(2).mean()))
+    assert min(errors) < 0.8 * errors[0], f"AWQ should cut the output error of RTN: {errors}"
+    # The hook: QuantizedLinear(input_scale=s) computes (x / s) Q(W s)^T on every path.
+    for fast in (True, False):
+        layer = QuantizedLinear(w, None, "int4", 128, fast=fast, input_scale=s)
+        rtn = QuantizedLinear(w, None, "int4", 128, fast=fast)
+        err_awq = (layer(x) - x @ w.t()).pow(2).mean()
+        err_rtn = (rtn(x) - x @ w.t()).pow(2).mean()
+        assert err_awq < 0.8 * err_rtn
+
+
+def test_awq_lever_on_a_random_model_quantizes_with_input_scales():
+    llm = LLM("random:tiny-llama", weight_dtype="int4", weight_group_size=32, weight_calibration="awq")
+    layer = llm.engine.model.layers[1].gate_up_proj
+    assert isinstance(layer, QuantizedLinear) and layer.inv_input_scale is not None
+    assert llm.engine.model.quantized_head.inv_input_scale is None  # the head stays round-to-nearest
+    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    plain = llm.with_levers(weight_calibration=None)  # a quantized donor: reloaded, not shared
+    assert plain.engine.model is not llm.engine.model
+    assert plain.engine.model.layers[1].gate_up_proj.inv_input_scale is None

@@ -57,12 +57,12 @@ class QuantizedLinear(nn.Module):
         self.weight_dtype, self.group_size = weight_dtype, group_size
         self.act_dtype = weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.inv_input_scale = None
+        self.register_buffer("inv_input_scale", None)
         w = weight.detach().float().contiguous()  # row-major: the packers read raw memory
         if input_scale is not None:
             s = input_scale.detach().float().to(w.device)
             w = w * s[None, :]
-            self.register_buffer("inv_input_scale", (1.0 / s).to(weight.dtype))
+            self.inv_input_scale = (1.0 / s).to(weight.dtype)
         on_cpu = weight.device.type == "cpu"
         self.pad = 0
         if weight_dtype == "int8":

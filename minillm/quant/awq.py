@@ -1,0 +1,59 @@
+"""Activation-aware scale search (AWQ, Lin et al. 2023), round-to-nearest inside.
+
+A few input channels carry much larger activations than the rest; their weights matter more.
+AWQ multiplies column k of W by s[k] > 1 for such channels before quantizing (finer levels
+relative to those weights) and divides x[:, k] by s[k], which leaves x W^T unchanged in exact
+arithmetic. Per matrix it tries
+
+    s = mean_t |x[t, k]| ** alpha,  normalised so that sqrt(max(s) * min(s)) = 1,  alpha in [0, 1)
+
+and keeps the alpha whose quantized output is closest to the float output on calibration
+activations x (alpha = 0 is plain round-to-nearest, so the search never does worse on them).
+`QuantizedLinear(..., input_scale=s)` is the hook that applies the result; the activations come
+from running the float model on calibration text (minillm/data/corpus.txt), which the model
+floor does (this floor only sees tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import dequantize_fp8, quantize_fp8
+from .int4 import dequantize_int4, quantize_int4
+from .int8 import dequantize_int8, quantize_int8
+
+
+def fake_quantize(w: torch.Tensor, weight_dtype: str, group_size: int = 128) -> torch.Tensor:
+    """dequantize(quantize(w)) in fp32, [N, K] -> [N, K] (int4 pads K to a multiple of the group)."""
+    if weight_dtype == "int8":
+        return dequantize_int8(*quantize_int8(w))
+    if weight_dtype == "fp8":
+        return dequantize_fp8(*quantize_fp8(w))
+    k = w.shape[1]
+    pad = (-k) % group_size
+    wp = F.pad(w.float(), (0, pad)) if pad else w.float()
+    return dequantize_int4(*quantize_int4(wp, group_size))[:, :k]
+
+
+@torch.no_grad()
+def search_input_scale(w: torch.Tensor, x: torch.Tensor, weight_dtype: str = "int4", group_size: int = 128,
+                       grid: int = 20) -> tuple[torch.Tensor, float, list[float]]:
+    """w [N, K], calibration inputs x [T, K] -> (input_scale [K], best alpha, output error per alpha).
+
+    The error is the mean squared difference between x W^T and (x / s) Q(W s)^T.
+    """
+    w, x = w.float(), x.float().reshape(-1, w.shape[1])
+    ref = x @ w.t()
+    mean_abs = x.abs().mean(dim=0).clamp_min(1e-8)
+    best, best_alpha, errors = None, 0.0, []
+    for i in range(grid):
+        alpha = i / grid
+        s = mean_abs.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        out = (x / s) @ fake_quantize(w * s, weight_dtype, group_size).t()
+        err = float((out - ref).pow(2).mean())
+        errors.append(err)
+        if best is None or err < min(errors[:-1]):
+            best, best_alpha = s, alpha
+    return best, best_alpha, errors
