@@ -168,10 +168,8 @@ def test_int8_engine_agrees_with_the_float_model_and_leaves_it_untouched(default
 def test_int8_engine_generates_end_to_end_and_shares_with_its_own_levers(int8_llm, idle_check):
     out = int8_llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].text.strip()
-    no_cache = int8_llm.with_levers(kv_cache=False)
-    assert no_cache.engine.model is int8_llm.engine.model
-    again = no_cache.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
-    assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    other = int8_llm.with_levers(max_num_seqs=2)  # same weight format: the quantized model is shared
+    assert other.engine.model is int8_llm.engine.model
     idle_check(int8_llm)
 
 
@@ -179,8 +177,8 @@ def test_int4_engine_runs(default_llm, idle_check):
     int4 = default_llm.with_levers(weight_dtype="int4", weight_group_size=64)
     layer = int4.engine.model.layers[0].gate_up_proj
     assert layer.weight_dtype == "int4" and layer.group_size == 64
-    out = int4.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))
-    assert len(out[0].outputs[0].token_ids) == 4
+    out = int4.generate(["The capital of France is"], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 2
     idle_check(int4)
 
 
