@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "(baseline, bf16, int8, int4) side by side")
     q.add_argument("--model", default=None)
     q.add_argument("--settings", nargs="+", metavar="SETTING",
-                   help="the first is the reference; names (baseline bf16 fp16 int8 int4) or LEVER=VALUE[,LEVER=VALUE] "
+                   help="the first is the reference; names (baseline bf16 fp16 int8 int4 int4-awq int4-g32 fp8) or "
+                        "LEVER=VALUE[,LEVER=VALUE] "
                         "(default: baseline bf16 int8 int4)")
     q.add_argument("--max-windows", type=int, default=None, help="score only the first N corpus windows (quicker)")
     q.add_argument("--window", type=int, default=512, help="tokens per perplexity window")

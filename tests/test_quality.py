@@ -103,8 +103,8 @@ def test_cli_prints_the_table(default_llm, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(LLM, "with_levers", refuse_one)
     out_json = tmp_path / "quality.json"
     code = main(["quality", "--settings", "baseline", "kv_cache=false", "max_num_seqs=3", "--max-windows", "1",
-                 "--window", "48", "--stride", "24", "--prompts", "2", "--decode-tokens", "4", "--decode-repeats", "1",
-                 "--generations", "1", "--generation-tokens", "4", "--no-progress", "--json", str(out_json)])
+                 "--window", "48", "--stride", "24", "--prompts", "2", "--decode-tokens", "3", "--decode-repeats", "1",
+                 "--generations", "1", "--generation-tokens", "2", "--no-progress", "--json", str(out_json)])
     text = capsys.readouterr().out
     assert code == 0, text
     for needle in ("perplexity", "top-1", "corpus top-1", "decode tok/s", "weights MB", "KV B/tok", "baseline",

@@ -38,7 +38,10 @@ KNOWN_SETTINGS: dict[str, dict] = {
     "bf16": {"dtype": "bfloat16"},
     "fp16": {"dtype": "float16"},
     "int8": {"weight_dtype": "int8"},
-    "int4": {"weight_dtype": "int4"},
+    "int4": {"weight_dtype": "int4"},                       # group 128, round-to-nearest
+    "int4-awq": {"weight_dtype": "int4", "weight_calibration": "awq"},
+    "int4-g32": {"weight_dtype": "int4", "weight_group_size": 32},  # aligned to the GGUF's Q4_1 blocks
+    "fp8": {"weight_dtype": "fp8"},
 }
 DEFAULT_SETTINGS = ("baseline", "bf16", "int8", "int4")
 NOT_AVAILABLE = "not available yet"
