@@ -26,7 +26,7 @@ lab: model          ## the course: JupyterLab on labs/
 browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
 	@bash scripts/install_browser.sh
 
-test: setup model browser-deps   ## the whole suite, slow tests included (about 8 min on 2 idle cores; keep it under 25)
+test: setup model browser-deps   ## the whole suite, slow tests included (about 20 min on 2 idle cores; keep it under 25)
 	$(BIN)/python -m pytest -q
 
 test-fast: setup model browser-deps   ## everything but the tests marked slow
