@@ -14,6 +14,9 @@ A backend is any object with two methods (labs plug a learner's version in here)
         q:    [num_q, num_heads, head_dim]   one sequence's new queries
         k, v: [num_kv_heads, num_keys, head_dim]  every key it may see, oldest first
         num_cached: keys before the first query (query i sits at position num_cached + i)
+
+Optional: `decode_batch(q, k_cache, v_cache, read, mask, scale)` serves a whole decode step
+in one call (the torch backend has it); a backend without it gets `attend` per sequence.
 """
 
 from __future__ import annotations
