@@ -83,14 +83,17 @@ class ModelRunner:
                     slots.extend(seq_slots[start:])
                     kv_read.append(seq_slots)
         dev = self.device
+        decode_batch = use_cache and len(seqs) > 1 and max(query_lens) == 1 and hasattr(self.backend, "decode_batch")
         meta = AttentionMetadata(
             query_lens=query_lens,
             num_cached=num_cached,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev) if use_cache else None,
-            kv_read=[r if isinstance(r, slice) else torch.tensor(r, dtype=torch.long, device=dev) for r in kv_read],
+            # A batched decode step reads decode_read instead: no per-sequence tensors for it.
+            kv_read=[] if decode_batch else
+            [r if isinstance(r, slice) else torch.tensor(r, dtype=torch.long, device=dev) for r in kv_read],
             use_cache=use_cache,
         )
-        if use_cache and len(seqs) > 1 and max(query_lens) == 1 and hasattr(self.backend, "decode_batch"):
+        if decode_batch:
             # A decode step: one padded gather and one attention call per layer for the whole batch.
             width = max(c + 1 for c in num_cached)
             read, mask = [], []
