@@ -11,7 +11,7 @@ table entry returns NaN, not a near miss. The output starts as NaN: every row mu
 import pytest
 import torch
 
-from kernel_utils import DEVICE, DTYPES, TOLERANCE  # first: picks the interpreter before triton is imported
+from kernel_utils import DEVICE, DTYPES, TOLERANCE, scattered_pool  # first: picks the interpreter before triton is imported
 
 from minillm.kernels.extend_attention import (
     extend_attention,
@@ -25,20 +25,7 @@ def make_extend_batch(rows, num_kv_heads, group, head_dim, block_size, dtype, se
     pool holding every sequence's cached + new keys in randomly scattered blocks."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [cached + new for cached, new in rows]
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.zeros(len(rows), max(blocks_per_seq), dtype=torch.int32)  # padded with block 0
-    k_cache = torch.full((num_kv_heads, num_blocks * block_size, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    start = 0
-    for seq, (seq_len, count) in enumerate(zip(seq_lens, blocks_per_seq)):
-        block_tables[seq, :count] = order[start:start + count].int()
-        start += count
-        positions = torch.arange(seq_len)
-        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
-        k_cache[:, slots] = torch.randn(num_kv_heads, seq_len, head_dim, generator=gen)
-        v_cache[:, slots] = torch.randn(num_kv_heads, seq_len, head_dim, generator=gen)
+    block_tables, k_cache, v_cache = scattered_pool(seq_lens, num_kv_heads, head_dim, block_size, gen, spare_blocks)
     num_new = torch.tensor([new for _, new in rows], dtype=torch.int32)
     query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
     query_start_loc[1:] = num_new.cumsum(0)

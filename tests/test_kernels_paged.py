@@ -8,7 +8,7 @@ reads past a sequence or through the wrong block table entry returns NaN, not a 
 import pytest
 import torch
 
-from kernel_utils import DEVICE, DTYPES, TOLERANCE  # first: picks the interpreter before triton is imported
+from kernel_utils import DEVICE, DTYPES, TOLERANCE, scattered_pool  # first: picks the interpreter before triton is imported
 
 from minillm.kernels.paged_decode import (
     paged_decode_attention,
@@ -55,21 +55,7 @@ def test_store_kv_rejects_wrong_slot_mapping():
 def make_paged_batch(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed, spare_blocks=3):
     """Random q and a NaN-poisoned pool in which each sequence's blocks are scattered at random."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)  # padded with block 0
-    k_cache = torch.full((num_kv_heads, num_blocks * block_size, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    start = 0
-    for seq, (seq_len, count) in enumerate(zip(seq_lens, blocks_per_seq)):
-        block_tables[seq, :count] = order[start:start + count].int()
-        start += count
-        positions = torch.arange(seq_len)
-        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
-        k_cache[:, slots] = torch.randn(num_kv_heads, seq_len, head_dim, generator=gen)
-        v_cache[:, slots] = torch.randn(num_kv_heads, seq_len, head_dim, generator=gen)
+    block_tables, k_cache, v_cache = scattered_pool(seq_lens, num_kv_heads, head_dim, block_size, gen, spare_blocks)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     return [t.to(DEVICE) for t in (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), block_tables, seq_lens)]
