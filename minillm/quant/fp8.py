@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from .int8 import per_channel_scale
+
 FP8_MAX = 448.0
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (q float8_e4m3fn [N, K], scale fp32 [N])."""
-    if w.dim() != 2:
-        raise ValueError(f"quantize_fp8 expects a [out_features, in_features] matrix, got shape {tuple(w.shape)}")
-    w = w.float()
-    scale = w.abs().amax(dim=1) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    w, scale = per_channel_scale(w, FP8_MAX, "quantize_fp8")
     q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), scale
 

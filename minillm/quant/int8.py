@@ -12,13 +12,19 @@ import torch
 QMAX = 127
 
 
+def per_channel_scale(w: torch.Tensor, qmax: float, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (w in fp32, symmetric scale fp32 [N] mapping each row's largest |value| to qmax;
+    an all-zero row gets scale 1). `who` names the caller in the error."""
+    if w.dim() != 2:
+        raise ValueError(f"{who} expects a [out_features, in_features] matrix, got shape {tuple(w.shape)}")
+    w = w.float()
+    scale = w.abs().amax(dim=1) / qmax
+    return w, torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (q int8 [N, K], scale fp32 [N]). An all-zero row gets scale 1."""
-    if w.dim() != 2:
-        raise ValueError(f"quantize_int8 expects a [out_features, in_features] matrix, got shape {tuple(w.shape)}")
-    w = w.float()
-    scale = w.abs().amax(dim=1) / QMAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    w, scale = per_channel_scale(w, QMAX, "quantize_int8")
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q.contiguous(), scale
 
