@@ -94,7 +94,7 @@ def test_fp8_error_is_relative(shape):
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 def test_fast_path_matches_the_dequantize_reference(kind):
-    w = fresh((96, 200), 6).t().contiguous().t()  # column-major, as the CPU loader stores weights
+    w = fresh((96, 200), 6).t().contiguous().t()  # column-major: a layout QuantizedLinear must also accept
     fast = QuantizedLinear(w, None, kind, 64, fast=True)
     ref = QuantizedLinear(w, None, kind, 64, fast=False)
     assert ref.path == "dequant"

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..layers.activation import silu_and_mul
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import Linear
+from ..layers.linear import Linear, linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> fp32 logits [N, vocab]."""
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.attn for layer in self.layers]
