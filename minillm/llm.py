@@ -170,6 +170,21 @@ class LLM:
     def device(self) -> str:
         return self.engine.device_label
 
+    def set_quantized_matmul(self, fn, weight_dtype: str = "int4") -> int:
+        """Plug in a quantized matmul y = fn(x2d, layer) (e.g. a lab's int4 Triton kernel reading
+        layer.int4_parts()) on every `weight_dtype` layer; None restores the built-in paths. Engines
+        sharing this quantized model (with_levers) see it too. Returns the number of layers hooked."""
+        from .models.quantize import set_quantized_matmul
+
+        count = set_quantized_matmul(self.engine.model, fn, weight_dtype)
+        if count == 0:
+            raise ValueError(f"set_quantized_matmul(weight_dtype={weight_dtype!r}): this model has no {weight_dtype} "
+                             f"layers (its weight_dtype is {self.config.weight_dtype!r}); build the LLM with "
+                             f"weight_dtype={weight_dtype!r}")
+        if self.engine.runner.graphs is not None:  # captured graphs hold the old matmul's launches
+            self.engine.runner.graphs.reset()
+        return count
+
     def set_attention_backend(self, backend) -> None:
         """Plug in an attention backend (an object with store_kv() and attend()), e.g. a lab's."""
         if not isinstance(backend, str):

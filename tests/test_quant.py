@@ -212,3 +212,98 @@ def test_awq_lever_on_a_random_model_quantizes_with_input_scales():
     plain = llm.with_levers(weight_calibration=None)  # a quantized donor: reloaded, not shared
     assert plain.engine.model is not llm.engine.model
     assert plain.engine.model.layers[1].gate_up_proj.inv_input_scale is None
+
+
+# ------------------------------------------------------------------ plain layouts and the plug-in hook
+@pytest.mark.parametrize("n, k, group", [(48, 200, 64), (80, 96, 32), (37, 131, 128)])
+def test_int4_parts_are_the_plain_layout_on_every_path(n, k, group):
+    w = fresh((n, k), n + k)
+    w[1] += 2.0  # a row far from zero: its groups' zeros are large next to their scales
+    q, _, _ = quantize_int4(F.pad(w, (0, (-k) % group)), group)
+    layers = [QuantizedLinear(w, None, "int4", group, fast=f) for f in (True, False)]
+    if n % 16 == 0:
+        assert layers[0].path == "int4pack"  # the recovered case
+    for layer in layers:
+        packed, scale, zero = layer.int4_parts()
+        kp = k + layer.pad
+        assert packed.dtype == torch.uint8 and packed.shape == (n, kp // 2)
+        assert scale.dtype == zero.dtype == torch.float32 and scale.shape == zero.shape == (n, kp // group)
+        assert torch.equal(unpack_int4(packed), q), layer.path  # the same 4-bit levels as the quantizer's
+        w_plain = dequantize_int4(unpack_int4(packed), scale, zero)[:, :k]
+        assert torch.equal(w_plain, layer.dequantized_weight()), layer.path
+        assert layer.int4_parts()[0] is packed or layer.path != "int4pack"  # recovered once, then cached
+        # And the layer really multiplies by that matrix (fast paths round activations to bf16).
+        x = torch.randn(3, k)
+        torch.testing.assert_close(layer(x), F.linear(x, w_plain), rtol=2e-2, atol=0.02 * float(F.linear(x, w_plain).abs().max()))
+    with pytest.raises(ValueError, match=r"int8_parts\(\) needs weight_dtype='int8', this layer has 'int4'"):
+        layers[0].int8_parts()
+
+
+def test_int8_parts_are_q_and_a_float_scale_on_every_path():
+    w = fresh((96, 200), 11)
+    q_ref, scale_ref = quantize_int8(w)
+    for fast in (True, False):
+        layer = QuantizedLinear(w, None, "int8", fast=fast)
+        q, scale = layer.int8_parts()
+        assert torch.equal(q, q_ref) and scale.dtype == torch.float32 and scale.shape == (96,)
+        torch.testing.assert_close(scale, scale_ref, rtol=2 ** -8, atol=0)  # bf16 on the int8pack path
+        assert torch.equal(dequantize_int8(q, scale), layer.dequantized_weight())
+    with pytest.raises(ValueError, match=r"int4_parts\(\) needs weight_dtype='int4', this layer has 'int8'"):
+        layer.int4_parts()
+
+
+def test_set_matmul_replaces_the_path_after_input_scale_and_before_bias():
+    g = torch.Generator().manual_seed(12)
+    w, bias, s = fresh((16, 64), 12), torch.randn(16, generator=g), torch.rand(64, generator=g) + 0.5
+    layer = QuantizedLinear(w, bias, "int4", 32, input_scale=s)
+    x = torch.randn(2, 3, 64, generator=g)
+    seen = []
+
+    def fn(x2d, lay):
+        seen.append((x2d.shape, x2d.dtype))
+        return torch.full((x2d.shape[0], lay.out_features), 7.0) + x2d[:, :1]
+
+    layer.set_matmul(fn)
+    y = layer(x)
+    assert seen == [((6, 64), torch.float32)]
+    x2d = (x * layer.inv_input_scale).reshape(6, 64)
+    torch.testing.assert_close(y, (7.0 + x2d[:, :1] + bias).reshape(2, 3, 16))
+    layer.set_matmul(None)
+    torch.testing.assert_close(layer(x), F.linear(x * layer.inv_input_scale, layer.dequantized_weight(), bias),
+                               rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="set_matmul takes a callable"):
+        layer.set_matmul(3)
+
+
+def int4_torch_matmul(x2d, layer):
+    """A plug-in computing with the plain layout the way the CPU int4 kernel rounds: bf16
+    activations, fp32 weights and sums, bf16 result."""
+    packed, scale, zero = layer.int4_parts()
+    w = dequantize_int4(unpack_int4(packed), scale, zero)[:, : layer.in_features]
+    return (x2d.to(torch.bfloat16).float() @ w.t()).to(torch.bfloat16).to(x2d.dtype)
+
+
+def test_a_torch_int4_hook_gives_the_engine_s_greedy_tokens():
+    llm = LLM("random:tiny-llama", weight_dtype="int4", weight_group_size=32)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 13]}, {"prompt_token_ids": [7, 300, 42, 99, 11, 3]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    calls = []
+
+    def hook(x2d, layer):
+        calls.append(layer)
+        return int4_torch_matmul(x2d, layer)
+
+    hooked = sum(isinstance(m, QuantizedLinear) and m.weight_dtype == "int4" for m in llm.engine.model.modules())
+    assert hooked >= 8  # 2 layers x 4 Linears (+ the head when it is int4 too)
+    assert llm.set_quantized_matmul(hook) == hooked
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls and got == ref
+    llm.set_quantized_matmul(lambda x2d, layer: torch.zeros(x2d.shape[0], layer.out_features))  # a wrong kernel shows
+    wrong = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert wrong != ref
+    assert llm.set_quantized_matmul(None) == hooked
+    n = len(calls)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref and len(calls) == n
+    with pytest.raises(ValueError, match=r"no int8 layers \(its weight_dtype is 'int4'\)"):
+        llm.set_quantized_matmul(hook, weight_dtype="int8")

@@ -61,6 +61,19 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
     return model
 
 
+def set_quantized_matmul(model: LlamaForCausalLM, fn, weight_dtype: str = "int4") -> int:
+    """Plug y = fn(x2d, layer) into every QuantizedLinear of `weight_dtype` (the quantized head
+    included; see QuantizedLinear.set_matmul); fn=None restores their own paths. Returns the
+    number of layers hooked (0: the model has no such layer). A lab's kernel reads the layer's
+    plain layout: layer.int4_parts() / layer.int8_parts()."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.weight_dtype == weight_dtype:
+            module.set_matmul(fn)
+            count += 1
+    return count
+
+
 @torch.no_grad()
 def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: str = "int4", group_size: int = 128,
                   grid: int = 10) -> dict[str, torch.Tensor]:

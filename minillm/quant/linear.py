@@ -19,6 +19,14 @@ Scales (and int4's zeros) are stored in bfloat16 on the CPU fast paths (what the
 in fp32 otherwise. `dequantized_weight()` returns the matrix every path multiplies by, so tests
 compare each fast path against F.linear with it (the fast paths round activations to bf16).
 
+Plain layouts and a plug-in hook (what a lab's or a Triton kernel needs, whatever the path):
+`int4_parts()` -> (packed uint8 [N, Kp/2], scale fp32 [N, Kp/g], zero fp32 [N, Kp/g]) in
+minillm/quant/int4.py's format (Kp = in_features padded to the group size; recovered exactly and
+cached for "int4pack", whose packed format is the kernel's own); `int8_parts()` -> (q int8 [N, K],
+scale fp32 [N]). `set_matmul(fn)` makes forward compute y = fn(x2d, layer) (x2d [M, K] in the
+activation dtype, after the input_scale division; bias added after); `set_matmul(None)` restores
+the path.
+
 Activation-aware hook: `input_scale` [K] (e.g. from an AWQ-style search on calibration text)
 quantizes W * input_scale and multiplies x by 1 / input_scale first, so y is unchanged in exact
 arithmetic while salient input channels get finer quantization levels.
@@ -65,6 +73,8 @@ class QuantizedLinear(nn.Module):
             self.inv_input_scale = (1.0 / s).to(weight.dtype)
         on_cpu = weight.device.type == "cpu"
         self.pad = 0
+        self.matmul_fn = None  # set_matmul: a plug-in y = fn(x2d, layer) replacing the path
+        self._int4_cache = None  # int4pack: the plain layout, recovered once (int4_parts)
         if weight_dtype == "int8":
             q, scale = quantize_int8(w)
             self.register_buffer("q", q)
@@ -107,14 +117,58 @@ class QuantizedLinear(nn.Module):
             return dequantize_int8(self.q, self.scale, dtype)
         if self.weight_dtype == "fp8":
             return dequantize_fp8(self.q, self.scale, dtype)
-        if self.path == "int4pack":  # multiply the identity: exact for 4-bit levels, bf16 result
-            k = self.in_features + self.pad
-            eye = torch.eye(k, dtype=torch.bfloat16)
-            w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size,
-                                                           self.scales_and_zeros).t()
-        else:
-            w = dequantize_int4(unpack_int4(self.packed), self.scale, self.zero)
-        return w[:, : self.in_features].to(dtype)
+        packed, scale, zero = self.int4_parts()
+        return dequantize_int4(unpack_int4(packed), scale, zero)[:, : self.in_features].to(dtype)
+
+    # ------------------------------------------------------------ plain layouts
+    @torch.no_grad()
+    def int8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [N, K], scale fp32 [N]): W = q * scale[:, None] (minillm/quant/int8.py)."""
+        if self.weight_dtype != "int8":
+            raise ValueError(f"int8_parts() needs weight_dtype='int8', this layer has {self.weight_dtype!r}")
+        return self.q, self.scale.float()
+
+    @torch.no_grad()
+    def int4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed uint8 [N, Kp/2], scale fp32 [N, Kp/g], zero fp32 [N, Kp/g]), pack_int4's format
+        (Kp = in_features + pad, a multiple of group_size g): W = dequantize_int4(unpack_int4(packed),
+        scale, zero)[:, :in_features], exactly the matrix dequantized_weight() returns."""
+        if self.weight_dtype != "int4":
+            raise ValueError(f"int4_parts() needs weight_dtype='int4', this layer has {self.weight_dtype!r}")
+        if self.path != "int4pack":
+            return self.packed, self.scale.float(), self.zero.float()
+        if self._int4_cache is None:
+            self._int4_cache = self._recover_int4()
+        return self._int4_cache
+
+    def _recover_int4(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The plain layout of an "int4pack" layer, from its stored data alone. The CPU kernel computes
+        w = (q - 8) * scale + zero8 in fp32 (fp32 scales and zeros give fp32 results), so multiplying
+        the identity returns each w in fp32, and q = round((w - zero8) / scale) + 8 is exact (|w - zero8|
+        / scale <= 8, far inside fp32's precision). The plain zero is zero8 - 8 * scale (in fp32)."""
+        k, g = self.in_features + self.pad, self.group_size
+        sz = self.scales_and_zeros.float()  # [K/g, N, 2]
+        scale = sz[..., 0].t().contiguous()  # [N, K/g]
+        zero8 = sz[..., 1].t().contiguous()  # [N, K/g]
+        q = torch.empty(self.out_features, k, dtype=torch.uint8)
+        chunk = max(g, (1 << 22) // max(k, 1) // g * g)  # identity blocks of at most ~4M entries
+        for start in range(0, k, chunk):
+            stop = min(k, start + chunk)
+            eye = torch.zeros(stop - start, k)
+            eye[:, start:stop] = torch.eye(stop - start)
+            w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, g, sz).t()  # [N, stop - start]
+            groups = torch.arange(start, stop) // g
+            level = torch.round((w - zero8[:, groups]) / scale[:, groups]) + 8
+            q[:, start:stop] = level.clamp_(0, 15).to(torch.uint8)
+        return pack_int4(q), scale, zero8 - 8 * scale
+
+    def set_matmul(self, fn) -> None:
+        """Plug in y = fn(x2d, layer) (x2d [M, in_features] in the activation dtype, after the
+        input_scale division; returns [M, out_features]; the bias is added after). None restores
+        the layer's own path."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_matmul takes a callable fn(x2d, layer) or None, got {type(fn).__name__}")
+        self.matmul_fn = fn
 
     def quantized_bytes(self) -> int:
         """Bytes of the stored weight: quantized values + scales (+ zeros) (+ bias)."""
@@ -134,7 +188,9 @@ class QuantizedLinear(nn.Module):
         if self.inv_input_scale is not None:
             x = x * self.inv_input_scale
         shape = x.shape[:-1]
-        if self.path == "int8pack":
+        if self.matmul_fn is not None:
+            y = self.matmul_fn(x.reshape(-1, self.in_features), self).to(x.dtype)
+        elif self.path == "int8pack":
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.q,
                                           self.scale).to(x.dtype)
         elif self.path == "int4pack":
