@@ -1,0 +1,91 @@
+"""int4 calibration: AWQ's clipping search, the lm_head rule, and the calibration text kept apart
+from the text the quality harness scores."""
+
+import re
+
+import pytest
+import torch
+
+from minillm.models.quantize import (CALIBRATION_TEXT, HEAD_DTYPES, clip_weight, head_dtype_for, quantize_model)
+from minillm.quant import QuantizedLinear
+from minillm.quant.awq import fake_quantize, search_clip
+
+
+def _output_error(w_q, w, x):
+    return float((x @ w_q.t() - x @ w.t()).pow(2).mean())
+
+
+def test_clip_search_never_loses_to_round_to_nearest_and_wins_on_outlying_weights():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=g) * 0.02
+    w[torch.rand(w.shape, generator=g) < 0.01] *= 12  # a few outlying weights stretch their groups
+    x = torch.randn(200, 256, generator=g)
+    clip, err = search_clip(w, x, 128)
+    assert clip.shape == err.shape == (48, 2)
+    absmax = w.reshape(48, 2, 128).abs().amax(-1)
+    assert torch.all(clip <= absmax + 1e-7) and torch.all(clip >= 0.5 * absmax - 1e-7)
+    # Per group, the search's error equals the error of the clipped group computed directly.
+    clipped = clip_weight(w, None, clip, 128)
+    d = (fake_quantize(clipped, "int4", 128) - w).reshape(48, 2, 128)
+    xg = x.reshape(200, 2, 128)
+    direct = torch.einsum("tgk,ngk->tng", xg, d).pow(2).mean(0)
+    torch.testing.assert_close(err, direct, rtol=1e-3, atol=1e-9)
+    rtn = _output_error(fake_quantize(w, "int4", 128), w, x)
+    got = _output_error(fake_quantize(clipped, "int4", 128), w, x)
+    assert got < 0.9 * rtn, (got, rtn)
+    assert bool((clip < absmax - 1e-7).any())
+    # No outliers to cut: clipping never does worse than round-to-nearest on the calibration inputs.
+    w2 = torch.randn(32, 128, generator=g)
+    clip2, _ = search_clip(w2, x[:, :128], 128)
+    assert _output_error(fake_quantize(clip_weight(w2, None, clip2, 128), "int4", 128), w2, x[:, :128]) <= \
+        _output_error(fake_quantize(w2, "int4", 128), w2, x[:, :128]) * (1 + 1e-5)
+    with pytest.raises(ValueError, match="max_shrink=1.0"):
+        search_clip(w, x, 128, max_shrink=1.0)
+
+
+def test_clip_weight_clamps_in_the_scaled_domain_and_pads_odd_widths():
+    w = torch.tensor([[1.0, -4.0, 2.0], [0.5, 0.5, -0.5]])
+    s = torch.tensor([2.0, 1.0, 1.0])
+    clip = torch.tensor([[1.5, 9.0], [0.25, 0.3]])  # groups of 2 over 3 columns padded to 4
+    got = clip_weight(w, s, clip, 2)
+    # scaled row 0: [2, -4 | 2] -> clamp +-1.5 -> [1.5, -1.5 | 2] (second group: +-9) -> / s
+    torch.testing.assert_close(got, torch.tensor([[0.75, -1.5, 2.0], [0.125, 0.25, -0.3]]))
+
+
+def test_head_dtype_rule():
+    assert head_dtype_for("int4") == "int8"        # 4-bit body, 8-bit head (AWQ / GPTQ keep the head out of 4-bit)
+    assert head_dtype_for("int8") == "int8" and head_dtype_for("fp8") == "fp8"
+    assert head_dtype_for(None) is None and head_dtype_for("int4", "model") is None
+    assert head_dtype_for("int4", "int4") == "int4" and head_dtype_for("int8", "fp8") == "fp8"
+    with pytest.raises(ValueError, match=r"weight_head_dtype='int2' is not one of \('auto', 'model'"):
+        head_dtype_for("int4", "int2")
+    assert HEAD_DTYPES[:2] == ("auto", "model")
+
+
+def test_quantize_model_head_options():
+    from minillm import LLM
+
+    llm = LLM("random:tiny-llama")
+    model = llm.engine.model
+    float_head = model.lm_head_weight.clone()
+    kept = quantize_model(model, "int4", 32, in_place=False, head_dtype=None)
+    assert kept.quantized_head is None and torch.equal(kept.lm_head_weight, float_head)
+    assert isinstance(kept.layers[0].o_proj, QuantizedLinear)
+    int8 = quantize_model(model, "int4", 32, in_place=False, head_dtype="int8")
+    assert int8.quantized_head.weight_dtype == "int8" and int8.layers[0].o_proj.weight_dtype == "int4"
+    same = quantize_model(model, "int4", 32, in_place=False)
+    assert same.quantized_head.weight_dtype == "int4"
+    assert llm.with_levers(weight_dtype="int4").engine.model.quantized_head.weight_dtype == "int8"
+
+
+def test_calibration_text_is_not_the_scored_corpus():
+    corpus = (CALIBRATION_TEXT.parent / "corpus.txt").read_text()
+    calibration = CALIBRATION_TEXT.read_text()
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", calibration) if len(s.strip()) > 40]
+    assert len(sentences) > 20
+    shared = [s for s in sentences if s in corpus]
+    assert not shared, shared
+    words = corpus.split()
+    grams = {" ".join(words[i:i + 8]) for i in range(len(words) - 7)}
+    cw = calibration.split()
+    assert not any(" ".join(cw[i:i + 8]) in grams for i in range(len(cw) - 7))
