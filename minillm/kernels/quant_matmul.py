@@ -20,7 +20,8 @@ Two kernels per format, chosen by the number of rows M of x:
    shrink as BLOCK_M grows so the product tile stays ~8K fp32 values (64 registers a thread at
    4 warps). Split-K: with a few rows, N / BLOCK_N programs would leave most SMs idle, so K is
    cut into slices (about 4 programs per SM in all); each slice writes fp32 partial sums
-   [split_k, M, N] that the launcher adds up (deterministic, no atomics).
+   [split_k, M, N] that the launcher adds up and rounds to x's dtype (deterministic, no
+   atomics; with one slice it only rounds: one output dtype, half the AOT variants).
 2. GEMM (prefill, M > 16): grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), tiles through `tl.dot`
    (BLOCK_M >= 16). The weight tile is dequantized in registers to x's dtype (int8 and e4m3 are
    exact in bf16 / fp16; int4's q * scale + zero rounds once, as dequantize_int4 to that dtype
@@ -71,8 +72,7 @@ def channel_gemv_kernel(
     x_ptr,        # [M, K] activations fp32 / bf16 / fp16 (row stride stride_xm, unit stride along K)
     w_ptr,        # [N, K] int8 or float8_e4m3fn weights (row stride stride_wn, unit stride along K)
     scale_ptr,    # [N] per-output-channel scale (fp32 / bf16 / fp16)
-    out_ptr,      # [split_k, M, N]: x's dtype when split_k == 1, else fp32 partial sums
-                  # (strides stride_os, stride_om, 1)
+    out_ptr,      # [split_k, M, N] fp32 partial sums (strides stride_os, stride_om, 1)
     M, N, K,
     stride_xm, stride_wn, stride_os, stride_om,
     k_per_split,  # K columns per split (a multiple of BLOCK_K); program (n, s) takes [s * k_per_split, ...)
@@ -112,8 +112,7 @@ def int4_gemv_kernel(
     packed_ptr,   # [N, Kp / 2] uint8, two 4-bit levels a byte, low nibble = even column (row stride stride_pn)
     scale_ptr,    # [N, Kp / group_size] group scales (row stride stride_sn; fp32 / bf16 / fp16)
     zero_ptr,     # [N, Kp / group_size] group zeros (the group minimum), same strides as scale
-    out_ptr,      # [split_k, M, N]: x's dtype when split_k == 1, else fp32 partial sums
-                  # (strides stride_os, stride_om, 1)
+    out_ptr,      # [split_k, M, N] fp32 partial sums (strides stride_os, stride_om, 1)
     M, N, K,      # K: x's columns (<= Kp; the padded weight columns meet masked, zero activations)
     Kp,           # padded K: 2 * packed columns, a multiple of group_size
     group_size,   # even, so columns 2j and 2j + 1 (one byte) always share a group
@@ -310,15 +309,12 @@ def _check_split(split_k: int | None) -> None:
 
 
 def _gemv_out(x: torch.Tensor, n: int, split: int) -> torch.Tensor:
-    """Where a GEMV writes: [1, M, N] in x's dtype, or [split, M, N] fp32 partial sums."""
-    m = x.shape[0]
-    if split == 1:
-        return torch.empty(1, m, n, dtype=x.dtype, device=x.device)
-    return torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    """Where a GEMV writes: [split, M, N] fp32 partial sums."""
+    return torch.empty(split, x.shape[0], n, dtype=torch.float32, device=x.device)
 
 
 def _finish(partial: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    y = partial[0] if partial.shape[0] == 1 else partial.sum(0).to(x.dtype)
+    y = (partial[0] if partial.shape[0] == 1 else partial.sum(0)).to(x.dtype)
     if out is None:
         return y
     out.copy_(y)
