@@ -55,7 +55,7 @@ class EngineConfig:
     weight_group_size: int = 128        # int4 only: input channels per scale and zero
     weight_calibration: str | None = None  # "awq": activation-aware scales from data/corpus.txt; None: round-to-nearest
     kv_dtype: str | None = None
-    prefix_caching: bool = False
+    prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
     speculative: str | None = None
     num_speculative_tokens: int = 4
     draft_model: str | None = None
@@ -131,10 +131,14 @@ class EngineConfig:
              f"weight_calibration={self.weight_calibration!r} needs a weight_dtype (one of {WEIGHT_DTYPES}): "
              "it calibrates the quantization of the weights")
 
+        need(isinstance(self.prefix_caching, bool), f"prefix_caching={self.prefix_caching!r} must be True or False")
+        if self.prefix_caching and not (self.kv_cache and self.paged):
+            raise ValueError(f"prefix_caching=True needs kv_cache=True and paged=True (got kv_cache={self.kv_cache}, "
+                             f"paged={self.paged}): cached blocks are shared through paged block tables")
+
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
             f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),
-            "prefix_caching=True": (self.prefix_caching, "lab 06 (prefix caching)"),
             f"speculative={self.speculative!r}": (self.speculative is not None, "lab 07 (speculative decoding)"),
         }
         for name, (asked, where) in later.items():

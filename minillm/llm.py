@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
 from .config import EngineConfig
-from .engine.engine import Engine
+from .engine.engine import Engine, validate_cache_salt
 from .engine.metrics import RunStats
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -77,7 +77,11 @@ class LLM:
         for prompt, p in zip(prompts, params):
             text, ids = self._tokenize(prompt)
             self.engine.validate_request(ids, p)  # all-or-nothing: validate before queueing any
-            requests.append((text, ids, p))
+            # A dict prompt may carry "cache_salt" (vLLM's field): different salts never share
+            # prefix-cached blocks, so tenants cannot time each other's prompts.
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            validate_cache_salt(salt)
+            requests.append((text, ids, p, salt))
         return requests
 
     # ------------------------------------------------------------ generation
@@ -88,7 +92,7 @@ class LLM:
         engine = self.engine
         stats = engine.reset_stats()
         t0 = time.perf_counter()
-        seqs = [engine.add_request(ids, p, prompt=text) for text, ids, p in requests]
+        seqs = [engine.add_request(ids, p, prompt=text, cache_salt=salt) for text, ids, p, salt in requests]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -114,8 +118,8 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the answer's text in pieces as tokens decode."""
-        (text, ids, p), = self._requests([prompt], sampling_params)
-        seq = self.engine.add_request(ids, p, prompt=text)
+        (text, ids, p, salt), = self._requests([prompt], sampling_params)
+        seq = self.engine.add_request(ids, p, prompt=text, cache_salt=salt)
         sent = 0
         try:
             while not seq.is_finished:

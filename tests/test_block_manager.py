@@ -281,3 +281,97 @@ def test_random_admit_step_finish_preempt_fork_never_leaks(paged, chunked, block
         bm.free(table)
     bm.check()
     assert bm.num_free_blocks == bm.num_blocks and bm.ref_count == [0] * bm.num_blocks
+
+
+# ----------------------------------------------------------------- prefix caching: cached blocks
+def _prefix_scheduler(num_blocks, block_size, chunked, hash_fn=None):
+    from minillm.config import EngineConfig
+    from minillm.engine.scheduler import Scheduler
+
+    cfg = EngineConfig(paged=True, block_size=block_size, max_num_seqs=4, chunked_prefill=chunked,
+                       max_num_batched_tokens=12 if chunked else 64, prefix_caching=True)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, contiguous=False, hash_fn=hash_fn),
+                     num_blocks * block_size)
+
+
+def _collide(parent, tokens, salt):
+    """A deliberately bad hash: every block at the same depth (and salt) gets the same key."""
+    return (parent, salt)
+
+
+prefix_op = st.tuples(st.sampled_from(["add", "step", "step", "step", "step", "finish", "preempt", "evict_all"]),
+                      st.integers(1, 20), st.integers(0, 99))
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(chunked=st.booleans(), block_size=st.sampled_from([1, 2, 4]), collide=st.booleans(),
+       ops=st.lists(prefix_op, max_size=80))
+def test_random_admit_step_finish_preempt_with_cached_blocks(chunked, block_size, collide, ops):
+    """Prefix caching under random admit / step / finish / preempt: a shadow KV pool records which
+    token each slot holds. Every token a sequence reads from its blocks is its own (no stale reuse,
+    also under a colliding hash), no step writes into a cached or shared block, reference counts
+    equal the tables that hold each block, no leak, and everything returns to the pool."""
+    from minillm.engine.sequence import Sequence
+    from minillm.sampling import SamplingParams
+
+    sched = _prefix_scheduler(num_blocks=12, block_size=block_size, chunked=chunked,
+                              hash_fn=_collide if collide else None)
+    bm = sched.block_manager
+    limit = sched.max_model_len
+    shadow: dict[int, int] = {}   # pool slot -> the token whose K/V it holds
+    hits = 0
+
+    def step():
+        nonlocal hits
+        seqs, _ = sched.schedule()
+        if not seqs and sched.has_unfinished():
+            seqs, _ = sched.schedule()
+        for seq in seqs:
+            table, start = seq.block_table, seq.num_cached_tokens
+            assert len(table) * block_size >= start + seq.num_scheduled_tokens
+            for pos in range(start):   # what attention reads: it must be this sequence's own tokens
+                assert shadow.get(bm.slot(table, pos)) == seq.token_ids[pos], "stale K/V reused"
+            for pos in range(start, start + seq.num_scheduled_tokens):
+                block = table[pos // block_size]
+                assert bm.ref_count[block] == 1 and bm.block_key[block] is None, \
+                    "a step writes into a cached or shared block"
+                shadow[bm.slot(table, pos)] = seq.token_ids[pos]
+        done = [s.num_cached_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
+        # Generated tokens come from the sequence's own content, so identical requests stay identical.
+        tokens = [(sum(s.token_ids) * 7 + len(s)) % 5 if d else None for s, d in zip(seqs, done)]
+        sched.postprocess(seqs, tokens, lambda s: "length" if s.num_output_tokens >= s.params.max_tokens
+                          or len(s) >= limit else None)
+        for block, key in enumerate(bm.block_key):   # a cached block's record is the content it holds
+            if key is not None:
+                got = tuple(shadow.get(block * block_size + o) for o in range(block_size))
+                assert got == bm.block_tokens[block], "a cached block's tokens are not what it holds"
+        return seqs
+
+    for kind, n, pick in ops:
+        if kind == "add":
+            # Few distinct prompts from a tiny alphabet: shared prefixes, identical prompts, divergence.
+            length = min(n, limit - 2)
+            prompt = [(pick // (1 + i // 3)) % 3 for i in range(length)]
+            salt = "b" if pick % 7 == 0 else None
+            sched.add(Sequence(prompt, SamplingParams(max_tokens=min(1 + pick % 6, limit - len(prompt))),
+                               cache_salt=salt))
+        elif kind == "step":
+            step()
+        elif kind in ("finish", "preempt") and sched.running:
+            seq = sched.running[pick % len(sched.running)]
+            if kind == "finish":
+                sched.finish(seq, "abort")
+            else:
+                sched.preempt(seq)
+        elif kind == "evict_all":
+            bm.reset_prefix_cache()
+        _check_scheduler(sched, [])
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        assert step(), "nothing runs, yet requests wait"
+        _check_scheduler(sched, [])
+    assert not sched.has_unfinished()
+    bm.check()
+    assert bm.num_free_blocks == bm.num_blocks and bm.ref_count == [0] * bm.num_blocks
+    assert sched.prefix_hits <= sched.prefix_queries

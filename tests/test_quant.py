@@ -305,5 +305,5 @@ def test_a_torch_int4_hook_gives_the_engine_s_greedy_tokens():
     assert llm.set_quantized_matmul(None) == hooked
     n = len(calls)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref and len(calls) == n
-    with pytest.raises(ValueError, match=r"no int8 layers \(its weight_dtype is 'int4'\)"):
-        llm.set_quantized_matmul(hook, weight_dtype="int8")
+    with pytest.raises(ValueError, match=r"no fp8 layers \(its weight_dtype is 'int4'\)"):
+        llm.set_quantized_matmul(hook, weight_dtype="fp8")

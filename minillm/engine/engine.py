@@ -20,6 +20,12 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 
 
+def validate_cache_salt(cache_salt) -> None:
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt={cache_salt!r} must be None or a str (requests with different salts "
+                         "never share prefix-cached blocks)")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, share_weights_with: "Engine | None" = None):
         self.config = config
@@ -87,6 +93,7 @@ class Engine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.stats = RunStats(self.device_label, self.hourly_usd)
         self._preemptions_at_reset = 0
+        self._prefix_at_reset = (0, 0, 0)
 
     # ----------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -114,11 +121,14 @@ class Engine:
                 )
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> Sequence:
-        """Validate and queue one request. A bad request raises here and changes nothing."""
+                    request_id: str | None = None, cache_salt: str | None = None) -> Sequence:
+        """Validate and queue one request. A bad request raises here and changes nothing.
+
+        `cache_salt`: requests with different salts never share prefix-cached blocks."""
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id or "")
+        validate_cache_salt(cache_salt)
+        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id or "", cache_salt=cache_salt)
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -219,10 +229,19 @@ class Engine:
         st.peak_kv_reserved_bytes = max(st.peak_kv_reserved_bytes, kv_reserved)
         st.peak_running = max(st.peak_running, running)
         st.num_preemptions = self.scheduler.num_preemptions - self._preemptions_at_reset
+        self._record_prefix_cache()
+
+    def _record_prefix_cache(self) -> None:
+        sched, (queries0, hits0, prompt0) = self.scheduler, self._prefix_at_reset
+        self.stats.prefix_cache_queries = sched.prefix_queries - queries0
+        self.stats.prefix_cache_hits = sched.prefix_hits - hits0
+        self.stats.num_cached_prompt_tokens = sched.prefix_cached_prompt_tokens - prompt0
 
     def reset_stats(self) -> RunStats:
         self.stats = RunStats(self.device_label, self.hourly_usd)
         self._preemptions_at_reset = self.scheduler.num_preemptions
+        sched = self.scheduler
+        self._prefix_at_reset = (sched.prefix_queries, sched.prefix_hits, sched.prefix_cached_prompt_tokens)
         return self.stats
 
     # ----------------------------------------------------------------- sizes

@@ -16,6 +16,7 @@ class RequestMetrics:
     e2e_s: float | None         # arrival -> finish
     queue_s: float | None       # arrival -> first scheduled
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive tokens
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (prefix_caching=True)
 
     @classmethod
     def from_sequence(cls, seq) -> "RequestMetrics":
@@ -26,7 +27,8 @@ class RequestMetrics:
         itl = [b - a for a, b in zip(times, times[1:])]
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         queue = seq.first_scheduled_s - t0 if seq.first_scheduled_s is not None else None
-        return cls(seq.num_prompt_tokens, seq.num_output_tokens, ttft, tpot, e2e, queue, itl)
+        return cls(seq.num_prompt_tokens, seq.num_output_tokens, ttft, tpot, e2e, queue, itl,
+                   seq.prefix_hit_tokens or 0)
 
 
 @dataclass
@@ -55,6 +57,16 @@ class RunStats:
     peak_kv_reserved_bytes: int = 0  # bytes of pool blocks handed out, at the fullest step
     num_preemptions: int = 0      # sequences whose blocks were taken back and recomputed
     peak_running: int = 0         # most sequences running (holding KV) at once
+    # Prefix caching, in tokens (vLLM's counters): every admission queries its whole sequence and
+    # hits the tokens found in the cache (a preempted request's re-admission counts again).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the cache, summed over requests
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of queried tokens found in the prefix cache (nan when nothing was queried)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else float("nan")
 
     @property
     def kv_utilization(self) -> float:
@@ -98,6 +110,10 @@ class RunStats:
             "kv_utilization": self.kv_utilization,
             "peak_running": self.peak_running,
             "preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "cached_prompt_tokens": self.num_cached_prompt_tokens,
             "usd_per_hour": self.hourly_usd,
             "usd_per_million_output_tokens": self.cost_per_million_tokens_usd,
         }

@@ -2,6 +2,11 @@
 
 `schedule()` returns *what* to run (sequences, and whether it is a prefill step); the
 model runner decides *how*. `postprocess()` is the one place where sequence state changes.
+
+Prefix caching (`prefix_caching=True`, paged): at admission the longest cached run of the
+sequence's full blocks is shared instead of allocated and those tokens are not fed again
+(never the whole sequence: its last token is always computed, so there are logits). After
+each step, blocks that became full are offered to the cache (prompt and generated tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +26,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_caching = bool(config.prefix_caching) and block_manager is not None \
+            and not block_manager.contiguous
+        # Prefix-cache counters, in tokens (vLLM's queries / hits), over the scheduler's life.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prefix_cached_prompt_tokens = 0   # first admissions only: prompt tokens not prefilled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -28,21 +39,68 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _reservation(self, seq: Sequence, num_tokens: int) -> int:
+    def _reservation(self, seq: Sequence, num_tokens: int, start: int = 0) -> int:
         """Token slots to hold at admission: the longest any request may grow (contiguous), or the
-        `num_tokens` it is about to feed (paged; more blocks come as it grows)."""
+        `num_tokens` it is about to feed after `start` cached ones (paged; more blocks come as it grows)."""
         if self.block_manager.contiguous:
             return self.max_model_len
-        return seq.num_cached_tokens + num_tokens
+        return start + num_tokens
 
-    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
-        """Move the head of the waiting queue to running if its blocks fit; False leaves it waiting."""
+    def _match(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the start of a waiting sequence (prefix caching; reads only).
+        At most (len - 1) // block_size blocks: the last token is always computed."""
+        if not self.prefix_caching:
+            return []
         bm = self.block_manager
+        num = (len(seq) - 1) // bm.block_size
+        self._extend_keys(seq, num)
+        return bm.match(seq.token_ids, seq.block_keys[:num], seq.cache_salt)
+
+    def _extend_keys(self, seq: Sequence, num_blocks: int) -> None:
+        """Hash-chain keys of the first `num_blocks` full blocks (tokens never change: computed once)."""
+        bm, keys = self.block_manager, seq.block_keys
+        size = bm.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            keys.append(bm.hash_block(keys[-1] if i else None, seq.token_ids[i * size:(i + 1) * size],
+                                      seq.cache_salt))
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks that became full (their K/V are written) to the prefix cache."""
+        bm = self.block_manager
+        full = min(seq.num_cached_tokens // bm.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        self._extend_keys(seq, full)
+        size, table = bm.block_size, seq.block_table
+        for i in range(seq.num_registered_blocks, full):
+            bm.register(table[i], seq.block_keys[i], seq.token_ids[i * size:(i + 1) * size], seq.cache_salt,
+                        table[i - 1] if i else None)
+        seq.num_registered_blocks = full
+
+    def _admit(self, seq: Sequence, num_tokens: int, prefix: list[int] | None = None) -> bool:
+        """Move the head of the waiting queue to running if its blocks fit; False leaves it waiting.
+        `prefix`: cached blocks holding its first tokens (shared, not fed again)."""
+        bm = self.block_manager
+        hit = len(prefix) * bm.block_size if prefix else 0
         if bm is not None:
-            need = self._reservation(seq, num_tokens)
-            if not bm.can_allocate(need):
-                return False  # wait for running requests to free their blocks
-            seq.block_table = bm.allocate(need)
+            need = self._reservation(seq, num_tokens, hit)
+            if prefix:
+                if not bm.can_allocate_cached(prefix, need):
+                    return False
+                seq.block_table = bm.allocate_cached(prefix, need)
+            else:
+                if not bm.can_allocate(need):
+                    return False  # wait for running requests to free their blocks
+                seq.block_table = bm.allocate(need)
+        if self.prefix_caching:
+            seq.num_cached_tokens = hit
+            seq.num_registered_blocks = len(prefix or ())
+            self.prefix_queries += len(seq)
+            self.prefix_hits += hit
+            if seq.prefix_hit_tokens is None:
+                seq.prefix_hit_tokens = hit
+                self.prefix_cached_prompt_tokens += hit
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -69,10 +127,11 @@ class Scheduler:
         num_tokens = 0
         while admit and self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            new_tokens = len(seq) - seq.num_cached_tokens
+            prefix = self._match(seq)
+            new_tokens = len(seq) - len(prefix) * (self.block_manager.block_size if prefix else 0)
             if batch and num_tokens + new_tokens > cfg.max_num_batched_tokens:
                 break
-            if not self._admit(seq, new_tokens):
+            if not self._admit(seq, new_tokens, prefix):
                 break
             batch.append(seq)
             num_tokens += new_tokens
@@ -140,8 +199,9 @@ class Scheduler:
         admit = cfg.batching == "continuous" or not self.running
         while admit and budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = min(len(seq) - seq.num_cached_tokens, budget)
-            if not self._admit(seq, n):
+            prefix = self._match(seq)
+            n = min(len(seq) - len(prefix) * (bm.block_size if prefix else 0), budget)
+            if not self._admit(seq, n, prefix):
                 break
             chunks.append(seq)
             budget -= n
@@ -153,6 +213,7 @@ class Scheduler:
             self.block_manager.free(seq.block_table)
             seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
@@ -179,8 +240,12 @@ class Scheduler:
         for seq, token in zip(seqs, token_ids):
             if token is None:  # a prompt chunk that does not reach the prompt's end yet
                 seq.num_cached_tokens += seq.num_scheduled_tokens
+                if self.prefix_caching:
+                    self._cache_full_blocks(seq)
                 continue
             seq.num_cached_tokens = len(seq)   # every token fed this step is now in the cache
+            if self.prefix_caching:
+                self._cache_full_blocks(seq)
             seq.token_ids.append(token)
             reason = check_stop(seq)
             if reason is not None:

@@ -35,6 +35,11 @@ class Sequence:
     generator: object | None = None  # torch.Generator for sampled requests
     output_text: str = ""
     num_preemptions: int = 0          # times its blocks were taken back (recomputed later)
+    # prefix caching (prefix_caching=True)
+    cache_salt: str | None = None     # requests with different salts never share cached blocks
+    block_keys: list = field(default_factory=list)  # hash-chain key of each full block of token_ids
+    num_registered_blocks: int = 0    # full blocks already offered to the prefix cache
+    prefix_hit_tokens: int | None = None  # tokens served from the prefix cache at first admission
     # timings (time.perf_counter seconds)
     arrival_s: float = 0.0
     first_scheduled_s: float | None = None

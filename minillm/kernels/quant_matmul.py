@@ -41,6 +41,9 @@ allowed. Kernels take element strides for rows; the K axis must be unit-stride.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -261,9 +264,14 @@ def int4_gemm_kernel(
 
 
 # ============================================================== launchers
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_SM_COUNT
 
 
@@ -335,7 +343,7 @@ def channel_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k:
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """GEMV for int8 / fp8 weights: x [M <= 16, K] -> x @ (q * scale[:, None])^T [M, N] in x's dtype.
     split_k: K slices (None: enough for ~PROGRAMS_PER_SM programs per SM)."""
-    kind = "int8" if q.dtype == torch.int8 else "fp8"
+    kind = "fp8" if q.dtype == torch.float8_e4m3fn else "int8"
     _channel_check(x, q, scale, kind, "channel_gemv")
     _check_split(split_k)
     m, k = x.shape
@@ -369,7 +377,7 @@ def channel_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_acti
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM for int8 / fp8 weights: x [M, K] -> x @ (q * scale[:, None])^T [M, N] in x's dtype.
     fp8_activations (fp8 weights only): quantize x per row to e4m3 and multiply fp8 x fp8."""
-    kind = "int8" if q.dtype == torch.int8 else "fp8"
+    kind = "fp8" if q.dtype == torch.float8_e4m3fn else "int8"
     _channel_check(x, q, scale, kind, "channel_gemm")
     if fp8_activations and kind != "fp8":
         raise ValueError("channel_gemm: fp8_activations=True needs float8_e4m3fn weights, got int8")
@@ -396,8 +404,6 @@ def channel_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_acti
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -474,6 +480,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16) @ (q int8 [N, K] * scale [N, None])^T -> [M, N] in x's dtype:
     the GEMV for M <= GEMV_MAX_M (decode), the tl.dot GEMM above."""
+    _channel_check(x, q, scale, "int8", "int8_matmul")
     if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M:
         return channel_gemv(x, q, scale, out=out)
     return channel_gemm(x, q, scale, out=out)
@@ -504,8 +511,8 @@ def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_activa
     On GPUs with fp8 (sm_89+; the engine targets sm_90): the GEMV for M <= GEMV_MAX_M, the
     tl.dot GEMM above (fp8_activations=True: fp8 x fp8 dots, x quantized per row). Elsewhere
     the fallback: dequantize to x's dtype, then torch's matmul."""
+    _channel_check(x, q, scale, "fp8", "fp8_matmul")
     if not fp8_supported(x.device):
-        _channel_check(x, q, scale, "fp8", "fp8_matmul")
         y = fp8_matmul_reference(x, q, scale, fp8_activations)
         return y if out is None else out.copy_(y)
     if not fp8_activations and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M:

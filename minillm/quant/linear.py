@@ -11,7 +11,11 @@ Paths (chosen at construction, named in `.path`):
              to 7 bits, and SmolLM2's outlier channels then cost the top-1 token on 5 of 6 prompts.)
 - "int4pack" int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` (bf16 activations; needs
              out_features % 16 == 0), weights stay 4-bit in memory.
-- "dequant"  everything else (fp8 everywhere, GPUs until Triton kernels land, odd shapes):
+- "triton"   on CUDA GPUs: int8 and int4 everywhere, fp8 on sm_89+ (minillm/kernels/quant_matmul.py):
+             the weights stay in their stored format and each kernel dequantizes its tile in
+             registers (a split-K GEMV for up to 16 rows of x, a tl.dot GEMM above). It stores
+             the same buffers as "dequant" (tests flip `.path` to run it under the interpreter).
+- "dequant"  everything else (fp8 on the CPU and below sm_89, fast=False, odd shapes):
              dequantize the whole matrix to the activation dtype at each call, then F.linear.
              Correct, and the reference, but it reads and writes a float copy per call: slow.
 
@@ -72,6 +76,7 @@ class QuantizedLinear(nn.Module):
             w = w * s[None, :]
             self.inv_input_scale = (1.0 / s).to(weight.dtype)
         on_cpu = weight.device.type == "cpu"
+        on_gpu = fast and weight.device.type == "cuda"
         self.pad = 0
         self.matmul_fn = None  # set_matmul: a plug-in y = fn(x2d, layer) replacing the path
         self._int4_cache = None  # int4pack: the plain layout, recovered once (int4_parts)
@@ -82,7 +87,7 @@ class QuantizedLinear(nn.Module):
                 self.path = "int8pack"
                 self.register_buffer("scale", scale.to(torch.bfloat16))
             else:
-                self.path = "dequant"
+                self.path = "triton" if on_gpu else "dequant"
                 self.register_buffer("scale", scale)
         elif weight_dtype == "int4":
             self.pad = (-self.in_features) % group_size  # zero columns meet zero activations
@@ -97,13 +102,14 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
                 self.register_buffer("scales_and_zeros", torch.stack([scale, zero8], dim=-1).transpose(0, 1).contiguous())
             else:
-                self.path = "dequant"
+                self.path = "triton" if on_gpu else "dequant"
                 self.register_buffer("packed", pack_int4(q))
                 self.register_buffer("scale", scale)
                 self.register_buffer("zero", zero)
         else:
             q, scale = quantize_fp8(w)
-            self.path = "dequant"
+            fp8_gpu = on_gpu and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+            self.path = "triton" if fp8_gpu else "dequant"
             self.register_buffer("q", q)
             self.register_buffer("scale", scale)
 
@@ -193,6 +199,18 @@ class QuantizedLinear(nn.Module):
         elif self.path == "int8pack":
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.q,
                                           self.scale).to(x.dtype)
+        elif self.path == "triton":
+            from ..kernels import quant_matmul  # imported late: the interpreter is chosen before triton is imported
+
+            x2d = x.reshape(-1, self.in_features)
+            if x2d.stride(-1) != 1:
+                x2d = x2d.contiguous()
+            if self.weight_dtype == "int8":
+                y = quant_matmul.int8_matmul(x2d, self.q, self.scale)
+            elif self.weight_dtype == "int4":
+                y = quant_matmul.int4_matmul(x2d, self.packed, self.scale, self.zero, self.group_size)
+            else:
+                y = quant_matmul.fp8_matmul(x2d, self.q, self.scale)
         elif self.path == "int4pack":
             xb = x.reshape(-1, self.in_features).to(torch.bfloat16)
             if self.pad:
