@@ -81,6 +81,9 @@ def cmd_bench(args) -> int:
     llm = LLM(args.model, **levers)
     if args.workload == "mixed":
         return _bench_mixed(llm, args)
+    if args.workload == "shared-prefix":
+        return _bench_shared_prefix(llm, args)
+    args.max_tokens = args.max_tokens or 64
     requests = chat_workload(args.num_requests or 8, args.max_tokens, llm.tokenizer)
     results = [run_workload(llm, requests, label=", ".join(f"{k}={v}" for k, v in levers.items()) or "default")]
     if args.compare_kv_cache:
@@ -111,6 +114,19 @@ def cmd_bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
+
+
+def _bench_shared_prefix(llm, args) -> int:
+    from .bench.prefix import compare_prefix_caching, format_prefix, shared_prefix_workload
+
+    requests = shared_prefix_workload(llm.tokenizer, prefix_tokens=args.prefix_tokens,
+                                      num_questions=args.num_requests or 10, max_tokens=args.max_tokens or 16)
+    result = compare_prefix_caching(llm, requests)
+    print(format_prefix(result, args.prefix_tokens))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "off": result["off"].__dict__, "on": result["on"].__dict__}, f, indent=1, default=str)
+    return 0 if result["identical"] == result["num_requests"] else 1
 
 
 def _bench_mixed(llm, args) -> int:
@@ -275,14 +291,17 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="run a workload and print latency, throughput, memory, cost and bounds")
     b.add_argument("--model", default=None)
-    b.add_argument("--workload", choices=["chat", "mixed"], default="chat",
+    b.add_argument("--workload", choices=["chat", "mixed", "shared-prefix"], default="chat",
                    help="chat: questions from data/prompts.txt, one setting (plus comparisons); mixed: nano-vllm's "
                         "shape (prompt and output lengths uniform in 100-1024, times --scale) on data/corpus.txt, "
                         "static vs continuous and paged vs contiguous side by side")
-    b.add_argument("--num-requests", type=int, default=None, help="default 8 (chat) or 256 (mixed)")
+    b.add_argument("--num-requests", type=int, default=None,
+                   help="default 8 (chat), 256 (mixed) or 10 (shared-prefix: questions after one document)")
+    b.add_argument("--prefix-tokens", type=int, default=2000,
+                   help="shared-prefix: tokens of data/corpus.txt every question follows (prefix caching off vs on)")
     b.add_argument("--scale", type=float, default=1.0, help="mixed: multiply the 100-1024 lengths (0.125 on a CPU)")
     b.add_argument("--seed", type=int, default=0, help="mixed: the lengths and text windows drawn")
-    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 64; 16 for shared-prefix)")
     b.add_argument("--set", nargs="*", metavar="LEVER=VALUE", help="engine levers, e.g. kv_cache=false max_num_seqs=4")
     b.add_argument("--compare-kv-cache", action="store_true", help="also run with the kv_cache lever flipped")
     b.add_argument("--compare-transformers", action="store_true",

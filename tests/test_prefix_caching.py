@@ -344,3 +344,22 @@ def test_tiny_model_both_backends(tiny_model, backend, chunked):
         assert out.outputs[0].token_ids == ref[i]
         assert out.metrics.num_cached_tokens == (len(prompts[i]) - 1) // 8 * 8
     assert_engine_idle(llm)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_shared_prefix_benchmark_small(default_llm):
+    from minillm.bench.prefix import compare_prefix_caching, format_prefix, shared_prefix_workload
+
+    requests = shared_prefix_workload(default_llm.tokenizer, prefix_tokens=70, num_questions=3, max_tokens=2)
+    ids = [r.prompt["prompt_token_ids"] for r in requests]
+    assert all(p[:70] == ids[0][:70] for p in ids) and len({tuple(p[70:]) for p in ids}) == 3
+    result = compare_prefix_caching(default_llm.with_levers(max_model_len=256), requests)
+    off, on = result["off"], result["on"]
+    assert result["identical"] == 3 and off.outputs == on.outputs
+    assert off.cached_tokens == [0, 0, 0] and off.hits == 0
+    assert on.cached_tokens == [0, 64, 64]           # the document's 4 full blocks; block 5 holds the question
+    assert (on.hits, on.queries) == (128, on.prompt_tokens) and on.prompt_tokens == sum(len(p) for p in ids)
+    text = format_prefix(result, 70)
+    assert "greedy outputs identical: 3/3" in text and f"{on.hit_rate:.1%}" in text
+    with pytest.raises(ValueError, match="prefix_tokens=100000: the corpus has only"):
+        shared_prefix_workload(default_llm.tokenizer, prefix_tokens=100_000)
