@@ -13,6 +13,10 @@ Sections, each guarded (a failure is reported in its table and the JSON, the res
             random-weight llama-3-8b and smollm2-135m shapes in bf16
   hf        the same workload through transformers' generate (same weights, same prompt ids,
             same output length) at a couple of batch sizes
+  quant     low-bit weights: achieved bandwidth (weight bytes read / time) of the int8 / int4 /
+            fp8 matrix-vector kernels at batch 1 on Llama-3-8B's layer shapes against a
+            device-to-device copy, and batch-1 decode tokens/s of random:llama-3-8b in bf16 vs
+            int8 vs int4 (`--sections quant` runs it alone)
 
 Needs only the repository (random weights, no network, no model files). Writes every number
 to $OUT/gpu_check.json when OUT is set (or --json PATH).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -223,7 +228,42 @@ def kernel_cases(dev, dtype, dims: list[dict], seq_len: int):
         yield "silu_and_mul", f"inter {inter}", case_silu
 
 
-CHECKED_MODULES = {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "activation"}
+CHECKED_MODULES = {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "activation", "quant_matmul"}
+
+
+def quant_kernel_cases(dev, dtype, dims: list[dict], dry_run: bool):
+    """(kernel, shape label, run -> (got, want)) for the int8 / int4 / fp8 matmuls: the GEMV rows
+    (M <= 16) and the GEMM rows, K = hidden - 8 (int4 pads it to the group size)."""
+    from minillm.kernels import quant_matmul as qm
+    from minillm.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
+
+    group = 32 if dry_run else 128
+    rows = (1, 37) if dry_run else (1, 5, 16, 300)
+    for i, d in enumerate(dims):
+        n, k = d["inter"] + 3, d["hidden"] - 8
+        try:
+            w = randn((n, k), torch.float32, dev, 40 + i) * 0.05
+            q8, s8 = quantize_int8(w)
+            q4, s4, z4 = quantize_int4(torch.nn.functional.pad(w, (0, (-k) % group)), group)
+            p4, s4, z4 = pack_int4(q4), s4.to(torch.bfloat16), z4.to(torch.bfloat16)  # as QuantizedLinear stores them
+            qf, sf = quantize_fp8(w) if qm.fp8_supported(dev) else (None, None)
+            del w, q4
+        except Exception as exc:  # noqa: BLE001 - a row that fails, not a lost section
+            yield "quant_matmul setup", f"N{n} K{k}", lambda exc=exc: (_ for _ in ()).throw(exc)
+            continue
+        for m in rows:
+            x = randn((m, k), dtype, dev, 50 + m)
+            label = f"M{m} N{n} K{k}"
+            yield "int8_matmul", label, lambda x=x, q=q8, s=s8: (qm.int8_matmul(x, q, s), qm.int8_matmul_reference(x, q, s))
+            yield (f"int4_matmul g{group}", label,
+                   lambda x=x, p=p4, s=s4, z=z4: (qm.int4_matmul(x, p, s, z, group),
+                                                 qm.int4_matmul_reference(x, p, s, z, group)))
+            if qf is not None:
+                yield "fp8_matmul", label, lambda x=x, q=qf, s=sf: (qm.fp8_matmul(x, q, s), qm.fp8_matmul_reference(x, q, s))
+                if m > qm.GEMV_MAX_M:
+                    yield ("fp8_matmul fp8 x fp8", label,
+                           lambda x=x, q=qf, s=sf: (qm.fp8_matmul(x, q, s, fp8_activations=True),
+                                                   qm.fp8_matmul_reference(x, q, s, fp8_activations=True)))
 
 
 def unchecked_kernel_modules() -> list[str]:
@@ -252,7 +292,9 @@ def section_kernels(args, dev) -> list[dict]:
         seq_len, dtypes = 3000, list(DTYPES)
     rows = []
     for dname in dtypes:
-        for kernel, shape, run in kernel_cases(dev, DTYPES[dname], dims, seq_len):
+        cases = itertools.chain(kernel_cases(dev, DTYPES[dname], dims, seq_len),
+                                quant_kernel_cases(dev, DTYPES[dname], dims, args.dry_run))
+        for kernel, shape, run in cases:
             row = {"kernel": kernel, "dtype": dname, "shape": shape}
             t = time.perf_counter()
             try:
@@ -641,17 +683,203 @@ def section_hf(args, clock: Clock) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- (f) low-bit weights
+LLAMA_8B_LINEARS = [("o_proj-shaped", 4096, 4096), ("gate/up-shaped", 14336, 4096), ("down_proj-shaped", 4096, 14336)]
+GPT_FAST_A100 = {"int8": 1.5, "int4 g128": 1.9}  # gpt-fast's batch-1 decode speed-up over bf16 on an A100
+
+
+def stream_us(calls: list, quick: bool) -> float:
+    """Median microseconds per call of `calls` (one per weight copy: together they overflow L2, so
+    every call reads its weights from HBM). On a GPU all calls are captured in one CUDA graph and
+    replayed, which times the kernels alone, without Python's launch gaps; on a CPU, perf_counter."""
+    for call in calls:  # compile and warm up
+        call()
+    sync()
+    if not HAS_CUDA:
+        t = time.perf_counter()
+        for call in calls:
+            call()
+        return 1e6 * (time.perf_counter() - t) / len(calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    sync()
+    times = []
+    for _ in range(5 if quick else 15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(nbytes: int, dev) -> int:
+    """Weight copies whose calls read at least 4x the L2 cache between two reads of one copy."""
+    if not HAS_CUDA:
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
+    return max(2, min(64, -(-4 * l2 // max(nbytes, 1))))
+
+
+def quant_gemv_rows(args, dev, copy_bw: float) -> list[dict]:
+    """Batch-1 matrix-vector time of bf16 (torch), int8, int4 (g128) and fp8 on 8B-shaped layers."""
+    import torch.nn.functional as F
+
+    from minillm.kernels import quant_matmul as qm
+    from minillm.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
+
+    if args.dry_run:
+        shapes, group, dtype = [("tiny", 80, 96), ("tiny", 131, 200)], 32, torch.float32
+    else:
+        shapes, group, dtype = LLAMA_8B_LINEARS, 128, torch.bfloat16
+    dname = str(dtype)[6:]
+    rows = []
+    for label, n, k in shapes:
+        w = randn((n, k), dtype, dev, n + k) * 0.02
+        x = randn((1, k), dtype, dev, 7)
+        formats = {}
+        try:
+            formats[f"{dname} (torch F.linear)"] = ((w,), n * k * w.element_size(), lambda t: F.linear(x, t[0]),
+                                                   None)
+            q8, s8 = quantize_int8(w)
+            formats["int8"] = ((q8, s8), n * k + 4 * n, lambda t: qm.int8_matmul(x, *t),
+                               lambda t: qm.int8_matmul_reference(x, *t))
+            q4, s4, z4 = quantize_int4(F.pad(w, (0, (-k) % group)), group)  # zero columns up to the group size
+            t4 = (pack_int4(q4), s4.to(torch.bfloat16), z4.to(torch.bfloat16))
+            del q4
+            formats[f"int4 g{group}"] = (t4, n * k // 2 + 2 * 2 * n * (k // group),
+                                         lambda t: qm.int4_matmul(x, *t, group),
+                                         lambda t: qm.int4_matmul_reference(x, *t, group))
+            if qm.fp8_supported(dev):
+                formats["fp8 e4m3"] = (quantize_fp8(w), n * k + 4 * n, lambda t: qm.fp8_matmul(x, *t),
+                                       lambda t: qm.fp8_matmul_reference(x, *t))
+            else:
+                rows.append({"layer": label, "N x K": f"{n} x {k}", "weights": "fp8 e4m3",
+                             "note": "skipped: fp8 needs sm_89+ (QuantizedLinear keeps its dequantize path)"})
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"layer": label, "N x K": f"{n} x {k}", "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        del w
+        base_us = None
+        for name, (tensors, nbytes, fn, ref) in formats.items():
+            row = {"layer": label, "N x K": f"{n} x {k}", "weights": name, "MiB": nbytes / 2**20}
+            try:
+                if ref is not None:  # the kernel still matches its reference at this shape
+                    err, tol = max_error(fn(tensors), ref(tensors))
+                    row.update(ok=bool(err <= tol), max_err=err)
+                copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies_for(nbytes, dev) - 1)]
+                us = stream_us([lambda t=t: fn(t) for t in copies], args.quick)
+                bw = nbytes / (us * 1e-6)
+                row.update({"us": us, "GB/s": bw / 1e9, "% of copy": 100 * bw / copy_bw, "copies": len(copies)})
+                if base_us is None:
+                    base_us = us
+                else:
+                    row[f"speed-up vs {dname}"] = base_us / us
+                del copies
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            free_memory()
+        del formats
+        free_memory()
+    return rows
+
+
+def quant_engine_rows(args, clock: Clock) -> list[dict]:
+    """Batch-1 decode tokens/s: the float model, then int8 and int4 (g128) engines quantizing its
+    weights in memory (LLM.with_levers), cuda_graphs on. Weight bytes per setting and the GB/s the
+    decode step's weight reads reach."""
+    from minillm.quant import QuantizedLinear
+
+    model = "tiny-llama" if args.dry_run else "llama-3-8b"
+    prompt_len, out_len = (8, 3) if args.dry_run else ((128, 64) if args.quick else (128, 128))
+    max_len = prompt_len + out_len + 16
+    rows = []
+    base = None
+    engines = []
+    try:
+        base = build_engine(model, 1, max_len, graphs=True, dry_run=args.dry_run)
+        engines = [(str(base.dtype)[6:].replace("bfloat16", "bf16").replace("float32", "fp32"), base)]
+        for label, levers in (("int8", dict(weight_dtype="int8")),
+                              ("int4 g128", dict(weight_dtype="int4", weight_group_size=128))):
+            if clock.left < 30 and not args.dry_run:
+                rows.append({"model": model, "weights": label, "error": "skipped: time budget"})
+                continue
+            try:
+                engines.append((label, base.with_levers(**levers)))
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"model": model, "weights": label, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        vocab = base.model_config.vocab_size
+        prompt = random_prompts(1, prompt_len, vocab, 5)
+        base_tok_s = base_tokens = None
+        for label, llm in engines:
+            row = {"model": model, "weights": label}
+            try:
+                if not args.dry_run:
+                    run_engine(llm, random_prompts(1, prompt_len, vocab, 0), 2)  # warm-up: compile, capture
+                r = run_engine(llm, prompt, out_len)
+                gb = llm.weight_bytes / 1e9
+                paths = sorted({m.path for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear)})
+                row.update({"weights GB": gb, "path": ",".join(paths) or "float", "decode tok/s": r["decode_tok_s"],
+                            "step ms": r["step_ms"], "weights GB/s": gb / (r["step_ms"] * 1e-3)})
+                if base_tok_s is None:
+                    base_tok_s, base_tokens = r["decode_tok_s"], r["tokens"][0]
+                else:
+                    row["speed-up"] = r["decode_tok_s"] / base_tok_s
+                    row["gpt-fast A100"] = GPT_FAST_A100.get(label)
+                    # random weights: tokens drift apart quickly; how long they agree is for information
+                    row["same tokens as float"] = next((i for i, (a, b) in enumerate(zip(base_tokens, r["tokens"][0]))
+                                                        if a != b), len(base_tokens))
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc()
+            rows.append(row)
+            print(clock.line(f"quant engine {model} {label}: {row.get('decode tok/s', float('nan')):.1f} tok/s"), flush=True)
+    except Exception as exc:  # noqa: BLE001
+        rows.append({"model": model, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        traceback.print_exc()
+    finally:
+        del base, engines
+        free_memory()
+    return rows
+
+
+def section_quant(args, dev, clock: Clock, entry: dict) -> list[dict]:
+    copy_bytes = (64 << 20) if args.dry_run else (1 << 30)
+    copy_bw = copy_bandwidth(dev, copy_bytes, args.quick)
+    entry["copy_bandwidth_GBps"] = copy_bw / 1e9
+    rows = [{"layer": "-", "weights": f"D2D copy of {copy_bytes >> 20} MiB (read + write)", "GB/s": copy_bw / 1e9,
+             "% of copy": 100.0}]
+    rows += quant_gemv_rows(args, dev, copy_bw)
+    engine = quant_engine_rows(args, clock)
+    # main() prints these two tables (their columns differ) instead of one table of every row
+    entry["tables"] = [("batch-1 matrix-vector: weight bytes read / time, against a device-to-device copy", rows),
+                       ("batch-1 decode tokens/s, float vs int8 vs int4 (gpt-fast on an A100: 1.5x and 1.9x)", engine)]
+    return rows + engine
+
+
 # ----------------------------------------------------------------------------- main
-SECTIONS = ["kernels", "decode", "prefill", "engine", "hf"]
+SECTIONS = ["kernels", "decode", "prefill", "engine", "hf", "quant"]
 TITLES = {
     "kernels": "(a) Triton kernels vs torch references",
     "decode": "(b) paged decode attention: KV bandwidth",
     "prefill": "(c) prefill / extend attention vs scaled_dot_product_attention",
     "engine": "(d) engine decode tokens/s (random weights)",
     "hf": "(e) minillm vs transformers generate (same weights, prompts, lengths)",
+    "quant": "(f) low-bit weights: matrix-vector bandwidth and decode tokens/s",
 }
 # Rough minimum seconds a section needs on an H100/H200 (skip it when less is left).
-MIN_SECONDS = {"kernels": 20, "decode": 15, "prefill": 15, "engine": 40, "hf": 40}
+MIN_SECONDS = {"kernels": 20, "decode": 15, "prefill": 15, "engine": 40, "hf": 40, "quant": 60}
 
 
 def environment() -> dict:
@@ -699,6 +927,7 @@ def main(argv=None) -> int:
         "prefill": lambda extra: section_prefill(args, dev),
         "engine": lambda extra: section_engine(args, clock, extra),
         "hf": lambda extra: section_hf(args, clock),
+        "quant": lambda extra: section_quant(args, dev, clock, extra),
     }
     failed = 0
     for name in SECTIONS:
@@ -723,8 +952,13 @@ def main(argv=None) -> int:
         bad = [r for r in entry["rows"] if r.get("error") or r.get("ok") is False]
         entry["num_failed_rows"] = len(bad)
         failed += bool(entry["error"]) + len(bad)
-        print_table(f"{TITLES[name]} — {env['device']}, torch {env['torch']}, triton {env['triton']} "
-                    f"({entry['seconds']} s)", entry["rows"])
+        header = f"{TITLES[name]} — {env['device']}, torch {env['torch']}, triton {env['triton']} ({entry['seconds']} s)"
+        tables = entry.pop("tables", None)  # a section whose rows form tables of their own
+        if tables:
+            for title, rows in tables:
+                print_table(f"{header}: {title}", rows)
+        else:
+            print_table(header, entry["rows"])
         if entry["error"]:
             print(f"  SECTION ERROR: {entry['error']}")
         free_memory()

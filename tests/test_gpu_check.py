@@ -1,5 +1,5 @@
 """scripts/gpu_check.py can only measure on a GPU, but every section's code runs here:
-`--dry-run` walks all five sections on tiny shapes, the Triton kernels in the interpreter."""
+`--dry-run` walks all six sections on tiny shapes, the Triton kernels in the interpreter."""
 
 import importlib.util
 import json
@@ -38,12 +38,13 @@ def test_dry_run_walks_every_section(tmp_path):
     assert report["mode"] == "dry-run" and report["num_failed"] == 0
     assert {"torch", "triton", "transformers", "device"} <= set(report["environment"])
     sections = report["sections"]
-    assert list(sections) == ["kernels", "decode", "prefill", "engine", "hf"]
+    assert list(sections) == ["kernels", "decode", "prefill", "engine", "hf", "quant"]
     for name, entry in sections.items():
         assert entry["error"] is None and entry["rows"], name
         assert not [r for r in entry["rows"] if r.get("error")], (name, entry["rows"])
     kernels = {r["kernel"] for r in sections["kernels"]["rows"]}
-    assert {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "silu_and_mul"} <= kernels
+    assert {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "silu_and_mul",
+            "int8_matmul", "int4_matmul g32", "fp8_matmul", "fp8_matmul fp8 x fp8"} <= kernels
     assert all(r["ok"] for r in sections["kernels"]["rows"])
     assert all(r["ok"] for r in sections["prefill"]["rows"])         # our extend kernel == SDPA
     engine = sections["engine"]["rows"]
@@ -55,6 +56,19 @@ def test_dry_run_walks_every_section(tmp_path):
     assert same == ["1/1", "3/3"]  # the padded static-buffer path gives eager's tokens
     # transformers on the engine's own weights gives the engine's greedy tokens (fp32 on the CPU)
     assert all(r["identical outputs"] == f"{r['batch']}/{r['batch']}" for r in sections["hf"]["rows"])
-    for title in ("(a) Triton kernels", "(b) paged decode", "(c) prefill", "(d) engine", "(e) minillm vs transformers"):
+    # (f) quant: every low-bit GEMV matches its reference and is timed against the copy bandwidth;
+    # the float / int8 / int4 engines decode, int4 storing the fewest weight bytes
+    quant = sections["quant"]["rows"]
+    assert sections["quant"]["copy_bandwidth_GBps"] > 0
+    gemv = [r for r in quant if "N x K" in r]
+    assert {r["weights"] for r in gemv} == {"float32 (torch F.linear)", "int8", "int4 g32", "fp8 e4m3"}
+    assert all(r["GB/s"] > 0 and r["% of copy"] > 0 for r in gemv)
+    assert all(r["ok"] for r in gemv if r["weights"] != "float32 (torch F.linear)")
+    engines = {r["weights"]: r for r in quant if "decode tok/s" in r}
+    assert set(engines) == {"fp32", "int8", "int4 g128"} and all(r["decode tok/s"] > 0 for r in engines.values())
+    assert engines["int4 g128"]["weights GB"] < engines["int8"]["weights GB"] < 0.5 * engines["fp32"]["weights GB"]
+    assert engines["fp32"]["path"] == "float" and "int8pack" in engines["int8"]["path"]  # the CPU fast paths
+    for title in ("(a) Triton kernels", "(b) paged decode", "(c) prefill", "(d) engine", "(e) minillm vs transformers",
+                  "(f) low-bit weights", "batch-1 matrix-vector", "batch-1 decode tokens/s"):
         assert title in proc.stdout
     assert "s left]" in proc.stdout  # the time budget printout
