@@ -108,12 +108,13 @@ def test_cli_prints_the_table(default_llm, tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert code == 0, text
     for needle in ("perplexity", "top-1", "corpus top-1", "decode tok/s", "weights MB", "KV B/tok", "baseline",
-                   "kv_cache=false", "2/2"):
+                   "kv_cache=false", "2/2", "head"):
         assert needle in text, f"{needle!r} missing from:\n{text}"
     assert any(line.startswith("max_num_seqs=3") and NOT_AVAILABLE in line for line in text.splitlines()), text
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok", NOT_AVAILABLE]
     assert rows[0]["perplexity"] == rows[1]["perplexity"] and rows[1]["kv_bytes_per_token"] == 0
+    assert rows[0]["head"] == str(default_llm.engine.dtype).replace("torch.", "")  # float model: head in its dtype
     assert rows[0]["decode_tok_per_s"] > 0 and rows[1]["decode_tok_per_s"] > 0
 
 
@@ -122,3 +123,15 @@ def test_cli_rejects_an_unknown_setting(capsys):
 
     assert main(["quality", "--settings", "baseline", "int3"]) == 2
     assert "int3" in capsys.readouterr().err
+
+
+def test_int4_settings_name_their_head():
+    from minillm.bench.quality import KNOWN_SETTINGS, build_settings
+    from minillm.llm import LLM
+
+    base = LLM("random:tiny-llama", max_num_seqs=2)
+    built = build_settings({k: KNOWN_SETTINGS[k] for k in ("int4", "int4-awq", "int8")}, base=base)
+    for label, want in [("int4", "int8"), ("int4-awq", "int8"), ("int8", "int8")]:
+        assert built[label].engine.model.quantized_head.weight_dtype == want, label
+    assert built["int4"].engine.model.layers[0].o_proj.weight_dtype == "int4"
+    assert KNOWN_SETTINGS["int4"].get("weight_group_size", 128) == KNOWN_SETTINGS["int4-awq"].get("weight_group_size", 128)

@@ -37,11 +37,14 @@ KNOWN_SETTINGS: dict[str, dict] = {
     "baseline": {},
     "bf16": {"dtype": "bfloat16"},
     "fp16": {"dtype": "float16"},
-    "int8": {"weight_dtype": "int8"},
+    "int8": {"weight_dtype": "int8"},                       # head int8 too
+    # int4 settings: decoder matrices int4, lm_head int8 per-channel (models/quantize.py head_dtype_for;
+    # the table's "head" column says what each row's head is).
     "int4": {"weight_dtype": "int4"},                       # group 128, round-to-nearest
-    "int4-awq": {"weight_dtype": "int4", "weight_calibration": "awq"},
+    "int4-awq": {"weight_dtype": "int4", "weight_calibration": "awq"},  # group 128, AWQ scales + clipping
+    "int4-g64": {"weight_dtype": "int4", "weight_group_size": 64},
     "int4-g32": {"weight_dtype": "int4", "weight_group_size": 32},  # aligned to the GGUF's Q4_1 blocks
-    "fp8": {"weight_dtype": "fp8"},
+    "fp8": {"weight_dtype": "fp8"},                         # head fp8 too
 }
 DEFAULT_SETTINGS = ("baseline", "bf16", "int8", "int4")
 NOT_AVAILABLE = "not available yet"
@@ -178,6 +181,7 @@ class QualityRow:
     status: str = "ok"              # "ok" or NOT_AVAILABLE
     message: str = ""               # why a setting is not available
     weight_bytes: int = 0
+    head: str = ""                  # how the lm_head is stored: its weight dtype, or the model dtype
     kv_bytes_per_token: int = 0
     perplexity: float = float("nan")
     mean_nll: float = float("nan")
@@ -233,7 +237,9 @@ def evaluate(settings: dict[str, Any], base=None, model: str | None = None, wind
             rows.append(QualityRow(label, levers, status=NOT_AVAILABLE, message=str(llm)))
             continue
         live[label] = llm
-        rows.append(QualityRow(label, levers, weight_bytes=llm.weight_bytes,
+        qhead = getattr(llm.engine.model, "quantized_head", None)
+        head = qhead.weight_dtype if qhead is not None else str(llm.engine.dtype).replace("torch.", "")
+        rows.append(QualityRow(label, levers, weight_bytes=llm.weight_bytes, head=head,
                                kv_bytes_per_token=llm.kv_bytes_per_token if llm.config.kv_cache else 0))
     if not live:
         raise ValueError("no setting could be built: " + "; ".join(r.message for r in rows))
@@ -311,7 +317,7 @@ def format_quality(result: dict, generations: bool = True, width: int = 100) -> 
         f"{result['windows']} windows of {result['window']} (stride {result['stride']}); top-1 agreement on "
         f"{result['num_prompts']} chat prompts (next token) and on every scored corpus position",
     ]
-    head = (f"{'setting':<18}{'weights MB':>11}{'KV B/tok':>10}{'perplexity':>12}{'vs ref':>9}"
+    head = (f"{'setting':<18}{'head':>9}{'weights MB':>11}{'KV B/tok':>10}{'perplexity':>12}{'vs ref':>9}"
             f"{'top-1':>8}{'corpus top-1':>14}{'decode tok/s':>14}")
     lines += [head, "-" * len(head)]
     for r in rows:
@@ -320,7 +326,7 @@ def format_quality(result: dict, generations: bool = True, width: int = 100) -> 
             continue
         delta = 100 * (r.perplexity / ref.perplexity - 1)
         lines.append(
-            f"{r.label:<18}{r.weight_bytes / 1e6:>11.1f}{r.kv_bytes_per_token:>10d}{_cell(r.perplexity, '.3f'):>12}"
+            f"{r.label:<18}{r.head:>9}{r.weight_bytes / 1e6:>11.1f}{r.kv_bytes_per_token:>10d}{_cell(r.perplexity, '.3f'):>12}"
             f"{delta:>+8.2f}%{f'{r.top1_agree}/{r.top1_of}':>8}{_cell(100 * r.corpus_top1, '.1f') + '%':>14}"
             f"{_cell(r.decode_tok_per_s, '.1f'):>14}")
     if generations and result["generations"]:
