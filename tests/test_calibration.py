@@ -21,9 +21,11 @@ def test_clip_search_never_loses_to_round_to_nearest_and_wins_on_outlying_weight
     w[torch.rand(w.shape, generator=g) < 0.01] *= 12  # a few outlying weights stretch their groups
     x = torch.randn(200, 256, generator=g)
     clip, err = search_clip(w, x, 128)
-    assert clip.shape == err.shape == (48, 2)
+    assert clip.shape == (48, 2, 2) and err.shape == (48, 2)
     absmax = w.reshape(48, 2, 128).abs().amax(-1)
-    assert torch.all(clip <= absmax + 1e-7) and torch.all(clip >= 0.5 * absmax - 1e-7)
+    torch.testing.assert_close(clip[..., 0], -clip[..., 1])  # AWQ's search: [-m, m]
+    m = clip[..., 1]
+    assert torch.all(m <= absmax + 1e-7) and torch.all(m >= 0.5 * absmax - 1e-7)
     # Per group, the search's error equals the error of the clipped group computed directly.
     clipped = clip_weight(w, None, clip, 128)
     d = (fake_quantize(clipped, "int4", 128) - w).reshape(48, 2, 128)
@@ -33,7 +35,15 @@ def test_clip_search_never_loses_to_round_to_nearest_and_wins_on_outlying_weight
     rtn = _output_error(fake_quantize(w, "int4", 128), w, x)
     got = _output_error(fake_quantize(clipped, "int4", 128), w, x)
     assert got < 0.9 * rtn, (got, rtn)
-    assert bool((clip < absmax - 1e-7).any())
+    assert bool((m < absmax - 1e-7).any())
+    # Two-sided (asymmetric int4): low and high move apart, inside the group's own range, and
+    # the least error over a grid that contains the symmetric search's "no clip" point.
+    clip2s, err2s = search_clip(w, x, 128, two_sided=True)
+    lo, hi = w.reshape(48, 2, 128).amin(-1), w.reshape(48, 2, 128).amax(-1)
+    assert torch.all(clip2s[..., 0] >= lo - 1e-7) and torch.all(clip2s[..., 1] <= hi + 1e-7)
+    assert torch.all(clip2s[..., 0] <= lo + 0.25 * (hi - lo) + 1e-6)
+    got2s = _output_error(fake_quantize(clip_weight(w, None, clip2s, 128), "int4", 128), w, x)
+    assert got2s < 0.9 * rtn, (got2s, rtn)
     # No outliers to cut: clipping never does worse than round-to-nearest on the calibration inputs.
     w2 = torch.randn(32, 128, generator=g)
     clip2, _ = search_clip(w2, x[:, :128], 128)
@@ -46,10 +56,13 @@ def test_clip_search_never_loses_to_round_to_nearest_and_wins_on_outlying_weight
 def test_clip_weight_clamps_in_the_scaled_domain_and_pads_odd_widths():
     w = torch.tensor([[1.0, -4.0, 2.0], [0.5, 0.5, -0.5]])
     s = torch.tensor([2.0, 1.0, 1.0])
-    clip = torch.tensor([[1.5, 9.0], [0.25, 0.3]])  # groups of 2 over 3 columns padded to 4
+    clip = torch.tensor([[[-1.5, 1.5], [-9.0, 9.0]], [[-0.25, 0.25], [-0.3, 0.3]]])  # groups of 2, 3 columns padded to 4
     got = clip_weight(w, s, clip, 2)
     # scaled row 0: [2, -4 | 2] -> clamp +-1.5 -> [1.5, -1.5 | 2] (second group: +-9) -> / s
     torch.testing.assert_close(got, torch.tensor([[0.75, -1.5, 2.0], [0.125, 0.25, -0.3]]))
+    lopsided = torch.tensor([[[-1.0, 3.0], [0.0, 1.0]], [[0.4, 0.45], [-9.0, 9.0]]])
+    torch.testing.assert_close(clip_weight(w, None, lopsided, 2),
+                               torch.tensor([[1.0, -1.0, 1.0], [0.45, 0.45, -0.5]]))
 
 
 def test_head_dtype_rule():

@@ -65,8 +65,8 @@ def shallow_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def clip_weight(w: torch.Tensor, input_scale: torch.Tensor | None, clip: torch.Tensor, group_size: int) -> torch.Tensor:
-    """w [N, K] with each group of (w * input_scale) clamped to [-clip, clip] (clip [N, groups],
-    from calibrate_awq), returned unscaled: QuantizedLinear multiplies input_scale back in."""
+    """w [N, K] with each group of (w * input_scale) clamped to [low, high] (clip [N, groups, 2],
+    from calibrate_awq / search_clip), returned unscaled: QuantizedLinear multiplies input_scale back in."""
     n, k = w.shape
     s = torch.ones(k, device=w.device) if input_scale is None else input_scale.float().to(w.device)
     ws = w.float() * s
@@ -74,8 +74,8 @@ def clip_weight(w: torch.Tensor, input_scale: torch.Tensor | None, clip: torch.T
     if pad:
         ws = torch.nn.functional.pad(ws, (0, pad))
     g = ws.reshape(n, -1, group_size)
-    m = clip.float().to(w.device)[..., None]
-    g = torch.maximum(torch.minimum(g, m), -m)
+    bounds = clip.float().to(w.device)
+    g = torch.maximum(torch.minimum(g, bounds[..., 1:]), bounds[..., :1])
     return (g.reshape(n, -1)[:, :k] / s).to(w.dtype)
 
 
@@ -88,7 +88,7 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
     in_place=False quantizes a shallow copy and leaves `model` (e.g. another engine's fp32
     weights, LLM.with_levers) as it was; the copy shares the embedding, norms and rotary tables.
     input_scales: {"layers.3.qkv_proj": s [in_features], ...} from calibrate_awq (activation-aware);
-    clips: {"layers.3.qkv_proj": max |w * s| per group [out_features, groups]} from calibrate_awq.
+    clips: {"layers.3.qkv_proj": (low, high) of w * s per group [out_features, groups, 2]} from calibrate_awq.
     head_dtype: "same" (weight_dtype), None (keep the head in the model dtype) or a weight dtype
     (head_dtype_for turns the weight_head_dtype lever into this).
     """
@@ -127,14 +127,15 @@ def set_quantized_matmul(model: LlamaForCausalLM, fn, weight_dtype: str = "int4"
 
 @torch.no_grad()
 def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: str = "int4", group_size: int = 128,
-                  grid: int = 20, clip: bool = True, progress: bool = True
+                  grid: int = 20, clip: bool = True, two_sided: bool = True, progress: bool = True
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """AWQ-style input scales (and, for int4, clipping ranges) for every decoder Linear.
 
     Runs the float model once on `token_ids` (one sequence, no KV cache, torch attention), records
     each Linear's input, searches each matrix's input scale (quant/awq.py search_input_scale), then
     with clip=True and int4 each group's clipping range on the scaled matrix (search_clip).
-    Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": clip [N, groups]}), the
+    two_sided: search the low and high ends of each group apart (asymmetric int4), else AWQ's [-m, m].
+    Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": clip [N, groups, 2]}), the
     input_scales= and clips= arguments of quantize_model. The head is not calibrated (see
     head_dtype_for). Calibration text for the course: minillm/data/calibration.txt.
     """
@@ -175,7 +176,7 @@ def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: s
         w = getattr(model.layers[i], name).weight.data
         scales[key], _, _ = search_input_scale(w, inputs[key], weight_dtype, group_size, grid)
         if clip and weight_dtype == "int4":
-            clips[key], _ = search_clip(w, inputs[key], group_size, scales[key], grid)
+            clips[key], _ = search_clip(w, inputs[key], group_size, scales[key], grid, two_sided=two_sided)
         del inputs[key]
     return scales, clips
 

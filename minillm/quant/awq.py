@@ -61,18 +61,21 @@ def search_input_scale(w: torch.Tensor, x: torch.Tensor, weight_dtype: str = "in
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, input_scale: torch.Tensor | None = None,
-                grid: int = 20, max_shrink: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+                grid: int = 20, max_shrink: float = 0.5, two_sided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ's second step: a per-group clipping range for int4. w [N, K], calibration inputs x [T, K]
-    -> (clip [N, K_pad / group_size], output error [N, groups] at that clip).
+    -> (bounds [N, K_pad / group_size, 2] = (low, high) per group, output error [N, groups] there).
 
-    Each group of W' = W * input_scale is clamped to [-m, m] with m = r * max|group|,
-    r = 1, 1 - 1/grid, ... down to 1 - max_shrink, then quantized (round-to-nearest, min/max of
-    the clamped group); per group the r with the least error on that group's share of the output,
-    E_t[(x'_tg . (Q(W'_ng) - W'_ng))^2] with x' = x / input_scale, is kept. r = 1 is no clipping, so
-    the result never does worse than round-to-nearest on the calibration inputs. Clipping a few
-    outlying weights buys finer levels for the rest of the group.
-    The error is computed exactly from each group's input covariance C_g = E_t[x'_tg x'_tg^T]
-    (d^T C_g d per row and group), so its cost does not grow with the number of tokens.
+    Each group of W' = W * input_scale is clamped to [low, high], then quantized (round to
+    nearest on the min / max of the clamped group); per group the range with the least error on
+    that group's share of the output, E_t[(x'_tg . (Q(W'_ng) - W'_ng))^2] with x' = x / input_scale,
+    is kept. Clipping a few outlying weights buys finer levels for the rest of the group.
+
+    two_sided=False (AWQ's search): [-m, m] with m = r * max|group|, r = 1, 1 - 1/grid, ...,
+    1 - max_shrink. two_sided=True (for asymmetric int4): low = lo + a (hi - lo) and
+    high = hi - b (hi - lo) with a, b each in 0, 1/grid, ..., max_shrink / 2 (all pairs).
+    Both include "no clipping", so the result never does worse than round-to-nearest on the
+    calibration inputs. The error is computed exactly from each group's input covariance
+    C_g = E_t[x'_tg x'_tg^T] (d^T C_g d per row and group): its cost does not grow with the tokens.
     """
     if not 0 <= max_shrink < 1:
         raise ValueError(f"max_shrink={max_shrink!r} must be in [0, 1)")
@@ -87,16 +90,22 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int = 128, input_s
     xg = xs.reshape(-1, groups, group_size).transpose(0, 1)            # [G, T, g]
     cov = xg.transpose(1, 2) @ xg / xg.shape[1]                        # [G, g, g]
     wg = ws.reshape(n, groups, group_size)
-    org_max = wg.abs().amax(dim=2)                                     # [N, G]
+    if two_sided:
+        lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+        steps = [i / grid for i in range(int(round(max_shrink / 2 * grid)) + 1)]
+        candidates = [(lo + a * (hi - lo), hi - b * (hi - lo)) for a in steps for b in steps]
+    else:
+        org_max = wg.abs().amax(dim=2)                                 # [N, G]
+        candidates = [(-org_max * (1 - i / grid), org_max * (1 - i / grid))
+                      for i in range(int(round(max_shrink * grid)) + 1)]
     best_err = torch.full((n, groups), float("inf"))
-    best = org_max.clone()
-    for i in range(int(round(max_shrink * grid)) + 1):
-        m = org_max * (1 - i / grid)
-        clipped = torch.maximum(torch.minimum(wg, m[..., None]), -m[..., None])
+    best = torch.stack(candidates[0], dim=-1)
+    for low, high in candidates:
+        clipped = torch.maximum(torch.minimum(wg, high[..., None]), low[..., None])
         d = (dequantize_int4(*quantize_int4(clipped.reshape(n, -1), group_size)).reshape(n, groups, group_size) - wg)
         dt = d.transpose(0, 1)                                         # [G, N, g]
         err = ((dt @ cov) * dt).sum(-1).t()                            # [N, G]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best = torch.where(better, m, best)
+        best = torch.where(better[..., None], torch.stack([low, high], dim=-1), best)
     return best, best_err
