@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 WEIGHT_CALIBRATIONS = ("awq",)            # or None: round-to-nearest
+WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
 
 
 @dataclass
@@ -53,7 +54,8 @@ class EngineConfig:
     chunked_prefill: bool = False
     weight_dtype: str | None = None     # built: None (model dtype) | "int8" | "int4" | "fp8" (see minillm/quant)
     weight_group_size: int = 128        # int4 only: input channels per scale and zero
-    weight_calibration: str | None = None  # "awq": activation-aware scales from data/corpus.txt; None: round-to-nearest
+    weight_calibration: str | None = None  # "awq": activation-aware scales + clipping from data/calibration.txt; None: round-to-nearest
+    weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
     kv_dtype: str | None = None
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
     speculative: str | None = None
@@ -130,6 +132,12 @@ class EngineConfig:
         need(self.weight_calibration is None or self.weight_dtype not in (None, "auto"),
              f"weight_calibration={self.weight_calibration!r} needs a weight_dtype (one of {WEIGHT_DTYPES}): "
              "it calibrates the quantization of the weights")
+        need(self.weight_head_dtype in WEIGHT_HEAD_DTYPES,
+             f"weight_head_dtype={self.weight_head_dtype!r} is not one of {WEIGHT_HEAD_DTYPES} "
+             "('auto': int8 under int4 weights, else the weight_dtype; 'model': the model dtype)")
+        need(self.weight_head_dtype in ("auto", "model") or self.weight_dtype not in (None, "auto"),
+             f"weight_head_dtype={self.weight_head_dtype!r} needs a weight_dtype (one of {WEIGHT_DTYPES}): "
+             "the head is quantized together with the decoder matrices")
 
         need(isinstance(self.prefix_caching, bool), f"prefix_caching={self.prefix_caching!r} must be True or False")
         if self.prefix_caching and not (self.kv_cache and self.paged):

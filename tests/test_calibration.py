@@ -102,3 +102,30 @@ def test_calibration_text_is_not_the_scored_corpus():
     grams = {" ".join(words[i:i + 8]) for i in range(len(words) - 7)}
     cw = calibration.split()
     assert not any(" ".join(cw[i:i + 8]) in grams for i in range(len(cw) - 7))
+
+
+def test_weight_head_dtype_lever():
+    from minillm import LLM
+    from minillm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"weight_head_dtype='int2' is not one of \('auto', 'model', 'int8', 'int4', 'fp8'\)"):
+        EngineConfig(weight_dtype="int4", weight_head_dtype="int2")
+    with pytest.raises(ValueError, match=r"weight_head_dtype='int8' needs a weight_dtype"):
+        EngineConfig(weight_head_dtype="int8")
+    base = LLM("random:tiny-llama", max_num_seqs=2)
+    float_head = base.engine.model.lm_head_weight
+    kept = base.with_levers(weight_dtype="int4", weight_group_size=32, weight_head_dtype="model")
+    assert kept.engine.model.quantized_head is None and torch.equal(kept.engine.model.lm_head_weight, float_head)
+    int4 = base.with_levers(weight_dtype="int4", weight_group_size=32, weight_head_dtype="int4")
+    assert int4.engine.model.quantized_head.weight_dtype == "int4"
+    auto = base.with_levers(weight_dtype="int4", weight_group_size=32)
+    assert auto.engine.model.quantized_head.weight_dtype == "int8"
+    assert len({id(m.engine.model) for m in (kept, int4, auto)}) == 3  # the head is part of the weight format
+    # Untied head [512, 64]: kept in fp32, or an int8 copy (+ fp32 row scales), or int4 groups of 32.
+    assert kept.weight_bytes - auto.weight_bytes == 512 * 64 * 4 - (512 * 64 + 4 * 512)
+    assert auto.weight_bytes - int4.weight_bytes == (512 * 64 + 4 * 512) - (512 * 32 + 4 * 512 * 2)
+    from minillm.bench.memory import weight_bytes
+
+    cfg = base.model_config
+    for llm, head in [(kept, "model"), (int4, "int4"), (auto, "auto")]:
+        assert llm.weight_bytes == weight_bytes(cfg, "int4", 32, "float32", head_dtype=head), head

@@ -9,7 +9,7 @@ import torch
 from ..config import DEFAULT_CPU_HOURLY_USD, DEFAULT_GPU_HOURLY_USD, EngineConfig
 from ..hardware import device_name, resolve_device, resolve_dtype
 from ..models.loader import load_model, load_model_config, load_tokenizer, read_generation_eos, resolve_model_path
-from ..models.quantize import quantize_for_config
+from ..models.quantize import head_dtype_for, quantize_for_config
 from ..quant import weight_bytes
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
@@ -46,7 +46,8 @@ class Engine:
         self.max_model_len = config.max_model_len or limit
         wd = config.weight_dtype if config.weight_dtype != "auto" else None
         self.weight_format = (wd, config.weight_group_size if wd == "int4" else None,
-                              config.weight_calibration if wd else None)
+                              config.weight_calibration if wd else None,
+                              head_dtype_for(wd, config.weight_head_dtype) if wd else None)
         compatible = donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype) \
             and donor.max_model_len >= self.max_model_len
         if compatible and donor.weight_format == self.weight_format:
@@ -55,13 +56,13 @@ class Engine:
             # Quantize the donor's float weights in memory (a shallow copy: the donor keeps its own).
             self.tokenizer = donor.tokenizer
             self.model = quantize_for_config(donor.model, wd, config.weight_group_size, config.weight_calibration,
-                                             self.tokenizer, in_place=False)
+                                             self.tokenizer, in_place=False, head_dtype=config.weight_head_dtype)
         else:
             self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
             self.tokenizer = load_tokenizer(self.model_path)
             if wd is not None:
                 quantize_for_config(self.model, wd, config.weight_group_size, config.weight_calibration,
-                                    self.tokenizer, in_place=True)
+                                    self.tokenizer, in_place=True, head_dtype=config.weight_head_dtype)
         self.eos_token_ids = set(mcfg.eos_token_ids) | set(read_generation_eos(self.model_path))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
+from ..config import WEIGHT_HEAD_DTYPES as HEAD_DTYPES
 from ..layers.attention import AttentionMetadata, TorchAttentionBackend
 from ..quant import QuantizedLinear
 from ..quant.awq import search_clip, search_input_scale
 from .llama import LlamaForCausalLM
 
 LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")
 
 
 def head_dtype_for(weight_dtype: str | None, weight_head_dtype: str = "auto") -> str | None:
