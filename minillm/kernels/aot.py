@@ -123,13 +123,18 @@ def _paged_configurations():
 def _quant_matmul_configurations():
     """QuantizedLinear's "triton" path: int8 / int4 / fp8 GEMV (BLOCK_M 1..16, fp32 partial sums) and
     GEMM. int4 scales and zeros are stored in bf16, int8 / fp8 scales in fp32. fp8 runs on sm_90 only
-    (QuantizedLinear keeps its dequantize path below sm_89), so its sm_80 entries are skipped."""
+    (QuantizedLinear keeps its dequantize path below sm_89), so its sm_80 entries are skipped.
+    Pointers, K and the row strides are declared multiples of 16, as the JIT specializes them for
+    every model minillm ships (K = hidden or intermediate size): without that hint loads are scalar,
+    nothing is pipelined, and the register counts checked here would not be the launched ones."""
     import torch
 
     from . import quant_matmul as qm
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     fp8_skip = {"skip": {80: "fp8 e4m3 needs sm_89+: QuantizedLinear keeps fp8 on its dequantize path there"}}
+    aligned = ("x_ptr", "x_scale_ptr", "w_ptr", "packed_ptr", "scale_ptr", "zero_ptr", "out_ptr", "K", "Kp",
+               "group_size", "stride_xm", "stride_wn", "stride_pn", "stride_sn", "stride_os", "stride_om", "k_per_split")
     weights = (("int8", "*i8", {}), ("fp8", "*fp8e4nv", fp8_skip))
     for dtype in _FLOAT_TYPES:
         for block_m in sorted(qm.GEMV_BLOCKS):
@@ -141,16 +146,16 @@ def _quant_matmul_configurations():
                        "stride_os": "i32", "stride_om": "i32", "k_per_split": "i32",
                        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
                 yield (f"{kind}_gemv[{dtype},BLOCK_M={block_m}]", qm.channel_gemv_kernel, sig, constexprs,
-                       {"num_warps": qm.GEMV_NUM_WARPS, **extra})
+                       {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned, **extra})
             sig = {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                    "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "Kp": "i32", "group_size": "i32",
                    "stride_xm": "i32", "stride_pn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32",
                    "k_per_split": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
             yield (f"int4_gemv[{dtype},BLOCK_M={block_m}]", qm.int4_gemv_kernel, sig, constexprs,
-                   {"num_warps": qm.GEMV_NUM_WARPS})
+                   {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned})
 
         block_m, block_n, block_k, num_warps, num_stages = qm.GEMM_LAUNCH[torch_dtypes[dtype]]
-        launch = {"num_warps": num_warps, "num_stages": num_stages}
+        launch = {"num_warps": num_warps, "num_stages": num_stages, "divisible_by_16": aligned}
         # fp8_activations=True: x quantized to e4m3 per row, fp8 x fp8 tl.dot (sm_90), output in `dtype`
         for kind, x_type, w_type, fp8_act, extra in (("int8", dtype, "*i8", False, {}),
                                                      ("fp8", dtype, "*fp8e4nv", False, fp8_skip),
@@ -181,12 +186,15 @@ def compile_all(capabilities=(80, 90)) -> list[tuple[str, int, bool, str]]:
     for name, kernel, sig, constexprs, *options in configurations():
         options = dict(options[0]) if options else {}
         skip = options.pop("skip", {})  # {capability: reason}: a configuration a target never launches
+        # arguments the JIT would specialize as multiples of 16 (aligned pointers, K, strides)
+        attrs = {(list(sig).index(arg),): [["tt.divisibility", 16]]
+                 for arg in options.pop("divisible_by_16", ()) if arg in sig}
         for cc in capabilities:
             if cc in skip:
                 results.append((name, cc, True, f"skipped: {skip[cc]}"))
                 continue
             try:
-                compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs or None),
                                           target=GPUTarget("cuda", cc, 32), options=options or None)
                 results.append((name, cc, True, f"{len(compiled.asm['cubin'])} bytes of cubin"))
             except Exception as exc:  # report every failure, not only the first
