@@ -299,6 +299,7 @@ def _collide(parent, tokens, salt):
     return (parent, salt)
 
 
+_TEXTS = [[0] * 20, [0] * 6 + [1] * 14, [0, 0, 0, 0, 0, 0, 1, 2] * 3, [0] * 5 + [2] * 15]
 prefix_op = st.tuples(st.sampled_from(["add", "step", "step", "step", "step", "finish", "preempt", "evict_all"]),
                       st.integers(1, 20), st.integers(0, 99))
 
@@ -349,9 +350,10 @@ def test_random_admit_step_finish_preempt_with_cached_blocks(chunked, block_size
 
     for kind, n, pick in ops:
         if kind == "add":
-            # Few distinct prompts from a tiny alphabet: shared prefixes, identical prompts, divergence.
+            # Prefixes of four texts that share their starts (shared blocks, identical prompts, divergence), or
+            # one of many small-alphabet prompts (collisions under the colliding hash).
             length = min(n, limit - 2)
-            prompt = [(pick // (1 + i // 3)) % 3 for i in range(length)]
+            prompt = _TEXTS[pick % 5][:length] if pick % 5 < 4 else [(pick // (1 + i // 3)) % 3 for i in range(length)]
             salt = "b" if pick % 7 == 0 else None
             sched.add(Sequence(prompt, SamplingParams(max_tokens=min(1 + pick % 6, limit - len(prompt))),
                                cache_salt=salt))

@@ -319,7 +319,7 @@ def _tiny_workload():
     prompts = [system + [rng.randrange(3, 250) for _ in range(n)] for n in (1, 5, 9, 3)]
     prompts += [prompts[1], system[:20] + [rng.randrange(3, 250) for _ in range(15)], system[:33],
                 [rng.randrange(3, 250) for _ in range(17)]]
-    params = [SamplingParams(max_tokens=3 + i % 4, ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=8 + 3 * (i % 4), ignore_eos=True) for i in range(len(prompts))]
     return prompts, params
 
 
@@ -333,15 +333,19 @@ def test_tiny_model_both_backends(tiny_model, backend, chunked):
     llm = plain.with_levers(prefix_caching=True, chunked_prefill=chunked,
                             max_num_batched_tokens=24 if chunked else 50, kv_cache_bytes=12 * 8 * plain.kv_bytes_per_token)
     assert llm.engine.block_manager.num_blocks == 12     # small: eviction and preemption happen
+    preemptions = hits = 0
     for _ in range(2):
         outs = llm.generate(reqs, params)
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert_engine_idle(llm)
-    assert llm.stats.prefix_cache_hits > 0
+        preemptions += llm.stats.num_preemptions
+        hits += llm.stats.prefix_cache_hits
+    assert hits > 0 and preemptions > 0
     assert llm.engine.block_manager.num_evictions > 0
-    for i in (0, 4, 6):   # one at a time: an identical request hits floor((len - 1) / 8) * 8 tokens
-        out = llm.generate(reqs[i], params[i])[0]
-        assert out.outputs[0].token_ids == ref[i]
+    for i in (0, 4, 6):   # alone, twice: the second hits floor((len - 1) / 8) * 8 tokens
+        for _ in range(2):
+            out = llm.generate(reqs[i], params[i])[0]
+            assert out.outputs[0].token_ids == ref[i]
         assert out.metrics.num_cached_tokens == (len(prompts[i]) - 1) // 8 * 8
     assert_engine_idle(llm)
 
