@@ -120,18 +120,22 @@ def test_fp8_activations_dot_matches_reference(m, n, k, dtype):
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_gemv_split_k_slices_add_up(kind, split_k):
-    m, n, k, group = 2, 80, 600, 64  # BLOCK_M 2: BLOCK_K 128 -> 5 steps (int4: Kp 640, 5 steps)
-    x, w = draw(m, n, k, torch.float32, seed=split_k)
+    # BLOCK_M 2: BLOCK_K 128 -> 5 steps (int4: Kp 640, 5 steps). One slice writes bf16 itself; more
+    # write fp32 partial sums that split_k_reduce_kernel adds up into `out`.
+    m, n, k, group = 2, 80, 600, 64
+    x, w = draw(m, n, k, torch.bfloat16, seed=split_k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # every element must be written
     if kind == "int4":
         packed, scale, zero = on_device(*int4_layout(w, group))
         x = x.to(DEVICE)
-        got = qm.int4_gemv(x, packed, scale, zero, group, split_k=split_k)
+        got = qm.int4_gemv(x, packed, scale, zero, group, split_k=split_k, out=out)
         want = qm.int4_matmul_reference(x, packed, scale, zero, group)
     else:
         q, scale = (quantize_int8 if kind == "int8" else quantize_fp8)(w)
         x, q, scale = on_device(x, q, scale)
-        got = qm.channel_gemv(x, q, scale, split_k=split_k)
+        got = qm.channel_gemv(x, q, scale, split_k=split_k, out=out)
         want = (qm.int8_matmul_reference if kind == "int8" else qm.fp8_matmul_reference)(x, q, scale)
+    assert got.data_ptr() == out.data_ptr()
     check(got, want, f"{kind} GEMV split_k={split_k}")
 
 

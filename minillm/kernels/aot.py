@@ -121,8 +121,8 @@ def _paged_configurations():
 
 
 def _quant_matmul_configurations():
-    """QuantizedLinear's "triton" path: int8 / int4 / fp8 GEMV (BLOCK_M 1..16, fp32 partial sums) and
-    GEMM. int4 scales and zeros are stored in bf16, int8 / fp8 scales in fp32. fp8 runs on sm_90 only
+    """QuantizedLinear's "triton" path: int8 / int4 / fp8 GEMV (BLOCK_M 1..16; output in fp32 partial
+    sums when K is split, else in the activation dtype), the split-K reduction, and the GEMM. int4 scales and zeros are stored in bf16, int8 / fp8 scales in fp32. fp8 runs on sm_90 only
     (QuantizedLinear keeps its dequantize path below sm_89), so its sm_80 entries are skipped.
     Pointers, K and the row strides are declared multiples of 16, as the JIT specializes them for
     every model minillm ships (K = hidden or intermediate size): without that hint loads are scalar,
@@ -140,19 +140,26 @@ def _quant_matmul_configurations():
         for block_m in sorted(qm.GEMV_BLOCKS):
             block_n, block_k = qm.GEMV_BLOCKS[block_m]
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-            for kind, w_type, extra in weights:
-                sig = {"x_ptr": f"*{dtype}", "w_ptr": w_type, "scale_ptr": "*fp32", "out_ptr": "*fp32",
-                       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-                       "stride_os": "i32", "stride_om": "i32", "k_per_split": "i32",
-                       "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-                yield (f"{kind}_gemv[{dtype},BLOCK_M={block_m}]", qm.channel_gemv_kernel, sig, constexprs,
-                       {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned, **extra})
-            sig = {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
-                   "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "Kp": "i32", "group_size": "i32",
-                   "stride_xm": "i32", "stride_pn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32",
-                   "k_per_split": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-            yield (f"int4_gemv[{dtype},BLOCK_M={block_m}]", qm.int4_gemv_kernel, sig, constexprs,
-                   {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned})
+            for out_type in sorted({"fp32", dtype}):  # split K: fp32 partial sums; one slice: x's dtype
+                tag = "" if out_type == dtype else ",split"
+                for kind, w_type, extra in weights:
+                    sig = {"x_ptr": f"*{dtype}", "w_ptr": w_type, "scale_ptr": "*fp32", "out_ptr": f"*{out_type}",
+                           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                           "stride_os": "i32", "stride_om": "i32", "k_per_split": "i32",
+                           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+                    yield (f"{kind}_gemv[{dtype},BLOCK_M={block_m}{tag}]", qm.channel_gemv_kernel, sig, constexprs,
+                           {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned, **extra})
+                sig = {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
+                       "out_ptr": f"*{out_type}", "M": "i32", "N": "i32", "K": "i32", "Kp": "i32", "group_size": "i32",
+                       "stride_xm": "i32", "stride_pn": "i32", "stride_sn": "i32", "stride_os": "i32",
+                       "stride_om": "i32", "k_per_split": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                       "BLOCK_K": "constexpr"}
+                yield (f"int4_gemv[{dtype},BLOCK_M={block_m}{tag}]", qm.int4_gemv_kernel, sig, constexprs,
+                       {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned})
+        sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "split_k": "i32",
+               "stride_om": "i32", "BLOCK": "constexpr"}
+        yield (f"split_k_reduce[{dtype}]", qm.split_k_reduce_kernel, sig, {"BLOCK": qm.REDUCE_BLOCK},
+               {"num_warps": qm.REDUCE_NUM_WARPS, "divisible_by_16": ("partial_ptr", "out_ptr", "stride_om")})
 
         block_m, block_n, block_k, num_warps, num_stages = qm.GEMM_LAUNCH[torch_dtypes[dtype]]
         launch = {"num_warps": num_warps, "num_stages": num_stages, "divisible_by_16": aligned}

@@ -20,8 +20,9 @@ Two kernels per format, chosen by the number of rows M of x:
    shrink as BLOCK_M grows so the product tile stays ~8K fp32 values (64 registers a thread at
    4 warps). Split-K: with a few rows, N / BLOCK_N programs would leave most SMs idle, so K is
    cut into slices (about 4 programs per SM in all); each slice writes fp32 partial sums
-   [split_k, M, N] that the launcher adds up and rounds to x's dtype (deterministic, no
-   atomics; with one slice it only rounds: one output dtype, half the AOT variants).
+   [split_k, M, N] and `split_k_reduce_kernel` adds them up and rounds once to x's dtype
+   (deterministic, no atomics; one extra small launch). With one slice (wide layers such as
+   gate_up or the head) the GEMV writes the output in x's dtype itself.
 2. GEMM (prefill, M > 16): grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), tiles through `tl.dot`
    (BLOCK_M >= 16). The weight tile is dequantized in registers to x's dtype (int8 and e4m3 are
    exact in bf16 / fp16; int4's q * scale + zero rounds once, as dequantize_int4 to that dtype
@@ -75,7 +76,8 @@ def channel_gemv_kernel(
     x_ptr,        # [M, K] activations fp32 / bf16 / fp16 (row stride stride_xm, unit stride along K)
     w_ptr,        # [N, K] int8 or float8_e4m3fn weights (row stride stride_wn, unit stride along K)
     scale_ptr,    # [N] per-output-channel scale (fp32 / bf16 / fp16)
-    out_ptr,      # [split_k, M, N] fp32 partial sums (strides stride_os, stride_om, 1)
+    out_ptr,      # [split_k, M, N] fp32 partial sums, or [M, N] in x's dtype when split_k == 1
+                  # (strides stride_os, stride_om, 1)
     M, N, K,
     stride_xm, stride_wn, stride_os, stride_om,
     k_per_split,  # K columns per split (a multiple of BLOCK_K); program (n, s) takes [s * k_per_split, ...)
@@ -115,7 +117,8 @@ def int4_gemv_kernel(
     packed_ptr,   # [N, Kp / 2] uint8, two 4-bit levels a byte, low nibble = even column (row stride stride_pn)
     scale_ptr,    # [N, Kp / group_size] group scales (row stride stride_sn; fp32 / bf16 / fp16)
     zero_ptr,     # [N, Kp / group_size] group zeros (the group minimum), same strides as scale
-    out_ptr,      # [split_k, M, N] fp32 partial sums (strides stride_os, stride_om, 1)
+    out_ptr,      # [split_k, M, N] fp32 partial sums, or [M, N] in x's dtype when split_k == 1
+                  # (strides stride_os, stride_om, 1)
     M, N, K,      # K: x's columns (<= Kp; the padded weight columns meet masked, zero activations)
     Kp,           # padded K: 2 * packed columns, a multiple of group_size
     group_size,   # even, so columns 2j and 2j + 1 (one byte) always share a group
@@ -155,6 +158,25 @@ def int4_gemv_kernel(
         acc += tl.sum(x_even[:, None, :] * w_even[None, :, :] + x_odd[:, None, :] * w_odd[None, :, :], axis=2)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def split_k_reduce_kernel(
+    partial_ptr,  # [split_k, M, N] fp32 partial sums of a GEMV, contiguous (split stride M * N, row stride N)
+    out_ptr,      # [M, N] in x's dtype (row stride stride_om, unit column stride)
+    M, N, split_k,
+    stride_om,
+    BLOCK: tl.constexpr,  # columns per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    src = partial_ptr + row * N + cols
+    acc = tl.zeros([BLOCK], tl.float32)
+    for _ in range(0, split_k):   # slices in order: deterministic
+        acc += tl.load(src, mask=mask, other=0.0)
+        src += M * N              # the next slice
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -316,16 +338,36 @@ def _check_split(split_k: int | None) -> None:
         raise ValueError(f"split_k={split_k!r} must be an integer >= 1 (or None to choose)")
 
 
-def _gemv_out(x: torch.Tensor, n: int, split: int) -> torch.Tensor:
-    """Where a GEMV writes: [split, M, N] fp32 partial sums."""
-    return torch.empty(split, x.shape[0], n, dtype=torch.float32, device=x.device)
+REDUCE_BLOCK = 1024
+REDUCE_NUM_WARPS = 4
 
 
-def _finish(partial: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    y = (partial[0] if partial.shape[0] == 1 else partial.sum(0)).to(x.dtype)
+def _check_out(out: torch.Tensor | None, x: torch.Tensor, n: int, who: str) -> torch.Tensor:
+    """`out` checked, or a new [M, N] tensor in x's dtype."""
+    m = x.shape[0]
     if out is None:
-        return y
-    out.copy_(y)
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.dtype != x.dtype or (out.stride(1) != 1 and n > 1):
+        raise ValueError(f"{who}: out must be [{m}, {n}] {x.dtype} with unit column stride; "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def _gemv_target(out: torch.Tensor, split: int) -> tuple[torch.Tensor, int, int]:
+    """(tensor the GEMV writes, its split stride, its row stride): `out` itself for one slice,
+    else fresh fp32 partial sums [split, M, N]."""
+    if split == 1:
+        return out, 0, out.stride(0)
+    m, n = out.shape
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    return partial, partial.stride(0), partial.stride(1)
+
+
+def _reduce(target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if target is not out:  # [split, M, N] fp32 -> out
+        m, n = out.shape
+        split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
+            target, out, m, n, target.shape[0], out.stride(0), BLOCK=REDUCE_BLOCK, num_warps=REDUCE_NUM_WARPS)
     return out
 
 
@@ -357,11 +399,12 @@ def channel_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k:
         steps = max(1, triton.cdiv(k, block_k))
         per = triton.cdiv(steps, min(split_k, steps)) * block_k
         split = triton.cdiv(max(k, 1), per)
-    partial = _gemv_out(x, n, split)
+    out = _check_out(out, x, n, "channel_gemv")
+    target, stride_os, stride_om = _gemv_target(out, split)
     channel_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, q, scale, partial, m, n, k, x.stride(0), q.stride(0), partial.stride(0), partial.stride(1), per,
+        x, q, scale, target, m, n, k, x.stride(0), q.stride(0), stride_os, stride_om, per,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=GEMV_NUM_WARPS)
-    return _finish(partial, x, out)
+    return _reduce(target, out)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,12 +489,13 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
         steps = triton.cdiv(kp, block_k)
         per = triton.cdiv(steps, min(split_k, steps)) * block_k
         split = triton.cdiv(kp, per)
-    partial = _gemv_out(x, n, split)
+    out = _check_out(out, x, n, "int4_gemv")
+    target, stride_os, stride_om = _gemv_target(out, split)
     int4_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, packed, scale, zero, partial, m, n, k, kp, group_size, x.stride(0), packed.stride(0), scale.stride(0),
-        partial.stride(0), partial.stride(1), per,
+        x, packed, scale, zero, target, m, n, k, kp, group_size, x.stride(0), packed.stride(0), scale.stride(0),
+        stride_os, stride_om, per,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=GEMV_NUM_WARPS)
-    return _finish(partial, x, out)
+    return _reduce(target, out)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
