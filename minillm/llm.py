@@ -87,7 +87,12 @@ class LLM:
     # ------------------------------------------------------------ generation
     def generate(self, prompts: PromptType | Seq[PromptType], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        A prompt is a str, or a dict with "prompt_token_ids" (or "prompt") and optionally
+        "cache_salt" (a str, as in vLLM): with prefix_caching=True, requests with different salts
+        never share cached blocks. `outputs[i].metrics.num_cached_tokens` counts the prompt tokens
+        served from the prefix cache."""
         requests = self._requests(prompts, sampling_params)
         engine = self.engine
         stats = engine.reset_stats()
