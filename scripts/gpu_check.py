@@ -766,7 +766,7 @@ def quant_gemv_rows(args, dev, copy_bw: float) -> list[dict]:
                                        lambda t: qm.fp8_matmul_reference(x, *t))
             else:
                 rows.append({"layer": label, "N x K": f"{n} x {k}", "weights": "fp8 e4m3",
-                             "note": "skipped: fp8 needs sm_89+ (QuantizedLinear keeps its dequantize path)"})
+                             "note": "skipped: the fp8 kernels run on sm_90+ (QuantizedLinear keeps its dequantize path)"})
         except Exception as exc:  # noqa: BLE001
             rows.append({"layer": label, "N x K": f"{n} x {k}", "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
         del w

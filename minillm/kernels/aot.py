@@ -122,8 +122,9 @@ def _paged_configurations():
 
 def _quant_matmul_configurations():
     """QuantizedLinear's "triton" path: int8 / int4 / fp8 GEMV (BLOCK_M 1..16; output in fp32 partial
-    sums when K is split, else in the activation dtype), the split-K reduction, and the GEMM. int4 scales and zeros are stored in bf16, int8 / fp8 scales in fp32. fp8 runs on sm_90 only
-    (QuantizedLinear keeps its dequantize path below sm_89), so its sm_80 entries are skipped.
+    sums when K is split, else in the activation dtype), the split-K reduction, and the GEMM. int4
+    scales and zeros are stored in bf16, int8 / fp8 scales in fp32. fp8 runs on sm_90 only
+    (QuantizedLinear keeps its dequantize path below sm_90), so its sm_80 entries are skipped.
     Pointers, K and the row strides are declared multiples of 16, as the JIT specializes them for
     every model minillm ships (K = hidden or intermediate size): without that hint loads are scalar,
     nothing is pipelined, and the register counts checked here would not be the launched ones."""
@@ -132,7 +133,8 @@ def _quant_matmul_configurations():
     from . import quant_matmul as qm
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    fp8_skip = {"skip": {80: "fp8 e4m3 needs sm_89+: QuantizedLinear keeps fp8 on its dequantize path there"}}
+    fp8_skip = {"skip": {80: "fp8 e4m3 needs sm_89+ (Triton refuses it on sm_80): QuantizedLinear keeps fp8 "
+                             "on its dequantize path below sm_90"}}
     aligned = ("x_ptr", "x_scale_ptr", "w_ptr", "packed_ptr", "scale_ptr", "zero_ptr", "out_ptr", "K", "Kp",
                "group_size", "stride_xm", "stride_wn", "stride_pn", "stride_sn", "stride_os", "stride_om", "k_per_split")
     weights = (("int8", "*i8", {}), ("fp8", "*fp8e4nv", fp8_skip))

@@ -31,9 +31,10 @@ Two kernels per format, chosen by the number of rows M of x:
 
 fp8 has a second GEMM mode, `fp8_matmul(..., fp8_activations=True)`: x is quantized per row
 (token) to e4m3 with scale max|x[m]| / 448, and `tl.dot` takes both operands in fp8 (Hopper's
-fp8 tensor cores, sm_89+; AOT compiles it for sm_90 only). It is W8A8, not weight-only: the
+fp8 tensor cores; AOT compiles it for sm_90). It is W8A8, not weight-only: the
 activations lose precision too, which is why QuantizedLinear does not use it by default.
-fp8 kernels need a GPU with fp8 conversions (sm_89+); QuantizedLinear keeps its dequantize
+fp8 kernels run on sm_90 (Hopper: fp8 conversions and tensor cores; Triton refuses e4m3 on
+sm_80), the only fp8 target compiled ahead of time; QuantizedLinear keeps its dequantize
 path elsewhere.
 
 Every launcher checks shapes and dtypes and raises ValueError naming the value and what is
@@ -66,6 +67,7 @@ GEMM_LAUNCH = {
     torch.float16: (64, 64, 64, 4, 3),
 }
 FP8_MAX = 448.0           # largest finite e4m3 value
+FP8_MIN_CAPABILITY = (9, 0)  # fp8 kernels: Hopper and newer (the fp8 target AOT checks; sm_89 untested)
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -193,7 +195,7 @@ def channel_gemm_kernel(
     BLOCK_K: tl.constexpr,      # K columns per loop step (>= 16; >= 32 for fp8 dots)
     DOT_IN_FP32: tl.constexpr,  # exact fp32 dots: fp32 activations, and bf16 under the interpreter,
                                 # whose tl.dot multiplies bf16's raw uint16 bits
-    FP8_ACT: tl.constexpr,      # x is e4m3 too: tl.dot multiplies fp8 by fp8 (sm_89+)
+    FP8_ACT: tl.constexpr,      # x is e4m3 too: tl.dot multiplies fp8 by fp8 (sm_90)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -545,14 +547,14 @@ def fp8_supported(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return _interpreted()
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
 def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_activations: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (q float8_e4m3fn [N, K] * scale [N, None])^T -> [M, N] in x's dtype.
 
-    On GPUs with fp8 (sm_89+; the engine targets sm_90): the GEMV for M <= GEMV_MAX_M, the
+    On sm_90+ GPUs (FP8_MIN_CAPABILITY): the GEMV for M <= GEMV_MAX_M, the
     tl.dot GEMM above (fp8_activations=True: fp8 x fp8 dots, x quantized per row). Elsewhere
     the fallback: dequantize to x's dtype, then torch's matmul."""
     _channel_check(x, q, scale, "fp8", "fp8_matmul")

@@ -11,11 +11,11 @@ Paths (chosen at construction, named in `.path`):
              to 7 bits, and SmolLM2's outlier channels then cost the top-1 token on 5 of 6 prompts.)
 - "int4pack" int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` (bf16 activations; needs
              out_features % 16 == 0), weights stay 4-bit in memory.
-- "triton"   on CUDA GPUs: int8 and int4 everywhere, fp8 on sm_89+ (minillm/kernels/quant_matmul.py):
+- "triton"   on CUDA GPUs: int8 and int4 everywhere, fp8 on sm_90+ (minillm/kernels/quant_matmul.py):
              the weights stay in their stored format and each kernel dequantizes its tile in
              registers (a split-K GEMV for up to 16 rows of x, a tl.dot GEMM above). It stores
              the same buffers as "dequant" (tests flip `.path` to run it under the interpreter).
-- "dequant"  everything else (fp8 on the CPU and below sm_89, fast=False, odd shapes):
+- "dequant"  everything else (fp8 on the CPU and below sm_90, fast=False, odd shapes):
              dequantize the whole matrix to the activation dtype at each call, then F.linear.
              Correct, and the reference, but it reads and writes a float copy per call: slow.
 
@@ -108,7 +108,7 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("zero", zero)
         else:
             q, scale = quantize_fp8(w)
-            fp8_gpu = on_gpu and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+            fp8_gpu = on_gpu and torch.cuda.get_device_capability(weight.device) >= (9, 0)  # quant_matmul.FP8_MIN_CAPABILITY
             self.path = "triton" if fp8_gpu else "dequant"
             self.register_buffer("q", q)
             self.register_buffer("scale", scale)
