@@ -368,6 +368,8 @@ def test_random_admit_step_finish_preempt_with_cached_blocks(chunked, block_size
         elif kind == "evict_all":
             bm.reset_prefix_cache()
         _check_scheduler(sched, [])
+        # Shared blocks count once: the pool never holds more real tokens than its used blocks' slots.
+        assert sched.kv_tokens() <= bm.num_used_blocks * block_size
     for _ in range(10_000):
         if not sched.has_unfinished():
             break

@@ -210,6 +210,8 @@ def test_shared_prefixes_match_the_plain_engine(default_llm, workload, reference
     got = [o.outputs[0].token_ids for o in outs]
     assert got == reference
     assert shared[0] >= 2, "no block was shared by two running requests"
+    # A shared block's tokens count once: the pool never holds more real tokens than it reserved.
+    assert all(s.kv_bytes_used <= s.kv_bytes_reserved for s in llm.stats.steps)
     st = llm.stats
     assert st.prefix_cache_hits > 0 and st.prefix_cache_queries == sum(len(p) for p in prompts)
     assert st.num_cached_prompt_tokens == sum(o.metrics.num_cached_tokens for o in outs) == st.prefix_cache_hits

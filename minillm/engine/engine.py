@@ -217,8 +217,7 @@ class Engine:
         kv_used = kv_reserved = 0
         if self.kv_cache is not None:
             stepped = set(id(s) for s in seqs)
-            cached = sum(s.num_cached_tokens + s.num_scheduled_tokens if id(s) in stepped else s.num_cached_tokens
-                         for s in self.scheduler.running)
+            cached = self.scheduler.kv_tokens(stepped)
             usage = self.block_manager.usage(cached)
             kv_used = self.kv_cache.bytes_per_token * usage.real_tokens
             kv_reserved = self.kv_cache.bytes_per_token * usage.reserved_slots
@@ -251,7 +250,7 @@ class Engine:
         reserved-but-unused slots, and the fraction of reserved KV memory holding real tokens."""
         if self.block_manager is None:
             return None
-        return self.block_manager.usage(sum(s.num_cached_tokens for s in self.scheduler.running))
+        return self.block_manager.usage(self.scheduler.kv_tokens())
 
 
     @property

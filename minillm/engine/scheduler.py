@@ -39,6 +39,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def kv_tokens(self, fed: set[int] = frozenset()) -> int:
+        """Tokens whose K/V the running sequences hold in the pool (`fed`: ids of sequences whose
+        scheduled tokens were just written). With prefix caching a shared block counts once."""
+        def held(s: Sequence) -> int:
+            return s.num_cached_tokens + (s.num_scheduled_tokens if id(s) in fed else 0)
+
+        if not self.prefix_caching:
+            return sum(held(s) for s in self.running)
+        size, filled = self.block_manager.block_size, {}
+        for s in self.running:
+            n = held(s)
+            for j, block in enumerate(s.block_table[:-(-n // size)]):
+                filled[block] = max(filled.get(block, 0), min(size, n - j * size))
+        return sum(filled.values())
+
     def _reservation(self, seq: Sequence, num_tokens: int, start: int = 0) -> int:
         """Token slots to hold at admission: the longest any request may grow (contiguous), or the
         `num_tokens` it is about to feed after `start` cached ones (paged; more blocks come as it grows)."""
