@@ -758,7 +758,8 @@ def quant_gemv_rows(args, dev, copy_bw: float) -> list[dict]:
             q4, s4, z4 = quantize_int4(F.pad(w, (0, (-k) % group)), group)  # zero columns up to the group size
             t4 = (pack_int4(q4), s4.to(torch.bfloat16), z4.to(torch.bfloat16))
             del q4
-            formats[f"int4 g{group}"] = (t4, n * k // 2 + 2 * 2 * n * (k // group),
+            kp = k + (-k) % group
+            formats[f"int4 g{group}"] = (t4, n * kp // 2 + 2 * 2 * n * (kp // group),  # + bf16 scales and zeros
                                          lambda t: qm.int4_matmul(x, *t, group),
                                          lambda t: qm.int4_matmul_reference(x, *t, group))
             if qm.fp8_supported(dev):

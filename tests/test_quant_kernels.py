@@ -162,6 +162,19 @@ def test_gemm_writes_every_output_element():
     check(out, qm.int4_matmul_reference(x, packed, s4, z4, 64), "int4 GEMM into out")
 
 
+@pytest.mark.parametrize("m", [3, 37], ids=["gemv", "gemm"])
+def test_row_strided_activations(m):
+    """x a column slice of a wider tensor (row stride K + 5), as a view of a fused projection is."""
+    wide, w = draw(m, 80, 205, torch.float16, seed=m)
+    x = wide.to(DEVICE)[:, :200]
+    assert x.stride(0) == 205
+    q, scale = on_device(*quantize_int8(w[:, :200]))
+    packed, s4, z4 = on_device(*int4_layout(w[:, :200], 64))
+    check(qm.int8_matmul(x, q, scale), qm.int8_matmul_reference(x.contiguous(), q, scale), "int8, strided x")
+    check(qm.int4_matmul(x, packed, s4, z4, 64), qm.int4_matmul_reference(x.contiguous(), packed, s4, z4, 64),
+          "int4, strided x")
+
+
 def test_bad_inputs_are_refused_with_the_value_and_the_allowed_range():
     x, w = draw(2, 32, 64, torch.float32, seed=1)
     q, scale = quantize_int8(w)
