@@ -1,0 +1,308 @@
+"""Lab 05 (quantization): the master's solutions pass every check (int8 / int4 / packing against
+minillm.quant, the Triton int4 matmul under the interpreter and compiled for sm_80/sm_90, salient
+channels, KV arithmetic against the engine), the checks name each usual mistake, the kernel runs inside
+the int4 engine with the reference's tokens, the Q4_1 alignment effect is real, the ablation ranks the
+variants, and the setting widget updates."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from kernel_utils import DEVICE  # first: picks the interpreter before triton is imported
+
+import nbformat
+import pytest
+import torch
+
+from minillm.lab import lab05
+from minillm.lab.build import REPO_ROOT, SOURCE_DIR
+from minillm.lab.common import CheckFailed
+from minillm.quant import int4 as ref_int4
+from minillm.quant import int8 as ref_int8
+
+MASTER = SOURCE_DIR / "05_quantization" / "05_quantization.ipynb"
+MODULE_HEADER = """\
+import os
+import torch
+import triton
+import triton.language as tl
+from minillm.lab import lab05
+"""
+GRADED = {"test_int8": 2, "test_int4": 2, "test_pack": 1, "test_int4_matmul_rows": 2, "test_int4_matmul_groups": 2,
+          "test_salient": 2, "test_kv_bytes": 2, "test_sequences_fit": 1}
+
+
+def _solution_source() -> str:
+    """The master's solution cells and the kernel launcher as one module (Triton reads a kernel's source
+    from its file, so the code must live in a real file)."""
+    nb = nbformat.read(MASTER, as_version=4)
+    parts = [MODULE_HEADER]
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and (meta.get("solution") or cell.source.startswith("def int4_matmul(")):
+            parts.append(cell.source)
+    return "\n\n".join(parts) + "\n"
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def solution(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lab05") / "lab05_solution.py"
+    path.write_text(_solution_source())
+    return _load(path, "lab05_solution")
+
+
+def test_master_has_every_graded_piece_with_hidden_tests():
+    nb = nbformat.read(MASTER, as_version=4)
+    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    for name in ("quantize_int8", "quantize_int4", "pack_int4", "int4_matmul_kernel", "salient_channels",
+                 "kv_bytes_per_token"):
+        assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
+    graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
+    assert {gid: m["points"] for gid, m in graded.items()} == GRADED
+    for gid in graded:
+        assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
+        assert graded[gid]["locked"]
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+    assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
+    setup = nb.cells[2].source
+    assert setup.index('os.environ["TRITON_INTERPRET"] = "1"') < setup.index("import triton")
+    assert "Graded (14 points)" in nb.cells[0].source
+
+
+def test_student_kernel_keeps_the_signature_and_pointer_comments():
+    student = nbformat.read(REPO_ROOT / "labs" / "05_quantization.ipynb", as_version=4)
+    kernel = next(c.source for c in student.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "int4_matmul_kernel")
+    for pointer in ("y_ptr,", "x_ptr,", "packed_ptr,", "scale_ptr,", "zero_ptr,"):
+        line = next(line for line in kernel.splitlines() if line.strip().startswith(pointer))
+        assert "# [" in line, f"{pointer} has no shape comment"
+    assert "raise NotImplementedError()" in kernel and "tl.store" not in kernel
+
+
+# --------------------------------------------------------------------- the solutions pass
+def test_solution_quantizers_pass_every_check(solution):
+    assert lab05.check_int8(solution.quantize_int8, solution.dequantize_int8).startswith("✓")
+    assert lab05.check_int8(solution.quantize_int8, solution.dequantize_int8, cases=lab05.HIDDEN_INT8_CASES, seed=3)
+    assert lab05.check_int8(solution.quantize_int8, solution.dequantize_int8, cases=((9, 16),), zero_rows=True)
+    assert lab05.check_int8(solution.quantize_int8, solution.dequantize_int8, cases=((8, 24),), dtype=torch.bfloat16)
+    assert lab05.check_int4(solution.quantize_int4, solution.dequantize_int4).startswith("✓")
+    assert lab05.check_int4(solution.quantize_int4, solution.dequantize_int4, cases=lab05.HIDDEN_INT4_CASES, seed=4)
+    assert lab05.check_int4(solution.quantize_int4, solution.dequantize_int4, cases=((4, 64, 32),), constant_groups=True)
+    assert lab05.check_pack(solution.pack_int4, solution.unpack_int4).startswith("✓")
+    assert lab05.check_pack(solution.pack_int4, solution.unpack_int4, cases=lab05.HIDDEN_PACK_CASES)
+    assert lab05.check_salient_channels(solution.salient_channels).startswith("✓")
+    assert lab05.check_salient_channels(solution.salient_channels, cases=lab05.HIDDEN_SALIENT_CASES, seed=5)
+    assert lab05.check_kv_bytes_per_token(solution.kv_bytes_per_token).startswith("✓")
+    assert lab05.check_sequences_that_fit(solution.sequences_that_fit).startswith("✓")
+
+
+def test_the_engine_quantizers_pass_the_checks_too():
+    """The checks compare with minillm.quant; the package's own functions must pass them (no check is stricter
+    than the reference it quotes)."""
+    assert lab05.check_int8(ref_int8.quantize_int8, ref_int8.dequantize_int8, cases=((9, 16),), zero_rows=True)
+    assert lab05.check_int4(ref_int4.quantize_int4, ref_int4.dequantize_int4, constant_groups=True)
+    assert lab05.check_pack(ref_int4.pack_int4, ref_int4.unpack_int4)
+
+
+def test_fake_quantize_matches_the_package():
+    w = torch.randn(24, 256)
+    torch.testing.assert_close(lab05.fake_quantize(w, 8), ref_int8.dequantize_int8(*ref_int8.quantize_int8(w)))
+    for g in (32, 128):
+        torch.testing.assert_close(lab05.fake_quantize(w, 4, g), ref_int4.dequantize_int4(*ref_int4.quantize_int4(w, g)))
+    assert lab05.fake_quantize(w, 4, 32, offset=16).shape == w.shape
+
+
+def test_solution_kernel_matches_the_reference(solution):
+    assert lab05.check_int4_matmul(solution.int4_matmul, device=DEVICE).startswith("✓")
+    assert lab05.check_int4_matmul(solution.int4_matmul, cases=lab05.HIDDEN_KERNEL_CASES, seed=7, device=DEVICE)
+
+
+def test_solution_kernel_compiles_for_sm80_and_sm90(solution):
+    message = lab05.compile_kernel(solution.int4_matmul_kernel)
+    assert "sm_80" in message and "sm_90" in message
+
+
+def test_stub_kernel_raises_not_implemented(tmp_path):
+    source = _solution_source()
+    start = source.index("    ### BEGIN SOLUTION\n    acc = tl.zeros")
+    end = source.index("    ### END SOLUTION\n", start) + len("    ### END SOLUTION\n")
+    path = tmp_path / "lab05_stub.py"
+    path.write_text(source[:start] + "    # YOUR CODE HERE\n    raise NotImplementedError()\n" + source[end:])
+    module = _load(path, "lab05_stub")
+    with pytest.raises(NotImplementedError):
+        module.int4_matmul(*lab05.make_int4_inputs(1, 8, 32, 32), 32)
+    with pytest.raises(NotImplementedError):
+        lab05.compile_kernel(module.int4_matmul_kernel)
+
+
+# --------------------------------------------------------------------- the checks teach
+def _int8_variant(divisor=127, rounding=torch.round, per_tensor=False):
+    def quantize(w):
+        w = w.float()
+        scale = (w.abs().max().expand(w.shape[0]) if per_tensor else w.abs().amax(dim=1)) / divisor
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return rounding(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    return quantize
+
+
+def test_int8_check_names_the_mistake():
+    deq = ref_int8.dequantize_int8
+    with pytest.raises(CheckFailed, match="divided by 128"):
+        lab05.check_int8(_int8_variant(divisor=128), deq)
+    with pytest.raises(CheckFailed, match="truncates"):
+        lab05.check_int8(_int8_variant(rounding=lambda t: t), deq)
+    with pytest.raises(CheckFailed, match="whole matrix"):
+        lab05.check_int8(_int8_variant(per_tensor=True), deq)
+
+    def no_zero_guard(w):
+        scale = w.float().abs().amax(dim=1) / 127
+        return torch.round(w.float() / scale[:, None]).nan_to_num(0).to(torch.int8), scale
+    with pytest.raises(CheckFailed, match="0 / 0"):
+        lab05.check_int8(no_zero_guard, deq, cases=((6, 8),), zero_rows=True)
+
+    def per_column(w):
+        scale = w.float().abs().amax(dim=0) / 127
+        return torch.round(w.float() / scale[None, :]).to(torch.int8), scale
+    with pytest.raises(CheckFailed, match="one per column"):
+        lab05.check_int8(per_column, deq)
+
+
+def test_int4_check_names_the_mistake():
+    def integer_zero(w, g):
+        q, scale, lo = ref_int4.quantize_int4(w, g)
+        return q, scale, torch.round(-lo / scale)
+    with pytest.raises(CheckFailed, match="integer zero point"):
+        lab05.check_int4(integer_zero, ref_int4.dequantize_int4)
+
+    def sixteen(w, g):
+        n, k = w.shape
+        groups = w.float().reshape(n, k // g, g)
+        lo = groups.amin(2)
+        scale = (groups.amax(2) - lo) / 16
+        return torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k), scale, lo
+    with pytest.raises(CheckFailed, match="divided by 16"):
+        lab05.check_int4(sixteen, ref_int4.dequantize_int4)
+
+    def packed_already(w, g):
+        q, scale, zero = ref_int4.quantize_int4(w, g)
+        return ref_int4.pack_int4(q), scale, zero
+    with pytest.raises(CheckFailed, match="unpacked"):
+        lab05.check_int4(packed_already, ref_int4.dequantize_int4)
+
+
+def test_pack_check_names_the_mistake():
+    def swapped(q):
+        return (q[:, 1::2] | (q[:, 0::2] << 4)).to(torch.uint8)
+    with pytest.raises(CheckFailed, match="nibbles swapped"):
+        lab05.check_pack(swapped, ref_int4.unpack_int4)
+
+    def not_interleaved(packed):
+        return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+    with pytest.raises(CheckFailed, match="interleave"):
+        lab05.check_pack(ref_int4.pack_int4, not_interleaved)
+
+
+def _kernel_with(**flags):
+    def kernel(x, packed, scale, zero, group_size):
+        return lab05.int4_matmul_reference(x, packed, scale, zero, group_size, **flags)
+    return kernel
+
+
+def test_kernel_check_names_the_mistake():
+    with pytest.raises(CheckFailed, match="nibbles swapped"):
+        lab05.check_int4_matmul(_kernel_with(high_first=True), device="cpu")
+    with pytest.raises(CheckFailed, match="zero term"):
+        lab05.check_int4_matmul(_kernel_with(no_zero=True), device="cpu")
+    with pytest.raises(CheckFailed, match="group 0's scale"):
+        lab05.check_int4_matmul(_kernel_with(scale_by_row=True), device="cpu")
+
+    def drops_last_block(x, packed, scale, zero, group_size):
+        y = lab05.int4_matmul_reference(x, packed, scale, zero, group_size)
+        y[:, 32:] = float("nan")
+        return y
+    with pytest.raises(CheckFailed, match="never stored"):
+        lab05.check_int4_matmul(drops_last_block, device="cpu")
+
+
+def test_salient_check_names_the_mistake():
+    with pytest.raises(CheckFailed, match="MEAN"):
+        lab05.check_salient_channels(lambda x, f: x.abs().amax(0).topk(max(1, round(f * x.shape[1]))).indices)
+    with pytest.raises(CheckFailed, match="magnitude"):
+        lab05.check_salient_channels(lambda x, f: x.mean(0).topk(max(1, round(f * x.shape[1]))).indices)
+    with pytest.raises(CheckFailed, match="percentage"):
+        lab05.check_salient_channels(lambda x, f: x.abs().mean(0).topk(min(x.shape[1], round(f * 100))).indices)
+
+
+def test_kv_checks_name_the_mistake():
+    with pytest.raises(CheckFailed, match="K and V"):
+        lab05.check_kv_bytes_per_token(lambda layers, kv, d, b: layers * kv * d * b)
+    with pytest.raises(CheckFailed, match="floor division"):
+        lab05.check_sequences_that_fit(lambda budget, n, per: budget / (n * per))
+
+
+# --------------------------------------------------------------------- measurements on the real model
+def test_q4_1_alignment_makes_group_32_nearly_lossless(default_llm):
+    rows = {r["label"]: r for r in lab05.error_sweep(lab05.layer_weight(default_llm, "layers.3.gate_up_proj"))}
+    aligned, shifted, g128 = rows["int4 g32"], rows["int4 g32, shifted 16"], rows["int4 g128"]
+    assert aligned["real"] < 0.1 * shifted["real"], rows      # the GGUF's blocks re-found
+    assert aligned["random"] > 0.5 * shifted["random"]        # no such effect on a never-quantized matrix
+    assert g128["real"] > aligned["real"] and g128["random"] > aligned["random"]
+
+
+def test_kernel_in_the_engine_gives_the_reference_tokens(default_llm, solution):
+    int4_llm = default_llm.with_levers(weight_dtype="int4")
+    result = lab05.run_with_kernel(int4_llm, solution.int4_matmul, ["The capital of France is"], 2, num_layers=1)
+    assert result["equal_reference"] and result["hooked"] == 4 and result["calls"] == 8, result
+    assert all(m.matmul_fn is None for m in lab05.quantized_layers(int4_llm)), "the hook must be removed"
+
+    def broken(x, packed, scale, zero, group_size):
+        return solution.int4_matmul(x, packed, scale, zero, group_size) * 0.0
+    assert not lab05.run_with_kernel(int4_llm, broken, ["The capital of France is"], 2, num_layers=2)["equal_reference"]
+
+
+def test_ablation_ranks_salient_above_random(default_llm, solution):
+    corpus_ids = default_llm.tokenizer.encode("The lighthouse keeper climbed the stairs. " * 30)
+    name = "layers.3.gate_up_proj"
+    inputs = lab05.collect_linear_inputs(default_llm, corpus_ids[:128], names=[name])
+    rows = {r["label"]: r["output_error"] for r in
+            lab05.layer_ablation(lab05.layer_weight(default_llm, name), inputs[name], solution.salient_channels)}
+    assert rows["1% salient kept fp32"] < rows["round-to-nearest"]
+    assert rows["1% salient kept fp32"] < rows["1% random kept fp32"]
+    before = default_llm.engine.model.get_submodule(name).weight.clone()
+    ppl = lab05.ablation_perplexity(default_llm, solution.salient_channels, inputs, corpus_ids, window=64, max_windows=1)
+    assert torch.equal(default_llm.engine.model.get_submodule(name).weight, before), "weights must be restored"
+    assert [r["label"] for r in ppl][0].startswith("fp32") and len(ppl) == 5
+
+
+def test_kv_bytes_agree_with_the_engine_and_int8_halves(default_llm, solution):
+    assert lab05.check_kv_bytes_per_token(solution.kv_bytes_per_token, default_llm).startswith("✓")
+    rows = lab05.kv_table(solution.kv_bytes_per_token, solution.sequences_that_fit)
+    llama = {(r["model"], r["dtype"]): r for r in rows}
+    assert llama[("Llama-3-8B (GQA 32:8)", "bf16")]["bytes_per_token"] == 131072
+    assert llama[("Llama-3-8B (GQA 32:8)", "bf16")]["fit"] == 4 * llama[("Llama-3-8B as MHA (32:32)", "bf16")]["fit"]
+    run = lab05.kv_int8_run(default_llm, ["The capital of France is"], 2)
+    if run["available"]:
+        assert run["int8_bytes_per_token"] < run["bytes_per_token"] / 2
+
+
+def test_weight_table_and_sweep_widget(default_llm):
+    rows = {r["label"]: r for r in lab05.weight_table(default_llm, {"fp32": {}, "int8": {"weight_dtype": "int8"},
+                                                                    "int4 g128": {"weight_dtype": "int4"}},
+                                                      bandwidth=1e10)}
+    assert rows["int8"]["decode_bytes"] < 0.3 * rows["fp32"]["decode_bytes"]
+    assert rows["int4 g128"]["decode_bytes"] < rows["int8"]["decode_bytes"]
+    result = lab05.sweep(default_llm, ["fp32", "int8"], quick=True, decode_tokens=0, num_generations=0, progress=False)
+    explorer = lab05.SettingExplorer(result)
+    explorer.buttons.value = "fp32"
+    assert explorer.current["label"] == "fp32" and "<b>fp32</b>" in explorer.label.value
+    explorer.buttons.value = "int8"
+    assert explorer.current["weight_bytes"] < 0.5 * result["rows"][0].weight_bytes
+    assert list(explorer.figure.data[0].marker.color).count("#ef553b") == 1
