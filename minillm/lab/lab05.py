@@ -369,7 +369,7 @@ def layer_weight(llm, name: str = "layers.3.gate_up_proj") -> torch.Tensor:
     module = llm.engine.model.get_submodule(name)
     if not hasattr(module, "weight"):
         raise ValueError(f"{name} has no float weight (is the model quantized?); use an LLM() without weight_dtype")
-    return module.weight.detach().float().clone()
+    return module.weight.detach().float().cpu().clone()
 
 
 def error_sweep(weight: torch.Tensor, settings=ERROR_SETTINGS, seed: int = 0) -> list[dict]:
@@ -509,7 +509,7 @@ def kernel_matmul(int4_matmul: Callable, counter: dict | None = None) -> Callabl
 def quantized_layers(int4_llm) -> list:
     from ..quant import QuantizedLinear
 
-    return [m for m in int4_llm.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    return [m for m in int4_llm.engine.model.modules() if isinstance(m, QuantizedLinear) and m.weight_dtype == "int4"]
 
 
 def int4_matmul_reference_launcher(x, packed, scale, zero, group_size):
@@ -522,10 +522,10 @@ def run_with_kernel(int4_llm, int4_matmul: Callable, prompts: Sequence, max_toke
     """Greedy tokens of an int4 engine three ways: its own int4 path; the fp32 torch reference plugged into
     the chosen matmuls; your kernel plugged into the same ones. num_layers: the four matmuls of the first
     `num_layers` decoder layers are plugged (the others keep the engine's path), to keep Triton's interpreter
-    short on a CPU; None: every quantized matmul, the head included (int4_llm.set_quantized_matmul)."""
+    short on a CPU; None: every int4 matmul (int4_llm.set_quantized_matmul; the head is int8 by default)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     layers = quantized_layers(int4_llm)
-    if not layers or layers[0].weight_dtype != "int4":
+    if not layers:
         raise ValueError("run_with_kernel needs an engine built with weight_dtype='int4'")
     if num_layers is None:
         chosen = layers
@@ -613,7 +613,7 @@ def print_kernel_run(result: dict) -> None:
           ("" if result["equal_engine"] else "  (its CPU path rounds activations to bf16: a near tie can flip)"))
     print(f"  text: {result['text']}")
     per_call = result["kernel_s"] / max(1, result["calls"])
-    print(f"  your kernel ran in {result['hooked']} of {result['num_quantized']} quantized matmuls: {result['calls']} "
+    print(f"  your kernel ran in {result['hooked']} of the {result['num_quantized']} int4 matmuls: {result['calls']} "
           f"launches, {format_seconds(per_call)} each; {format_seconds(result['wall_s'])} in all — {result['device']}")
     if not torch.cuda.is_available():
         print("  (Triton's interpreter runs each program in numpy: this time says nothing about the GPU's speed)")
@@ -806,7 +806,7 @@ def collect_linear_inputs(llm, token_ids: Sequence[int], names: Sequence[str] | 
     keys = list(names) if names is not None else [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in LAYER_LINEARS]
     inputs: dict[str, torch.Tensor] = {}
     hooks = [model.get_submodule(key).register_forward_hook(
-        lambda mod, args, out, key=key: inputs.__setitem__(key, args[0].detach().float().reshape(-1, args[0].shape[-1])))
+        lambda mod, args, out, key=key: inputs.__setitem__(key, args[0].detach().float().cpu().reshape(-1, args[0].shape[-1])))
         for key in keys]
     try:
         sequence_logits(llm, list(token_ids))
@@ -824,12 +824,13 @@ def protected_weight(w: torch.Tensor, x: torch.Tensor, mode: str, channels: torc
     divided by it (AWQ's trick: no mixed precision)."""
     if mode == "none" or channels is None:
         return fake_quantize(w, bits, group_size)
+    channels = channels.to(w.device)
     if mode == "keep":
         out = fake_quantize(w, bits, group_size)
         out[:, channels] = w.float()[:, channels]
         return out
     if mode == "scale":
-        s = torch.ones(w.shape[1])
+        s = torch.ones(w.shape[1], device=w.device)
         s[channels] = scale_up
         return fake_quantize(w.float() * s, bits, group_size) / s
     raise ValueError(f"mode={mode!r} must be 'none', 'keep' or 'scale'")
