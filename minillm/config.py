@@ -19,6 +19,7 @@ WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 WEIGHT_CALIBRATIONS = ("awq",)            # or None: round-to-nearest
 WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
+KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class EngineConfig:
     weight_group_size: int = 128        # int4 only: input channels per scale and zero
     weight_calibration: str | None = None  # "awq": activation-aware scales + clipping from data/calibration.txt; None: round-to-nearest
     weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
-    kv_dtype: str | None = None
+    kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
     speculative: str | None = None
     num_speculative_tokens: int = 4
@@ -139,6 +140,12 @@ class EngineConfig:
              f"weight_head_dtype={self.weight_head_dtype!r} needs a weight_dtype (one of {WEIGHT_DTYPES}): "
              "the head is quantized together with the decoder matrices")
 
+        need(self.kv_dtype in (None, "auto") + KV_DTYPES,
+             f"kv_dtype={self.kv_dtype!r} is not one of {(None, 'auto') + KV_DTYPES} "
+             "(None / 'auto': the model dtype; 'int8' / 'fp8': one byte per value plus a scale per token and head)")
+        if self.kv_dtype not in (None, "auto") and not self.kv_cache:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} needs kv_cache=True: it sets how the KV cache stores K and V")
+
         need(isinstance(self.prefix_caching, bool), f"prefix_caching={self.prefix_caching!r} must be True or False")
         if self.prefix_caching and not (self.kv_cache and self.paged):
             raise ValueError(f"prefix_caching=True needs kv_cache=True and paged=True (got kv_cache={self.kv_cache}, "
@@ -146,7 +153,6 @@ class EngineConfig:
 
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
-            f"kv_dtype={self.kv_dtype!r}": (self.kv_dtype not in (None, "auto"), "lab 05 (KV quantization)"),
             f"speculative={self.speculative!r}": (self.speculative is not None, "lab 07 (speculative decoding)"),
         }
         for name, (asked, where) in later.items():

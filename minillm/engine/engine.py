@@ -13,7 +13,7 @@ from ..models.quantize import head_dtype_for, quantize_for_config
 from ..quant import weight_bytes
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .kv_cache import KVCache, pool_bytes
+from .kv_cache import KVCache, kv_bytes_per_token, kv_quantized, pool_bytes
 from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -71,8 +71,8 @@ class Engine:
         self.block_manager: BlockManager | None = None
         if config.kv_cache:
             size = pool_bytes(mcfg, self.dtype, self.device, config.max_num_seqs, self.max_model_len,
-                              config.kv_cache_bytes, config.kv_cache_memory_fraction)
-            per_block = mcfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * config.block_size
+                              config.kv_cache_bytes, config.kv_cache_memory_fraction, config.kv_dtype)
+            per_block = self.kv_bytes_per_token * config.block_size
             num_blocks = size // per_block
             if num_blocks < 1:
                 raise ValueError(f"the KV pool of {size} bytes holds no block of {per_block} bytes; "
@@ -83,7 +83,7 @@ class Engine:
                     f"of {size} bytes holds {num_blocks * config.block_size} tokens; lower max_model_len, raise "
                     "kv_cache_bytes, or use paged=True")
             self.block_manager = BlockManager(num_blocks, config.block_size, contiguous=not config.paged)
-            self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device)
+            self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device, config.kv_dtype)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.device, self.block_manager, self.kv_cache, config.attention_backend)
         if config.cuda_graphs:
@@ -260,4 +260,6 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        """K and V bytes per token as the cache stores them (values plus, for int8 / fp8, their scales)."""
+        kv_dtype = self.config.kv_dtype if kv_quantized(self.config.kv_dtype) else None
+        return kv_bytes_per_token(self.model_config, self.dtype, kv_dtype)

@@ -23,6 +23,12 @@ class ModelRunner:
 
     def set_attention_backend(self, backend) -> None:
         self.backend = resolve_backend(backend)
+        kv_dtype = getattr(self.kv_cache, "kv_dtype", None)
+        if (kv_dtype == "fp8" and getattr(self.backend, "name", None) == "triton" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' needs a GPU of compute capability 8.9+ "
+                             f"(Ada / Hopper); this one is {torch.cuda.get_device_capability(self.device)}: Triton has no "
+                             "fp8e4nv type below sm_89. Use kv_dtype='int8', or attention_backend='torch'.")
         self.model.bound_runner = None
         if self.graphs is not None:  # captured graphs hold the old backend's launches
             self.graphs.reset()
@@ -48,6 +54,9 @@ class ModelRunner:
             layer.backend = self.backend
             layer.k_cache = self.kv_cache.k[i] if self.kv_cache is not None else None
             layer.v_cache = self.kv_cache.v[i] if self.kv_cache is not None else None
+            # int8 / fp8 pools: the per-token-and-head scales (None for a model-dtype pool).
+            layer.k_scale = self.kv_cache.k_scale[i] if self.kv_cache is not None else None
+            layer.v_scale = self.kv_cache.v_scale[i] if self.kv_cache is not None else None
         # The Triton backend brings the model's other Triton ops along (RMSNorm, rotary, SiLU-and-mul).
         self.model.use_triton_ops = getattr(self.backend, "name", None) == "triton"
         self.model.bound_runner = self

@@ -74,50 +74,67 @@ def _paged_configurations():
     from .store_kv import store_kv_kernel
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    # KV pool formats (kv_dtype): the model dtype (KV_QUANT 0), int8 (1) and fp8 e4m3 (2), the latter
+    # two with fp32 scale pools. The scale pointers of KV_QUANT 0 are never read (typed fp32 here).
+    kv_formats = (("", None, 0), ("kv=int8", "i8", 1), ("kv=fp8", "fp8e4nv", 2))
     for dtype in _FLOAT_TYPES:
         for head_dim in _HEAD_DIMS:
             block_d = triton.next_power_of_2(head_dim)
-            sig = {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
-                   "slot_mapping_ptr": "*i64", "stride_k_token": "i32", "stride_k_head": "i32",
-                   "stride_v_token": "i32", "stride_v_head": "i32", "stride_cache_head": "i32",
-                   "stride_cache_slot": "i32", "head_dim": "i32", "BLOCK_D": "constexpr"}
-            yield (f"store_kv[{dtype},head_dim={head_dim}]", store_kv_kernel, sig, {"BLOCK_D": block_d},
-                   {"num_warps": 1})
-
             sig = {"out_ptr": f"*{dtype}", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
                    "seq_lens_ptr": "*i32", "stride_o_seq": "i32", "stride_o_head": "i32", "num_heads": "i32",
                    "head_dim": "i32", "partition_size": "i32", "max_num_partitions": "i32", "BLOCK_D": "constexpr"}
             yield (f"paged_decode_reduce[{dtype},head_dim={head_dim}]", paged_decode.paged_decode_reduce_kernel,
                    sig, {"BLOCK_D": block_d}, {"num_warps": paged_decode.REDUCE_NUM_WARPS})
 
-            for group in _QUERY_GROUP_SIZES:
-                sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
-                       "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32",
-                       "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "stride_q_seq": "i32", "stride_q_head": "i32",
-                       "stride_cache_head": "i32", "stride_cache_slot": "i32", "stride_bt": "i32",
-                       "scale_log2": "fp32", "num_heads": "i32", "head_dim": "i32", "block_size": "i32",
-                       "partition_size": "i32", "max_num_partitions": "i32", "QUERY_GROUP_SIZE": "constexpr",
-                       "GROUP_ROWS": "constexpr", "BLOCK_D": "constexpr", "TILE_N": "constexpr",
-                       "DOT_IN_FP32": "constexpr"}
-                constexprs = {"QUERY_GROUP_SIZE": group, "GROUP_ROWS": paged_decode.padded_group_rows(group),
-                              "BLOCK_D": block_d, "TILE_N": paged_decode.TILE_N,
-                              "DOT_IN_FP32": dtype == "fp32"}  # on a GPU only fp32 computes its dots in fp32
-                yield (f"paged_decode[{dtype},head_dim={head_dim},group={group}]",
-                       paged_decode.paged_decode_partition_kernel, sig, constexprs,
-                       {"num_warps": paged_decode.DECODE_NUM_WARPS})
+            for kv_name, kv_type, kv_quant in kv_formats:
+                cache = f"*{kv_type or dtype}"
+                tag = f",{kv_name}" if kv_name else ""
+                # fp8 e4m3 (fp8e4nv) is a Hopper / Ada type: Triton refuses it below sm_89 (checked with
+                # this table), so an fp8 KV cache is served on sm_90 only and its sm_80 entries are skipped.
+                skip = {"skip": {80: "fp8 e4m3 (fp8e4nv) KV needs sm_89+; kv_dtype='int8' is the sm_80 option"}} \
+                    if kv_quant == 2 else {}
+                sig = {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": cache, "v_cache_ptr": cache,
+                       "slot_mapping_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                       "stride_k_token": "i32", "stride_k_head": "i32", "stride_v_token": "i32", "stride_v_head": "i32",
+                       "stride_cache_head": "i32", "stride_cache_slot": "i32", "stride_scale_head": "i32",
+                       "head_dim": "i32", "BLOCK_D": "constexpr", "KV_QUANT": "constexpr"}
+                yield (f"store_kv[{dtype},head_dim={head_dim}{tag}]", store_kv_kernel, sig,
+                       {"BLOCK_D": block_d, "KV_QUANT": kv_quant}, {"num_warps": 1, **skip})
 
-            block_m, block_n, num_warps, num_stages = extend_attention.EXTEND_LAUNCH[torch_dtypes[dtype]]
-            sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
-                   "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-                   "out_ptr": f"*{dtype}", "stride_q_token": "i32", "stride_q_head": "i32",
-                   "stride_cache_head": "i32", "stride_cache_slot": "i32", "stride_bt": "i32",
-                   "stride_o_token": "i32", "stride_o_head": "i32", "scale_log2": "fp32", "head_dim": "i32",
-                   "block_size": "i32", "query_group_size": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                   "BLOCK_D": "constexpr", "DOT_IN_FP32": "constexpr"}
-            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
-                          "DOT_IN_FP32": dtype == "fp32"}  # on a GPU only fp32 computes its dots in fp32
-            yield (f"extend_attention[{dtype},head_dim={head_dim}]", extend_attention.extend_attention_kernel,
-                   sig, constexprs, {"num_warps": num_warps, "num_stages": num_stages})
+                for group in _QUERY_GROUP_SIZES:
+                    sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": cache, "v_cache_ptr": cache,
+                           "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32",
+                           "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "k_scale_ptr": "*fp32",
+                           "v_scale_ptr": "*fp32", "stride_q_seq": "i32", "stride_q_head": "i32",
+                           "stride_cache_head": "i32", "stride_cache_slot": "i32", "stride_bt": "i32",
+                           "stride_scale_head": "i32", "scale_log2": "fp32", "num_heads": "i32", "head_dim": "i32",
+                           "block_size": "i32", "partition_size": "i32", "max_num_partitions": "i32",
+                           "QUERY_GROUP_SIZE": "constexpr", "GROUP_ROWS": "constexpr", "BLOCK_D": "constexpr",
+                           "TILE_N": "constexpr", "DOT_IN_FP32": "constexpr", "KV_QUANT": "constexpr"}
+                    constexprs = {"QUERY_GROUP_SIZE": group, "GROUP_ROWS": paged_decode.padded_group_rows(group),
+                                  "BLOCK_D": block_d, "TILE_N": paged_decode.TILE_N,
+                                  "DOT_IN_FP32": dtype == "fp32",  # on a GPU only fp32 computes its dots in fp32
+                                  "KV_QUANT": kv_quant}
+                    yield (f"paged_decode[{dtype},head_dim={head_dim},group={group}{tag}]",
+                           paged_decode.paged_decode_partition_kernel, sig, constexprs,
+                           {"num_warps": paged_decode.DECODE_NUM_WARPS, **skip})
+
+                block_m, block_n, num_warps, num_stages = extend_attention.EXTEND_LAUNCH[torch_dtypes[dtype]]
+                sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": cache, "v_cache_ptr": cache,
+                       "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+                       "out_ptr": f"*{dtype}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                       "stride_q_token": "i32", "stride_q_head": "i32", "stride_cache_head": "i32",
+                       "stride_cache_slot": "i32", "stride_bt": "i32", "stride_o_token": "i32",
+                       "stride_o_head": "i32", "stride_scale_head": "i32", "scale_log2": "fp32", "head_dim": "i32",
+                       "block_size": "i32", "query_group_size": "i32", "BLOCK_M": "constexpr",
+                       "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "DOT_IN_FP32": "constexpr",
+                       "KV_QUANT": "constexpr"}
+                constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+                              "DOT_IN_FP32": dtype == "fp32",  # on a GPU only fp32 computes its dots in fp32
+                              "KV_QUANT": kv_quant}
+                yield (f"extend_attention[{dtype},head_dim={head_dim}{tag}]",
+                       extend_attention.extend_attention_kernel, sig, constexprs,
+                       {"num_warps": num_warps, "num_stages": num_stages, **skip})
 
 
 def _quant_matmul_configurations():

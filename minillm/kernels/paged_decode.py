@@ -13,6 +13,11 @@ Two kernels:
 2. `paged_decode_reduce_kernel`, grid (num_seqs, num_heads): merges the partitions by
    log-sum-exp weights. Splitting the keys keeps the GPU busy when the batch is small and
    the sequences are long (a few sequences alone would fill a handful of SMs).
+
+Quantized pools (kv_dtype "int8" / "fp8"): the partition kernel reads the int8 / fp8 keys and
+values with their per-token-and-head fp32 scales (`k_scale`, `v_scale` [num_kv_heads, num_slots])
+and dequantizes each tile in registers, k = k_q.to(fp32) * k_scale[slot], before the dots
+(constexpr KV_QUANT: 0 model-dtype pool, 1 int8, 2 fp8 e4m3).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..engine.kv_cache import dequantize_kv
 from .softmax import online_softmax_update
+from .store_kv import kv_quant_code
 
 LOG2_E = 1.4426950408889634
 TILE_N = 64                 # keys per inner-loop step (crosses block boundaries: each key looks up its block)
@@ -52,9 +59,12 @@ def paged_decode_partition_kernel(
     part_out_ptr,     # [num_seqs, num_heads, max_num_partitions, head_dim] fp32, contiguous
     part_max_ptr,     # [num_seqs, num_heads, max_num_partitions] fp32 row max of the scores, log2 units
     part_sum_ptr,     # [num_seqs, num_heads, max_num_partitions] fp32 sum of exp2(score - max)
+    k_scale_ptr,      # [num_kv_heads, num_slots] fp32 key scales (KV_QUANT only; row stride stride_scale_head)
+    v_scale_ptr,      # [num_kv_heads, num_slots] fp32 value scales (KV_QUANT only)
     stride_q_seq, stride_q_head,
     stride_cache_head, stride_cache_slot,
     stride_bt,
+    stride_scale_head,
     scale_log2,       # softmax scale * log2(e): the kernel works in exp2
     num_heads, head_dim, block_size, partition_size, max_num_partitions,
     QUERY_GROUP_SIZE: tl.constexpr,  # query heads per KV head (num_heads // num_kv_heads)
@@ -63,6 +73,7 @@ def paged_decode_partition_kernel(
     TILE_N: tl.constexpr,            # keys per loop step; partition_size is a multiple of it
     DOT_IN_FP32: tl.constexpr,       # exact (ieee) fp32 dots: fp32 inputs (not tf32), and bf16 under the
                                      # interpreter, whose tl.dot multiplies bf16's raw uint16 bits
+    KV_QUANT: tl.constexpr,          # 0: pools in q's dtype; 1: int8 pools; 2: fp8 e4m3 pools (with scales)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,6 +95,7 @@ def paged_decode_partition_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     head_offset = kv_head.to(tl.int64) * stride_cache_head
+    scale_offset = kv_head.to(tl.int64) * stride_scale_head
     row_max = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_ROWS], tl.float32)
     acc = tl.zeros([GROUP_ROWS, BLOCK_D], tl.float32)
@@ -96,12 +108,18 @@ def paged_decode_partition_kernel(
         kv_offsets = head_offset + slots[:, None] * stride_cache_slot + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)     # [TILE_N, BLOCK_D]
+        if KV_QUANT:  # dequantize in registers: one scale per key (token) of this KV head
+            k_scale = tl.load(k_scale_ptr + scale_offset + slots, mask=key_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
         if DOT_IN_FP32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))                                  # [GROUP_ROWS, TILE_N] fp32
         scores = tl.where(key_mask[None, :], scores * scale_log2, float("-inf"))
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)     # [TILE_N, BLOCK_D]
+        if KV_QUANT:
+            v_scale = tl.load(v_scale_ptr + scale_offset + slots, mask=key_mask, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         # Every tile holds at least one real key (the loop stops at part_end), so the new max is finite.
         row_max, row_sum, acc = online_softmax_update(scores, v, row_max, row_sum, acc, DOT_IN_FP32)
 
@@ -151,7 +169,7 @@ def paged_decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, partition_size):
+def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, partition_size, k_scale=None, v_scale=None):
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_decode_attention wants q [num_seqs, num_heads, head_dim] and pools "
                          f"[num_kv_heads, num_slots, head_dim]; got q {tuple(q.shape)}, "
@@ -169,25 +187,29 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, partition_si
                          f"{block_tables.dtype}")
     if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be [{num_seqs}] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q and pools must share one of fp32/bf16/fp16; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be fp32/bf16/fp16; got {q.dtype}")
+    kv_quant = kv_quant_code(q.dtype, k_cache, v_cache, k_scale, v_scale, "paged_decode_attention")
     if partition_size <= 0 or partition_size % TILE_N:
         raise ValueError(f"partition_size must be a positive multiple of {TILE_N}; got {partition_size}")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or k_cache.stride() != v_cache.stride() or block_tables.stride(1) != 1:
         raise ValueError("paged_decode_attention needs unit stride along head_dim / block table rows and pools "
                          "with identical strides (call .contiguous())")
+    return kv_quant
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_size: int,
-                           partition_size: int = DEFAULT_PARTITION_SIZE, out: torch.Tensor | None = None) -> torch.Tensor:
+                           partition_size: int = DEFAULT_PARTITION_SIZE, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] (written into `out` if given).
+    int8 / float8_e4m3fn pools: k_scale, v_scale [num_kv_heads, num_slots] fp32 (see store_kv).
 
     Every seq_len must be >= 1 and <= max_blocks * block_size (not checked: that would sync
     with the GPU). Nothing here depends on the values of seq_lens, so the launch can be
     captured in a CUDA graph.
     """
-    _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, partition_size)
+    kv_quant = _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, partition_size, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
@@ -206,10 +228,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     paged_decode_partition_kernel[(num_seqs, num_kv_heads, max_num_partitions)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum,
+        k_scale if kv_quant else part_max, v_scale if kv_quant else part_max,  # unused without KV_QUANT
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        k_scale.stride(0) if kv_quant else 0,
         scale * LOG2_E, num_heads, head_dim, block_size, partition_size, max_num_partitions,
         QUERY_GROUP_SIZE=group, GROUP_ROWS=padded_group_rows(group), BLOCK_D=block_d, TILE_N=TILE_N,
-        DOT_IN_FP32=dot_in_fp32(q.dtype), num_warps=DECODE_NUM_WARPS,
+        DOT_IN_FP32=dot_in_fp32(q.dtype), KV_QUANT=kv_quant, num_warps=DECODE_NUM_WARPS,
     )
     paged_decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_out, part_max, part_sum, seq_lens, out.stride(0), out.stride(1),
@@ -220,8 +244,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                     block_size: int, partition_size: int | None = None) -> torch.Tensor:
-    """Gather each sequence's keys through its block table, then plain softmax attention (GQA)."""
+                                     block_size: int, partition_size: int | None = None,
+                                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                                     ) -> torch.Tensor:
+    """Gather each sequence's keys through its block table, then plain softmax attention (GQA).
+    int8 / fp8 pools are dequantized first (q * scale, in fp32)."""
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[0]
     outs = []

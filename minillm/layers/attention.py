@@ -17,6 +17,16 @@ A backend is any object with two methods (labs plug a learner's version in here)
 
 Optional: `decode_batch(q, k_cache, v_cache, read, mask, scale)` serves a whole decode step
 in one call (the torch backend has it); a backend without it gets `attend` per sequence.
+
+Quantized KV (kv_dtype="int8" / "fp8", see engine/kv_cache.py): the pools hold int8 / fp8 and
+each layer also has k_scale, v_scale [num_kv_heads, num_slots] fp32. The layer then calls
+`store_kv(..., k_scale=, v_scale=)` (and `decode_batch(..., k_scale=, v_scale=)`): the backend
+quantizes each new token per head as it writes it. `attend` is unchanged: the layer gathers a
+sequence's slots and dequantizes them (K = q * scale, in the model dtype) before calling it.
+Every attention reads the cache, a fresh prompt's prefill included: prefill sees the same
+quantized K/V as the decode steps after it (vLLM's prefill instead attends over the fresh,
+unquantized K/V). This keeps the torch and Triton backends identical, and chunked prefill
+equal to whole prefill.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..engine.kv_cache import dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -60,9 +72,18 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
-        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
+        if k_scale is None:
+            k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+            return
+        # Quantized pools: quantize per token and head, then copy the bytes and the scales.
+        kv_dtype = "int8" if k_cache.dtype == torch.int8 else "fp8"
+        for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+            qx, sx = quantize_kv(x, kv_dtype)                       # [T, Hkv, D], [T, Hkv]
+            # index_copy_ has no fp8 kernel on the CPU: copy the raw bytes instead.
+            cache.view(torch.uint8).index_copy_(1, slot_mapping, qx.view(torch.uint8).transpose(0, 1))
+            scales.index_copy_(1, slot_mapping, sx.transpose(0, 1))
 
     def attend(self, q, k, v, scale, num_cached):
         num_q, num_keys = q.shape[0], k.shape[1]
@@ -80,16 +101,32 @@ class TorchAttentionBackend:
         )
         return out.squeeze(0).transpose(0, 1)  # [num_q, H, D]
 
-    def decode_batch(self, q, k_cache, v_cache, read, mask, scale):
+    def decode_batch(self, q, k_cache, v_cache, read, mask, scale, k_scale=None, v_scale=None):
         """A whole decode step at once. q: [B, Hq, D]; read: [B, L] pool slots; mask: [B, 1, 1, L]
-        -> [B, Hq, D]. Padded keys are masked out, so each row equals attend() on its own keys."""
+        -> [B, Hq, D]. Padded keys are masked out, so each row equals attend() on its own keys.
+        k_scale, v_scale: [Hkv, num_slots] for int8 / fp8 pools (dequantized after the gather)."""
         num_seqs, width = read.shape
         flat = read.flatten()
-        k = k_cache.index_select(1, flat).view(k_cache.shape[0], num_seqs, width, -1).transpose(0, 1)
-        v = v_cache.index_select(1, flat).view(v_cache.shape[0], num_seqs, width, -1).transpose(0, 1)
+        k, v = gather_kv(k_cache, v_cache, flat, k_scale, v_scale, q.dtype)    # [Hkv, B * L, D]
+        k = k.view(k_cache.shape[0], num_seqs, width, -1).transpose(0, 1)
+        v = v.view(v_cache.shape[0], num_seqs, width, -1).transpose(0, 1)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out.squeeze(2)
+
+
+def gather_kv(k_cache, v_cache, read, k_scale=None, v_scale=None, dtype=None):
+    """One sequence's (or a flat batch's) keys and values: pool slots `read` (a slice or an int64
+    tensor) -> k, v [num_kv_heads, num_read, head_dim], dequantized to `dtype` for int8 / fp8 pools."""
+    if isinstance(read, slice):
+        k, v = k_cache[:, read], v_cache[:, read]
+    else:  # paged: gather the slots (index_select is faster than k_cache[:, read])
+        k, v = k_cache.index_select(1, read), v_cache.index_select(1, read)
+    if k_scale is None:
+        return k, v
+    ks, vs = (k_scale[:, read], v_scale[:, read]) if isinstance(read, slice) else \
+        (k_scale.index_select(1, read), v_scale.index_select(1, read))
+    return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)
 
 
 class TritonAttentionBackend:
@@ -119,13 +156,16 @@ class TritonAttentionBackend:
         self._decode = paged_decode.paged_decode_attention
         self._extend = extend_attention.extend_attention
 
-    def forward_batch(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]."""
-        self._store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    def forward_batch(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                      k_scale=None, v_scale=None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: [Hkv, num_slots] fp32
+        for int8 / fp8 pools (the store kernel quantizes, the attention kernels dequantize)."""
+        self._store_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if meta.max_query_len == 1:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.block_size)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.block_size,
+                                k_scale=k_scale, v_scale=v_scale)
         return self._extend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                            meta.block_size, max_query_len=meta.max_query_len)
+                            meta.block_size, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
 
 
 def resolve_backend(backend) -> object:
@@ -147,26 +187,29 @@ class Attention(nn.Module):
         # Set by the model runner when the pool is allocated: [num_kv_heads, num_slots, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # int8 / fp8 pools only: one fp32 scale per token and KV head, [num_kv_heads, num_slots].
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] (T = all sequences' new tokens) -> [T, Hq, D]."""
+        # Scales go to the backend only for a quantized pool, so backends that know nothing of
+        # them (a lab's) keep their signatures.
+        quant = {} if self.k_scale is None or not meta.use_cache else {"k_scale": self.k_scale, "v_scale": self.v_scale}
         if getattr(self.backend, "batched", False):
-            return self.backend.forward_batch(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            return self.backend.forward_batch(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **quant)
         if meta.use_cache:
-            self.backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+            self.backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
         if meta.decode_read is not None and hasattr(self.backend, "decode_batch"):
             return self.backend.decode_batch(q, self.k_cache, self.v_cache, meta.decode_read, meta.decode_mask,
-                                             self.scale)
+                                             self.scale, **quant)
         outs = []
         start = 0
         for i, num_q in enumerate(meta.query_lens):
             end = start + num_q
             if meta.use_cache:
-                read = meta.kv_read[i]
-                if isinstance(read, slice):
-                    k_seq, v_seq = self.k_cache[:, read], self.v_cache[:, read]
-                else:  # paged: gather this sequence's slots (index_select is faster than k_cache[:, read])
-                    k_seq, v_seq = self.k_cache.index_select(1, read), self.v_cache.index_select(1, read)
+                k_seq, v_seq = gather_kv(self.k_cache, self.v_cache, meta.kv_read[i], self.k_scale, self.v_scale,
+                                         q.dtype)
                 num_cached = meta.num_cached[i]
             else:
                 k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
