@@ -18,6 +18,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 WEIGHT_CALIBRATIONS = ("awq",)            # or None: round-to-nearest
+SPECULATIVE_METHODS = ("ngram",)          # built proposers (engine/speculative.py)
+SPECULATIVE_LATER = ("draft", "self")     # named by the design, not built yet: refused with the reason
+MAX_SPECULATIVE_TOKENS = 16
 WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
@@ -59,7 +62,7 @@ class EngineConfig:
     weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
     kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
-    speculative: str | None = None
+    speculative: str | None = None      # built: "ngram" (prompt lookup); None: off
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     cuda_graphs: bool = False           # built: GPU decode steps replay CUDA graphs (needs attention_backend="triton")
@@ -151,9 +154,19 @@ class EngineConfig:
             raise ValueError(f"prefix_caching=True needs kv_cache=True and paged=True (got kv_cache={self.kv_cache}, "
                              f"paged={self.paged}): cached blocks are shared through paged block tables")
 
+        need(self.speculative in (None,) + SPECULATIVE_METHODS + SPECULATIVE_LATER,
+             f"speculative={self.speculative!r} is not one of {(None,) + SPECULATIVE_METHODS + SPECULATIVE_LATER}")
+        need(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
+             and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.speculative is not None and not self.kv_cache:
+            raise ValueError(f"speculative={self.speculative!r} needs kv_cache=True: the target scores the proposals "
+                             "as a short chunk on top of the cached sequence")
+
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
-            f"speculative={self.speculative!r}": (self.speculative is not None, "lab 07 (speculative decoding)"),
+            f"speculative={self.speculative!r}": (self.speculative in SPECULATIVE_LATER,
+                                                  "lab 07 (speculative decoding: draft-model and self-draft proposers)"),
         }
         for name, (asked, where) in later.items():
             if asked:

@@ -185,6 +185,16 @@ class BlockManager:
             raise MemoryError(f"{extra} more blocks needed, {self.num_free_blocks} free")
         table.extend(self._take(self._pop_free(extra)))
 
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Shrink `table` (in place, paged) to the blocks `num_tokens` tokens need; the tail
+        blocks are freed (speculative decoding's rejected positions). Never grows it."""
+        keep = self.blocks_for(num_tokens)
+        if self.contiguous or keep >= len(table):
+            return
+        tail = table[keep:]
+        del table[keep:]
+        self.free(tail)
+
     # ------------------------------------------------------------------ share / free
     def share(self, table: list[int]) -> list[int]:
         """Another owner for every block of `table` (a fork, or a cached prefix); returns a copy."""

@@ -18,6 +18,7 @@ from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import Speculator
 
 
 def validate_cache_salt(cache_salt) -> None:
@@ -88,11 +89,15 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.block_manager, self.kv_cache, config.attention_backend)
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, config.num_speculative_tokens, self.runner, self.block_manager, self.max_model_len)
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
         self.device_label = device_name(self.device)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.stats = RunStats(self.device_label, self.hourly_usd)
+        if self.speculator is not None:
+            self.speculator.stats = self.stats.spec
         self._preemptions_at_reset = 0
         self._prefix_at_reset = (0, 0, 0)
 
@@ -186,6 +191,8 @@ class Engine:
         for seq in seqs:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = t0
+        if self.speculator is not None and not is_prefill:
+            return self._speculative_step(seqs, t0)
         num_tokens = sum(s.num_scheduled_tokens if self.block_manager else len(s) for s in seqs)
         try:
             tokens = self.runner.run(seqs)
@@ -208,6 +215,27 @@ class Engine:
         self._record_step(kind, seqs, num_tokens, now - t0)
         self.scheduler.postprocess(seqs, tokens, self._check_stop)
         for seq in seqs:
+            if seq.is_finished and seq.finish_s is None:
+                seq.finish_s = now
+        return seqs
+
+    def _speculative_step(self, seqs: list[Sequence], t0: float) -> list[Sequence]:
+        """A decode step with speculation: one target pass keeps 1 to k + 1 tokens per sequence."""
+        try:
+            kept = self.speculator.step(seqs)
+        except Exception as exc:
+            for seq in seqs:  # fail this batch with the reason; blocks go back to the pool
+                self.abort(seq, "error", f"{type(exc).__name__}: {exc}")
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs)
+        self._record_step("decode", seqs, num_tokens, now - t0)
+        lengths = [len(seq) for seq in seqs]
+        self.scheduler.postprocess_many(seqs, kept, self._check_stop)
+        for seq, before in zip(seqs, lengths):
+            seq.token_times_s.extend([now] * (len(seq) - before))  # the kept tokens arrive together
             if seq.is_finished and seq.finish_s is None:
                 seq.finish_s = now
         return seqs
@@ -239,6 +267,8 @@ class Engine:
 
     def reset_stats(self) -> RunStats:
         self.stats = RunStats(self.device_label, self.hourly_usd)
+        if self.speculator is not None:
+            self.speculator.stats = self.stats.spec
         self._preemptions_at_reset = self.scheduler.num_preemptions
         sched = self.scheduler
         self._prefix_at_reset = (sched.prefix_queries, sched.prefix_hits, sched.prefix_cached_prompt_tokens)

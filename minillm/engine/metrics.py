@@ -44,6 +44,28 @@ class StepStats:
 
 
 @dataclass
+class SpecStats:
+    """Counters since the last reset: what speculation proposed, kept, and cost."""
+    num_passes: int = 0          # target passes (one per sequence per speculative step)
+    num_proposed: int = 0        # proposed tokens
+    num_accepted: int = 0        # proposed tokens the verifier kept
+    num_emitted: int = 0         # tokens appended (accepted + one corrected / bonus token per pass)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens appended per target pass (1.0 = no gain; k + 1 at most)."""
+        return self.num_emitted / self.num_passes if self.num_passes else float("nan")
+
+    @property
+    def passes_per_token(self) -> float:
+        return self.num_passes / self.num_emitted if self.num_emitted else float("nan")
+
+
+@dataclass
 class RunStats:
     """Totals of one generate() call."""
 
@@ -62,6 +84,7 @@ class RunStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the cache, summed over requests
+    spec: SpecStats = field(default_factory=SpecStats)   # speculative decoding (speculative= lever)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

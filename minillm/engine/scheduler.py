@@ -265,3 +265,23 @@ class Scheduler:
             reason = check_stop(seq)
             if reason is not None:
                 self.finish(seq, reason)
+
+    def postprocess_many(self, seqs: list[Sequence], token_lists: list[list[int]], check_stop) -> None:
+        """Speculative decoding's postprocess: each sequence fed its last token and its proposals,
+        and keeps 1 to k + 1 tokens. The cache holds valid K/V for every kept token but the last
+        (as after a plain decode step); blocks past the new length are freed. A stop condition
+        met inside the kept tokens ends the sequence there."""
+        bm = self.block_manager
+        for seq, tokens in zip(seqs, token_lists):
+            for token in tokens:
+                seq.num_cached_tokens = len(seq)   # the token before this one is in the cache
+                if self.prefix_caching:
+                    self._cache_full_blocks(seq)
+                seq.token_ids.append(token)
+                reason = check_stop(seq)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            if not seq.is_finished and bm is not None:
+                bm.truncate(seq.block_table, len(seq))
+

@@ -1,0 +1,161 @@
+"""Speculative decoding in the engine (speculative="ngram"): greedy output equals the target
+alone, token for token, at batch 1 and batched, under every batching / paging / chunking /
+prefix-caching lever and under preemption; sampled output keeps the target's distribution
+(chi-square); proposals never overrun max_tokens or stop conditions; every block returns."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import kernel_utils  # noqa: F401  first: picks the Triton interpreter before triton is imported
+from conftest import assert_engine_idle
+
+from minillm import LLM, EngineConfig, SamplingParams
+from minillm.engine.sequence import Sequence
+
+_rng = random.Random(5)
+# Prompts that repeat a short pattern (so the n-gram proposer finds matches), of 3 to 60 tokens,
+# and outputs of 1 to 40 tokens; a random model's greedy output also falls into loops.
+PROMPTS = []
+for _ in range(24):
+    pattern = [_rng.randrange(3, 500) for _ in range(_rng.randrange(2, 9))]
+    PROMPTS.append((pattern * 20)[:_rng.randrange(3, 61)])
+PARAMS = [SamplingParams(max_tokens=_rng.randrange(1, 41), ignore_eos=True) for _ in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def target_tokens():
+    llm = LLM("random:tiny-llama", max_model_len=256, max_num_seqs=1)
+    return [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
+
+
+def _run(levers):
+    llm = LLM("random:tiny-llama", max_model_len=256, speculative="ngram", **levers)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+COMBOS = [dict(batching=b, paged=p, chunked_prefill=c, num_speculative_tokens=k)
+          for b, p, c, k in itertools.product(["continuous", "static"], [True, False], [False, True], [1, 4])]
+
+
+@pytest.mark.parametrize("levers", COMBOS, ids=lambda d: "-".join(str(v) for v in d.values()))
+def test_greedy_speculation_equals_the_target_alone(target_tokens, levers):
+    llm, tokens = _run(levers)
+    assert tokens == target_tokens
+    spec = llm.stats.spec
+    # the test exercises both outcomes of verification, not only one
+    assert spec.num_proposed > 0 and 0 < spec.num_accepted < spec.num_proposed, spec
+    assert spec.num_emitted == spec.num_passes + spec.num_accepted
+    assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("levers", [
+    dict(max_num_seqs=1),                                           # batch 1
+    dict(prefix_caching=True),                                      # blocks shared with the cache
+    dict(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16),  # 12 blocks: preemption
+    dict(attention_backend="triton", num_speculative_tokens=3),     # the extend kernel verifies
+])
+def test_greedy_speculation_under_other_levers(target_tokens, levers):
+    llm, tokens = _run(levers)
+    assert tokens == target_tokens
+    assert llm.stats.spec.num_accepted > 0
+    if "kv_cache_bytes" in levers:
+        assert llm.stats.num_preemptions > 0
+    assert_engine_idle(llm)
+
+
+def test_stop_tokens_inside_the_kept_run_end_the_sequence_there(target_tokens):
+    # stop at a token that the target emits mid-output: the kept run is cut at it
+    i = max(range(len(PROMPTS)), key=lambda j: len(target_tokens[j]))
+    stop = target_tokens[i][len(target_tokens[i]) // 2]
+    params = SamplingParams(max_tokens=40, stop_token_ids=[stop])
+    plain = LLM("random:tiny-llama", max_model_len=256)
+    spec = plain.with_levers(speculative="ngram", num_speculative_tokens=6)
+    a = plain.generate([{"prompt_token_ids": PROMPTS[i]}], params, use_tqdm=False)[0].outputs[0]
+    b = spec.generate([{"prompt_token_ids": PROMPTS[i]}], params, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "stop"
+    assert b.token_ids[-1] == stop and stop not in b.token_ids[:-1]
+    assert_engine_idle(spec)
+
+
+def test_proposals_never_overrun_max_tokens():
+    llm = LLM("random:tiny-llama", max_model_len=256, speculative="ngram", num_speculative_tokens=8)
+    outs = llm.generate([{"prompt_token_ids": [7, 8, 9] * 10}] * 3,
+                        [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 2, 9)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 9]
+    # one arrival time per output token (kept tokens of one pass arrive together: gaps of 0)
+    assert [len(o.metrics.itl_s) for o in outs] == [0, 1, 8]
+    assert_engine_idle(llm)
+
+
+def _target_probs(llm, tokens):
+    """The target's next-token distribution after `tokens` (temperature 1, top-k 6)."""
+    from minillm.layers.sampler import filter_logits
+
+    logits = llm.engine.runner.logits([Sequence(list(tokens), SamplingParams())])[0]
+    return filter_logits(logits, 1.0, 6, 1.0).softmax(-1).double()
+
+
+def test_sampled_speculation_keeps_the_target_distribution(monkeypatch):
+    """The second output token's distribution given the first, with speculation, against the
+    target's own next-token distribution (temperature 1, top-k 6), by a chi-square test. The
+    proposer is pinned to a plausible token (the target's second choice), so verification both
+    accepts (min(1, p/q) with q a point mass) and rejects (resampling from the residual)."""
+    import minillm.engine.speculative as speculative
+
+    prompt = [11, 12, 13, 11, 12, 13, 11, 12]
+    ref = LLM("random:tiny-llama", max_model_len=64, kv_cache=False)
+    first = int(_target_probs(ref, prompt).argmax())
+    p = _target_probs(ref, prompt + [first])
+    proposal = int(p.topk(2).indices[1])
+    monkeypatch.setattr(speculative, "ngram_propose", lambda token_ids, k: [proposal] * k)
+
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(1500)]
+    llm = LLM("random:tiny-llama", max_model_len=64, max_num_seqs=256, speculative="ngram", num_speculative_tokens=1)
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * len(params), params,
+                                                         use_tqdm=False)]
+    spec = llm.stats.spec
+    assert 0 < spec.num_accepted < spec.num_proposed, spec
+    seconds = [o[1] for o in outs if o[0] == first]
+    assert len(seconds) > 150   # 240 with these seeds
+    counts = torch.bincount(torch.tensor(seconds), minlength=p.numel()).double()
+    keep = p > 0
+    assert counts[~keep].sum() == 0          # never a token outside the target's top-6
+    expected = p[keep] * len(seconds)
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+    assert p_value > 1e-3, (p_value, counts[keep].tolist(), expected.tolist())
+    # the same test rejects a verifier that keeps every proposal (the output would be the proposal)
+    biased = torch.zeros_like(p)
+    biased[proposal] = len(seconds)
+    wrong = ((biased[keep] - expected) ** 2 / expected).sum()
+    assert float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), wrong / 2)) < 1e-6
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(speculative="bogus"), ValueError, r"speculative='bogus' is not one of"),
+    (dict(speculative="ngram", num_speculative_tokens=0), ValueError, r"num_speculative_tokens=0 must be an integer in \[1, 16\]"),
+    (dict(speculative="ngram", num_speculative_tokens=17), ValueError, r"num_speculative_tokens=17"),
+    (dict(speculative="ngram", kv_cache=False), ValueError, "needs kv_cache=True"),
+])
+def test_bad_speculative_options_are_refused(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.slow
+def test_default_model_repeating_its_prompt(default_llm):
+    text = "The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the time in the log."
+    ids = default_llm.chat_token_ids([{"role": "user", "content": "Repeat exactly: " + text}])
+    params = SamplingParams(max_tokens=32)
+    plain = default_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = default_llm.with_levers(speculative="ngram", num_speculative_tokens=4)
+    got = spec.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == plain
+    assert spec.stats.spec.acceptance_rate > 0.3 and spec.stats.spec.mean_accepted_length > 1.5
+    assert_engine_idle(spec)
