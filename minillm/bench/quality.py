@@ -10,6 +10,9 @@ For every setting, in one run and against the first (reference) setting:
   next token equals the reference's (a finer signal than perplexity alone);
 - top-1 next-token agreement on 24 chat-templated prompts from data/prompts.txt, through the
   engine itself (greedy, one token): x/24, the number the course's sources quote;
+- greedy generations through the engine (its KV cache included, so kv_dtype shows here and in
+  the next-token agreement, not in perplexity): "gen same" x/24, the prompts whose `gen_same_tokens`
+  (32) greedy tokens all equal the reference's;
 - weight bytes, KV bytes per token, and decode tokens/s at batch 1, measured side by side
   (settings interleaved, median of repeats);
 - greedy generations side by side for a few prompts.
@@ -46,6 +49,9 @@ KNOWN_SETTINGS: dict[str, dict] = {
     "int4-g32": {"weight_dtype": "int4", "weight_group_size": 32},  # aligned to the GGUF's Q4_1 blocks
     "int4-head4": {"weight_dtype": "int4", "weight_head_dtype": "int4"},  # group 128 RTN, the head int4 too
     "fp8": {"weight_dtype": "fp8"},                         # head fp8 too
+    # KV cache settings (weights untouched): one byte per K/V value plus an fp32 scale per token and head.
+    "kv-int8": {"kv_dtype": "int8"},
+    "kv-fp8": {"kv_dtype": "fp8"},
 }
 DEFAULT_SETTINGS = ("baseline", "bf16", "int8", "int4")
 NOT_AVAILABLE = "not available yet"
@@ -189,6 +195,8 @@ class QualityRow:
     corpus_top1: float = float("nan")   # share of corpus positions with the reference's top-1 token
     top1_agree: int = 0             # prompts whose next token equals the reference's
     top1_of: int = 0
+    gen_same: int = 0               # prompts whose gen_same_tokens greedy tokens equal the reference's
+    gen_of: int = 0
     decode_tok_per_s: float = float("nan")
 
     @property
@@ -220,12 +228,13 @@ def build_settings(settings: dict[str, Any], base=None, model: str | None = None
 def evaluate(settings: dict[str, Any], base=None, model: str | None = None, window: int = 512, stride: int = 256,
              max_windows: int | None = None, num_prompts: int = 24, decode_tokens: int = 32, decode_repeats: int = 3,
              num_generations: int = 3, generation_tokens: int = 24, progress: bool = True,
-             **base_levers) -> dict:
+             gen_same_tokens: int = 32, **base_levers) -> dict:
     """Quality, memory and speed of every setting against the first one (the reference).
 
     settings: label -> levers for `base.with_levers(**levers)` (or an LLM). A setting the engine
     refuses with NotImplementedError becomes a row with status "not available yet".
-    decode_tokens=0 skips the speed measurement. Returns {'rows', 'generations', ...}.
+    decode_tokens=0 skips the speed measurement; gen_same_tokens=0 skips the greedy-generation
+    agreement (num_prompts generations of gen_same_tokens tokens through the engine). Returns {'rows', 'generations', ...}.
     """
     if not settings:
         raise ValueError("give at least one setting")
@@ -255,18 +264,24 @@ def evaluate(settings: dict[str, Any], base=None, model: str | None = None, wind
     ppl: dict[str, PerplexityResult] = {}
     first_tokens: dict[str, list[int]] = {}
     generations: dict[str, list[list[int]]] = {}
+    long_tokens: dict[str, list[list[int]]] = {}
     for label, llm in live.items():
         ppl[label] = perplexity(llm, corpus, window, stride, max_windows, progress=progress,
                                 desc=f"perplexity {label}")
         first_tokens[label] = [t[0] for t in greedy_tokens(llm, prompts, 1)]
         if gen_prompts:
             generations[label] = greedy_tokens(llm, gen_prompts, generation_tokens)
+        if gen_same_tokens > 0:
+            long_tokens[label] = greedy_tokens(llm, prompts, gen_same_tokens)
     for label in live:
         row = by_label[label]
         row.perplexity, row.mean_nll = ppl[label].perplexity, ppl[label].mean_nll
         row.corpus_top1 = ppl[label].agreement_with(ppl[ref_label])
         row.top1_agree = sum(a == b for a, b in zip(first_tokens[label], first_tokens[ref_label]))
         row.top1_of = len(prompts)
+        if gen_same_tokens > 0:
+            row.gen_same = sum(a == b for a, b in zip(long_tokens[label], long_tokens[ref_label]))
+            row.gen_of = len(prompts)
 
     if decode_tokens > 1:
         from tqdm.auto import tqdm
@@ -296,6 +311,7 @@ def evaluate(settings: dict[str, Any], base=None, model: str | None = None, wind
         "stride": stride,
         "num_prompts": len(prompts),
         "decode_tokens": decode_tokens,
+        "gen_same_tokens": gen_same_tokens,
         "rows": rows,
         "generation_prompts": [p.get("prompt", "") for p in gen_prompts],
         "generations": texts,
@@ -318,8 +334,12 @@ def format_quality(result: dict, generations: bool = True, width: int = 100) -> 
         f"{result['windows']} windows of {result['window']} (stride {result['stride']}); top-1 agreement on "
         f"{result['num_prompts']} chat prompts (next token) and on every scored corpus position",
     ]
+    gen = bool(result.get("gen_same_tokens"))
+    if gen:
+        lines.append(f"gen same: prompts whose {result['gen_same_tokens']} greedy tokens through the engine (KV cache "
+                     "included) all equal the reference's")
     head = (f"{'setting':<18}{'head':>9}{'weights MB':>11}{'KV B/tok':>10}{'perplexity':>12}{'vs ref':>9}"
-            f"{'top-1':>8}{'corpus top-1':>14}{'decode tok/s':>14}")
+            f"{'top-1':>8}{'corpus top-1':>14}" + (f"{'gen same':>10}" if gen else "") + f"{'decode tok/s':>14}")
     lines += [head, "-" * len(head)]
     for r in rows:
         if not r.ok:
@@ -329,7 +349,7 @@ def format_quality(result: dict, generations: bool = True, width: int = 100) -> 
         lines.append(
             f"{r.label:<18}{r.head:>9}{r.weight_bytes / 1e6:>11.1f}{r.kv_bytes_per_token:>10d}{_cell(r.perplexity, '.3f'):>12}"
             f"{delta:>+8.2f}%{f'{r.top1_agree}/{r.top1_of}':>8}{_cell(100 * r.corpus_top1, '.1f') + '%':>14}"
-            f"{_cell(r.decode_tok_per_s, '.1f'):>14}")
+            + (f"{f'{r.gen_same}/{r.gen_of}':>10}" if gen else "") + f"{_cell(r.decode_tok_per_s, '.1f'):>14}")
     if generations and result["generations"]:
         lines.append("")
         lines.append(f"greedy generations side by side (first tokens, ignore_eos):")
