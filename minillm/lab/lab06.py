@@ -1,0 +1,567 @@
+"""Lab 06 helpers — prefix caching: checks for the block hash chain, the cache lookup and the
+hosted-API pricing; the learner's hash chain plugged into the engine's BlockManager; the shared-
+document measurement, the one-word sensitivity experiment and the eviction sweep, with figures.
+
+The learner writes, with fixed signatures:
+
+    block_hashes(token_ids, block_size, salt=None) -> list[key]     # one hashable key per FULL block
+    lookup(cache, keys) -> list[block_id]                            # the run of hits from the start
+    reusable_blocks(cache, token_ids, block_size, salt=None) -> list[block_id]   # <= (len - 1) // block_size
+    cached_cost(prefix_tokens, suffix_tokens, n_requests, write=1.25, read=0.1) -> float
+
+Keys are the learner's own (ints, tuples, bytes...): the checks never compare them with the
+engine's SHA-256 keys, only with each other — two prompts must get equal keys for block i exactly
+when their first (i + 1) * block_size tokens and their salts are equal.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Hashable, Sequence
+
+from ..sampling import SamplingParams
+from .common import CheckFailed, as_widget, expect_number, format_seconds, new_figure, passed
+
+# What the sources measured on a laptop: ten questions about one long document, total reading
+# (prefill) time without and with a kept prefix; and the re-read cost after changing one word at
+# 25 / 50 / 75 % of the prompt, relative to the first read.
+SOURCE_READING_S = {"off": 144.0, "on": 15.2}
+SOURCE_SENSITIVITY = {0.25: 0.78, 0.5: 0.55, 0.75: 0.28}
+# Hosted-API prompt-cache pricing, as multiples of the input-token price.
+CACHE_WRITE, CACHE_READ = 1.25, 0.1
+
+
+# =================================================================== A. the hash chain
+def _call(fn: Callable, args: tuple, call: str):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except CheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the message names the learner's error
+        raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _keys_of(block_hashes: Callable, token_ids: Sequence[int], block_size: int, salt: str | None) -> list:
+    call = f"block_hashes({_ids(token_ids)}, {block_size}, salt={salt!r})"
+    keys = _call(block_hashes, (list(token_ids), block_size, salt), call)
+    if not isinstance(keys, (list, tuple)):
+        raise CheckFailed(f"{call} returned {type(keys).__name__}; expected a list of keys, one per full block")
+    full = len(token_ids) // block_size
+    if len(keys) != full:
+        hint = ""
+        if len(keys) == -(-len(token_ids) // block_size):
+            hint = (" — the partial last block has no key: only full blocks are cached (a partial block's K/V "
+                    "is still being written, and the next request's block there holds other tokens)")
+        elif len(keys) == len(token_ids):
+            hint = " — one key per block of block_size tokens, not one per token"
+        raise CheckFailed(f"{call} returned {len(keys)} keys; expected {full} "
+                          f"({len(token_ids)} tokens = {full} full blocks of {block_size}){hint}")
+    for i, key in enumerate(keys):
+        try:
+            hash(key)
+        except TypeError:
+            raise CheckFailed(f"{call}: key {i} is a {type(key).__name__}, which cannot be a dict key; return "
+                              "hashable keys (a tuple, an int, a str or bytes), not lists") from None
+    again = _call(block_hashes, (list(token_ids), block_size, salt), call)
+    if list(again) != list(keys):
+        raise CheckFailed(f"{call} gave different keys when called twice with the same arguments: a key must "
+                          "depend only on the tokens and the salt (no id(), no random numbers, no counters)")
+    return list(keys)
+
+
+def _ids(token_ids: Sequence[int]) -> str:
+    ids = list(token_ids)
+    return repr(ids) if len(ids) <= 8 else f"[{', '.join(map(str, ids[:4]))}, ... ({len(ids)} tokens)]"
+
+
+def _hash_cases(block_size: int, seed: int) -> list[tuple[str, list[int], str | None]]:
+    """Prompts that share starts of every length, differ in one token, repeat a block, permute a
+    block, carry different salts — and end in partial blocks of every length."""
+    rng = random.Random(seed)
+    bs = block_size
+    base = [rng.randrange(1, 50_000) for _ in range(6 * bs + 1)]
+    cases = [("base", base, None), ("base, first 3 blocks", base[:3 * bs], None),
+             ("base minus its last token", base[:-1], None)]
+    for i in (0, 2, 4):   # one token changed inside block i
+        edited = list(base)
+        edited[i * bs + rng.randrange(bs)] += 1
+        cases.append((f"base with one token changed in block {i}", edited, None))
+    block = [rng.randrange(1, 50_000) for _ in range(bs)]
+    cases.append(("one block repeated three times", block * 3, None))
+    cases.append(("the repeated block once, then base", block + base[:2 * bs], None))
+    if bs > 1:
+        cases.append(("base with its block 1 reversed", base[:bs] + base[bs:2 * bs][::-1] + base[2 * bs:4 * bs], None))
+    cases.append(("base, new tail", base[:3 * bs] + [rng.randrange(1, 50_000) for _ in range(2 * bs + bs // 2)], None))
+    for salt in ("tenant-a", "tenant-b", ""):
+        cases.append((f"base, salt {salt!r}", base[:4 * bs], salt))
+    return cases
+
+
+def _why_equal(a, b, i: int, bs: int) -> str:
+    """Why block i's keys of prompts a and b must differ, and the likely mistake behind equal keys."""
+    (name_a, ids_a, salt_a), (name_b, ids_b, salt_b) = a, b
+    own_a, own_b = ids_a[i * bs:(i + 1) * bs], ids_b[i * bs:(i + 1) * bs]
+    if ids_a[:(i + 1) * bs] == ids_b[:(i + 1) * bs]:
+        return (f"their tokens agree but the salts differ ({salt_a!r} vs {salt_b!r}) — the salt must enter the "
+                "key (the first block's at least: the chain carries it on), or two tenants share a cache")
+    if own_a == own_b:
+        return (f"block {i} holds the same tokens in both, but an earlier block differs — each key must cover its "
+                "parent's key: hash (parent key, this block's tokens, salt), not the block alone, or a block "
+                "would be served after a different start (its K/V depends on every token before it)")
+    if sorted(own_a) == sorted(own_b):
+        return (f"block {i} holds the same tokens in another order ({own_a} vs {own_b}) — hash the tokens in "
+                "order (a tuple), not their sum or set")
+    return f"block {i} differs ({own_a} vs {own_b}) — two different prefixes collided"
+
+
+def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 0) -> str:
+    """Keys agree exactly where prompts agree: key i of prompts a and b are equal iff their first
+    (i + 1) * block_size tokens and their salts are equal. One key per full block, hashable, stable."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    bs = block_size
+    for n in (0, 1, bs - 1, bs, bs + 1, 3 * bs - 1, 3 * bs):
+        if n >= 0:
+            _keys_of(block_hashes, list(range(7, 7 + n)), bs, None)
+    cases = _hash_cases(bs, seed)
+    keys = [_keys_of(block_hashes, ids, bs, salt) for _, ids, salt in cases]
+    default = _call(block_hashes, (list(cases[0][1]), bs), f"block_hashes({_ids(cases[0][1])}, {bs})")
+    if list(default) != keys[0]:
+        raise CheckFailed(f"block_hashes(ids, {bs}) and block_hashes(ids, {bs}, salt=None) differ: salt defaults to None")
+    num_pairs = 0
+    for x in range(len(cases)):
+        for y in range(x + 1, len(cases)):
+            a, b = cases[x], cases[y]
+            for i in range(min(len(keys[x]), len(keys[y]))):
+                num_pairs += 1
+                same = a[1][:(i + 1) * bs] == b[1][:(i + 1) * bs] and a[2] == b[2]
+                equal = keys[x][i] == keys[y][i]
+                if same and not equal:
+                    hint = ("a key must depend only on the blocks up to it and the salt"
+                            if a[2] == b[2] else "")
+                    if a[1][:(i + 1) * bs] == b[1][:(i + 1) * bs] and len(a[1]) != len(b[1]):
+                        hint = ("the prompts share their first blocks but differ in length or later tokens — a key "
+                                "may not depend on anything after its own block (the rest of the prompt, its length)")
+                    raise CheckFailed(f"block {i} ({bs} tokens a block): {a[0]!r} and {b[0]!r} have equal tokens up to "
+                                      f"the end of block {i} but different keys — {hint}")
+                if equal and not same:
+                    raise CheckFailed(f"block {i} ({bs} tokens a block): {a[0]!r} and {b[0]!r} got the same key, but "
+                                      + _why_equal(a, b, i, bs))
+    return passed("block_hashes", num_pairs)
+
+
+def reference_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """One of many correct answers: Python's hash of (parent key, block tokens, salt)."""
+    keys, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size]), salt))
+        keys.append(parent)
+    return keys
+
+
+# =================================================================== B. the lookup
+def reference_lookup(cache: dict, keys: Sequence[Hashable]) -> list[int]:
+    blocks = []
+    for key in keys:
+        if key not in cache:
+            break
+        blocks.append(cache[key])
+    return blocks
+
+
+LOOKUP_CASES = (  # (cache, keys, what it shows)
+    ({"k0": 7, "k1": 3, "k2": 12}, ["k0", "k1", "k2"], "every block cached: their ids, in the keys' order"),
+    ({"k0": 7, "k1": 3, "k3": 12}, ["k0", "k1", "k2", "k3"], "a miss at block 2: stop there, even though block 3 hits"),
+    ({"k1": 3, "k2": 12}, ["k0", "k1", "k2"], "the first block misses: nothing is reusable"),
+    ({"k0": 7}, [], "no keys (a prompt shorter than one block)"),
+    ({}, ["k0", "k1"], "an empty cache"),
+    ({"k0": 0, "k1": 5, "x": 9, "k2": 1}, ["k0", "k1"], "more cached blocks than keys: only the keys asked for"),
+)
+
+
+def check_lookup(lookup: Callable, cases=LOOKUP_CASES) -> str:
+    for cache, keys, why in cases:
+        call = f"lookup({cache}, {keys})"
+        got = _call(lookup, (dict(cache), list(keys)), call)
+        want = reference_lookup(cache, keys)
+        if not isinstance(got, (list, tuple)) or list(got) != want:
+            hint = ""
+            hits = [cache[k] for k in keys if k in cache]
+            if isinstance(got, (list, tuple)) and list(got) == hits and hits != want:
+                hint = (" — stop at the first miss: block i's K/V was computed after blocks 0..i-1, so a hit after a "
+                        "miss is useless (the blocks before it would be recomputed, and with them block i)")
+            elif isinstance(got, (list, tuple)) and list(got) == list(keys)[:len(want)]:
+                hint = " — return the cached block ids (cache[key]), not the keys"
+            elif isinstance(got, (list, tuple)) and sorted(got) == sorted(want):
+                hint = " — keep the keys' order: block i of the prompt is the i-th block id"
+            raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}){hint}")
+    return passed("lookup", len(cases))
+
+
+def check_reusable_blocks(reusable_blocks: Callable, block_hashes: Callable, block_size: int = 4,
+                          seed: int = 0) -> str:
+    """A cache filled with one earlier request's blocks (keys from your block_hashes), then prompts
+    that share its start, diverge, end on a block boundary, carry a salt."""
+    rng = random.Random(seed)
+    bs = block_size
+    first = [rng.randrange(1, 50_000) for _ in range(6 * bs + bs // 2 + 1)]   # 6 full blocks + a partial one
+    num_cases = 0
+    for cache_salt in (None, "tenant-a"):
+        first_keys = _keys_of(block_hashes, first, bs, cache_salt)
+        cache = {key: 100 + 3 * i for i, key in enumerate(first_keys)}   # block ids the engine handed out
+        doc = first[:4 * bs]
+        diverge = list(first)
+        diverge[2 * bs + rng.randrange(bs)] += 1
+        cases = [
+            (first, "the same prompt again: every full block its last token is not in"),
+            (doc + [1, 2, 3], "the 4-block document, then another question"),
+            (doc, "exactly the 4-block document: its last token must be computed, so its last block too"),
+            (first[:6 * bs], "exactly 6 full blocks: the last one holds the last token"),
+            (first[:6 * bs + 1], "6 full blocks and one more token: all 6 come from the cache"),
+            (diverge, "one token changed in block 2: blocks 0 and 1 only"),
+            (first[:1], "one token: nothing"),
+        ]
+        for ids, why in cases:
+            for salt in (None, "tenant-a"):
+                call = f"reusable_blocks(cache, {_ids(ids)}, {bs}, salt={salt!r})"
+                got = _call(reusable_blocks, (dict(cache), list(ids), bs, salt), call)
+                limit = (len(ids) - 1) // bs
+                same = 0
+                while same < min(limit, len(first_keys)) and ids[:(same + 1) * bs] == first[:(same + 1) * bs]:
+                    same += 1
+                want = [100 + 3 * i for i in range(same)] if salt == cache_salt else []
+                num_cases += 1
+                if not isinstance(got, (list, tuple)) or list(got) != want:
+                    hint = ""
+                    full = min(len(ids) // bs, len(first_keys))
+                    if isinstance(got, (list, tuple)) and len(got) == full > len(want) and salt == cache_salt:
+                        hint = (f" — at least the last prompt token must be computed: the model needs its logits to "
+                                f"pick the first output token, so at most (len(token_ids) - 1) // block_size = {limit} "
+                                "blocks come from the cache")
+                    elif salt != cache_salt and got:
+                        hint = " — pass the salt on to block_hashes: another tenant's blocks must not match"
+                    raise CheckFailed(f"{call} with the cache of an earlier {len(first)}-token request "
+                                      f"(salt {cache_salt!r}) returned {got!r}, expected {want} ({why})" + hint)
+    return passed("reusable_blocks", num_cases)
+
+
+# =================================================================== C. the engine on your hash chain
+class ChainHash:
+    """The BlockManager's `hash_fn(parent_key, token_ids, salt) -> key`, computed by your
+    `block_hashes`: it remembers which prefix every key it returned covers, so a block's key is
+    block_hashes(parent's prefix + this block's tokens, block_size, salt)[-1]."""
+
+    def __init__(self, block_hashes: Callable, block_size: int):
+        self.block_hashes = block_hashes
+        self.block_size = block_size
+        self.prefix_of: dict[tuple[Hashable, str | None], tuple[int, ...]] = {}
+        self.num_calls = 0
+
+    def __call__(self, parent: Hashable | None, token_ids: tuple[int, ...], salt: str | None) -> Hashable:
+        self.num_calls += 1
+        prefix = (self.prefix_of[(parent, salt)] if parent is not None else ()) + tuple(token_ids)
+        keys = self.block_hashes(list(prefix), self.block_size, salt)
+        key = keys[-1]
+        self.prefix_of[(key, salt)] = prefix
+        return key
+
+
+def plug_in_hash(llm, block_hashes: Callable, **levers):
+    """A fresh engine with prefix caching on, sharing `llm`'s weights, whose BlockManager keys
+    blocks with your hash chain."""
+    fresh = llm.with_levers(prefix_caching=True, **levers)
+    bm = fresh.engine.block_manager
+    bm.hash_fn = ChainHash(block_hashes, bm.block_size)
+    return fresh, bm.hash_fn
+
+
+def chat_prompts(llm, system: str, questions: Sequence[str]) -> list[dict]:
+    """One system prompt, then a question each, in the model's chat template (token ids)."""
+    return [{"prompt_token_ids": llm.chat_token_ids([{"role": "system", "content": system},
+                                                      {"role": "user", "content": q}])} for q in questions]
+
+
+def _one_by_one(llm, prompts: Sequence, params: SamplingParams, desc: str | None = None):
+    """Requests one after another (each a generate call): a request's TTFT is then its reading time,
+    and each finds the blocks the ones before it left in the cache."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for prompt in tqdm(list(prompts), desc=desc, unit="request", leave=False, disable=desc is None):
+        out = llm.generate(prompt, params)[0]
+        rows.append({"tokens": list(out.outputs[0].token_ids), "ttft_s": out.metrics.ttft_s,
+                     "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.metrics.num_cached_tokens,
+                     "queries": llm.stats.prefix_cache_queries, "hits": llm.stats.prefix_cache_hits})
+    return rows
+
+
+def run_with_hash(llm, block_hashes: Callable, prompts: Sequence, max_tokens: int, block_size: int = 16) -> dict:
+    """Greedy tokens, requests one after another: cache off, cache on with your hash chain, and cache
+    on with the engine's SHA-256 chain (the hits yours should get)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    off = _one_by_one(llm.with_levers(prefix_caching=False, block_size=block_size), prompts, params)
+    yours, hash_fn = plug_in_hash(llm, block_hashes, block_size=block_size)
+    got = _one_by_one(yours, prompts, params)
+    engine = _one_by_one(llm.with_levers(prefix_caching=True, block_size=block_size), prompts, params)
+    return {"tokens": [r["tokens"] for r in got], "expected": [r["tokens"] for r in off],
+            "equal": [r["tokens"] for r in got] == [r["tokens"] for r in off],
+            "prompt_tokens": [r["prompt_tokens"] for r in got],
+            "cached_tokens": [r["cached_tokens"] for r in got],
+            "expected_cached_tokens": [r["cached_tokens"] for r in engine],
+            "hash_calls": hash_fn.num_calls, "block_size": block_size,
+            "text": [llm.tokenizer.decode(r["tokens"]) for r in got]}
+
+
+def print_hash_run(result: dict) -> None:
+    verdict = "✓ the same tokens as with the cache off" if result["equal"] else "✗ tokens differ from the cache off"
+    print(f"{verdict} ({len(result['tokens'])} requests, one after another, block_size={result['block_size']})")
+    print(f"{'request':>8}{'prompt tokens':>15}{'cached (yours)':>16}{'cached (engine)':>17}  output")
+    for i, (n, c, e, text) in enumerate(zip(result["prompt_tokens"], result["cached_tokens"],
+                                            result["expected_cached_tokens"], result["text"])):
+        print(f"{i:>8}{n:>15}{c:>16}{e:>17}  {text!r}")
+    print(f"your block_hashes ran {result['hash_calls']} times (once per new full block)")
+
+
+def check_hash_run(result: dict) -> str:
+    if not result["equal"]:
+        raise CheckFailed(f"with your hash chain the engine generated {result['tokens']}, with the cache off "
+                          f"{result['expected']}: a block was served after a different start — check that each key "
+                          "covers its parent's key")
+    if result["cached_tokens"] != result["expected_cached_tokens"]:
+        raise CheckFailed(f"cached prompt tokens per request: {result['cached_tokens']} with your hash chain, "
+                          f"{result['expected_cached_tokens']} with the engine's — equal prefixes must give equal keys "
+                          "(and different ones different keys)")
+    if not any(result["cached_tokens"]):
+        raise CheckFailed("no request found a cached block: the prompts share a system prompt, so later ones should")
+    return passed("the engine on your hash chain", len(result["tokens"]))
+
+
+# =================================================================== D. measurements
+def document_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
+    """`num_tokens` token ids of data/corpus.txt from token `offset` on (no BOS)."""
+    from ..bench.workloads import shipped_corpus
+
+    ids = llm.tokenizer.encode(shipped_corpus(), add_special_tokens=False)
+    if offset + num_tokens > len(ids):
+        raise ValueError(f"num_tokens={num_tokens} from offset={offset}: the corpus has only {len(ids)} tokens")
+    return ids[offset:offset + num_tokens]
+
+
+def document_questions(llm, doc: Sequence[int], num_questions: int) -> list[dict]:
+    """The document, then 'Question k: ...' from data/prompts.txt (token ids: the document is the
+    very same tokens in every prompt)."""
+    from ..bench.workloads import shipped_prompts
+
+    questions = shipped_prompts()
+    return [{"prompt_token_ids": list(doc) + llm.tokenizer.encode(
+        f"\n\nQuestion {i + 1}: {questions[i % len(questions)]}\nAnswer:", add_special_tokens=False)}
+        for i in range(num_questions)]
+
+
+def _warm(engine) -> None:
+    """First-call overheads (allocator, lazy imports) out of the timings; then an empty cache."""
+    engine.generate({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.engine.block_manager.reset_prefix_cache()
+
+
+def measure_shared_document(llm, prompts: Sequence[dict], max_tokens: int = 8) -> dict:
+    """The questions one after another, prefix caching off then on (same weights, fresh KV pools)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    runs = {}
+    for label, on in (("off", False), ("on", True)):
+        engine = llm.with_levers(prefix_caching=on)
+        _warm(engine)
+        runs[label] = _one_by_one(engine, prompts, params, desc=f"prefix_caching={on}")
+    return {"off": runs["off"], "on": runs["on"], "device": llm.device, "num_questions": len(prompts),
+            "prompt_tokens": [r["prompt_tokens"] for r in runs["off"]],
+            "identical": sum(a["tokens"] == b["tokens"] for a, b in zip(runs["off"], runs["on"]))}
+
+
+def reading_s(rows: Sequence[dict]) -> float:
+    """Total time to first token over requests sent one after another: the time spent reading prompts."""
+    return sum(r["ttft_s"] for r in rows)
+
+
+def print_shared_document(result: dict) -> None:
+    off, on = result["off"], result["on"]
+    n = result["num_questions"]
+    print(f"{n} questions about one document ({result['prompt_tokens'][0]} tokens with its question), "
+          f"one after another — {result['device']}")
+    print(f"{'prefix_caching':<16}{'reading (sum of TTFT)':>23}{'mean TTFT':>12}{'tokens read':>13}{'from the cache':>16}")
+    for label, rows in (("off", off), ("on", on)):
+        read = sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows)
+        cached = sum(r["cached_tokens"] for r in rows)
+        print(f"{label:<16}{format_seconds(reading_s(rows)):>23}{format_seconds(reading_s(rows) / n):>12}"
+              f"{read:>13}{cached:>16}")
+    print(f"reading with the cache: {reading_s(on) / reading_s(off):.1%} of without "
+          f"(the sources' laptop, ten questions: {SOURCE_READING_S['off']:.0f} s -> {SOURCE_READING_S['on']} s, "
+          f"{SOURCE_READING_S['on'] / SOURCE_READING_S['off']:.1%})")
+    print(f"greedy outputs identical: {result['identical']}/{n}")
+
+
+def shared_document_figure(result: dict):
+    fig = new_figure("Time to first token, question by question", "question", "TTFT (s)", device=result["device"])
+    x = list(range(1, result["num_questions"] + 1))
+    for label, color in (("off", "#d62728"), ("on", "#1f77b4")):
+        rows = result[label]
+        fig.add_bar(x=x, y=[r["ttft_s"] for r in rows], name=f"prefix_caching={label == 'on'} "
+                    f"(reading {format_seconds(reading_s(rows))})", marker_color=color)
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def edit_one_token(llm, ids: Sequence[int], position: int) -> list[int]:
+    """`ids` with the token at `position` replaced by another word (' banana', or ' apple' if it was that)."""
+    banana = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    apple = llm.tokenizer.encode(" apple", add_special_tokens=False)[0]
+    edited = list(ids)
+    edited[position] = apple if edited[position] == banana else banana
+    return edited
+
+
+def measure_sensitivity(llm, doc: Sequence[int], fractions: Sequence[float] = (0.25, 0.5, 0.75),
+                        repeats: int = 1) -> dict:
+    """Read `doc` once (empty cache), then re-read it with one word changed at each fraction of the
+    prompt; TTFT of each re-read relative to the first read, and the share of tokens computed again.
+    `repeats` rounds (each from an empty cache); times are medians over rounds."""
+    from tqdm.auto import tqdm
+
+    engine = llm.with_levers(prefix_caching=True)
+    _warm(engine)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    first, reread, computed = [], {f: [] for f in fractions}, {}
+    with tqdm(total=repeats * (1 + len(fractions)), desc="first read + one-word edits", unit="read",
+              leave=False) as bar:
+        for _ in range(repeats):
+            engine.engine.block_manager.reset_prefix_cache()
+            out = engine.generate({"prompt_token_ids": list(doc)}, params)[0]
+            first.append(out.metrics.ttft_s)
+            bar.update()
+            for f in fractions:
+                out = engine.generate({"prompt_token_ids": edit_one_token(llm, doc, int(f * len(doc)))}, params)[0]
+                reread[f].append(out.metrics.ttft_s)
+                computed[f] = 1 - out.metrics.num_cached_tokens / len(doc)
+                bar.update()
+    first_s = statistics.median(first)
+    return {"fractions": list(fractions), "first_s": first_s, "num_tokens": len(doc),
+            "reread_s": {f: statistics.median(v) for f, v in reread.items()},
+            "relative": {f: statistics.median(v) / first_s for f, v in reread.items()},
+            "computed": computed, "block_size": engine.config.block_size, "device": llm.device}
+
+
+def print_sensitivity(result: dict, predicted: dict | None = None) -> None:
+    print(f"a {result['num_tokens']}-token prompt read once in {format_seconds(result['first_s'])}, then re-read "
+          f"with one word changed — {result['device']}")
+    print(f"{'word changed at':>16}{'re-read':>10}{'relative':>10}{'tokens recomputed':>19}{'sources':>9}{'you predicted':>15}")
+    for f in result["fractions"]:
+        guess = (predicted or {}).get(f)
+        print(f"{f:>16.0%}{format_seconds(result['reread_s'][f]):>10}{result['relative'][f]:>10.2f}"
+              f"{result['computed'][f]:>19.1%}{SOURCE_SENSITIVITY.get(f, float('nan')):>9.2f}"
+              f"{'' if guess is None else f'{guess:.2f}':>15}")
+
+
+def sensitivity_figure(result: dict, predicted: dict | None = None):
+    fig = new_figure("Re-read cost after changing one word", "where the word changed (fraction of the prompt)",
+                     "re-read time / first read", device=result["device"])
+    x = [f"{f:.0%}" for f in result["fractions"]]
+    fig.add_bar(x=x, y=[result["relative"][f] for f in result["fractions"]], name="measured (TTFT ratio)",
+                marker_color="#1f77b4")
+    fig.add_bar(x=x, y=[result["computed"][f] for f in result["fractions"]], name="tokens recomputed (share)",
+                marker_color="#aec7e8")
+    fig.add_bar(x=x, y=[SOURCE_SENSITIVITY.get(f) for f in result["fractions"]], name="the sources' laptop",
+                marker_color="#7f7f7f")
+    if predicted and any(predicted.get(f) is not None for f in result["fractions"]):
+        fig.add_scatter(x=x, y=[predicted.get(f) for f in result["fractions"]], mode="markers", name="your prediction",
+                        marker=dict(symbol="x", size=14, color="#d62728"))
+    fig.update_layout(barmode="group", yaxis_range=[0, 1.1])
+    return fig
+
+
+def measure_eviction(llm, doc_a: Sequence[int], doc_b: Sequence[int], pool_docs: Sequence[float],
+                     num_requests: int = 6, block_size: int = 16) -> list[dict]:
+    """Requests alternate between two documents (A, B, A, B, ...) in KV pools of `pool_docs`
+    documents' worth of blocks: the hit rate when the pool is too small to keep both."""
+    from tqdm.auto import tqdm
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    doc_blocks = -(-max(len(doc_a), len(doc_b)) // block_size)
+    prompts = [{"prompt_token_ids": list(doc_a if i % 2 == 0 else doc_b) + [13 + i]} for i in range(num_requests)]
+    rows = []
+    for size in tqdm(list(pool_docs), desc="pool sizes", unit="pool", leave=False):
+        num_blocks = max(doc_blocks + 1, round(size * doc_blocks))
+        engine = llm.with_levers(prefix_caching=True, block_size=block_size, max_num_seqs=1,
+                                 kv_cache_bytes=num_blocks * block_size * llm.kv_bytes_per_token,
+                                 max_model_len=num_blocks * block_size)
+        runs = _one_by_one(engine, prompts, params)
+        later = runs[2:]   # from the second A on, every document was read before
+        rows.append({"pool_docs": size, "num_blocks": num_blocks,
+                     "hit_rate": sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later),
+                     "evictions": engine.engine.block_manager.num_evictions})
+    return rows
+
+
+def eviction_figure(rows: Sequence[dict], device: str):
+    fig = new_figure("Two documents taking turns in a small KV pool", "KV pool size (documents' worth of blocks)",
+                     "prompt tokens served from the cache", device=device)
+    fig.add_scatter(x=[r["pool_docs"] for r in rows], y=[r["hit_rate"] for r in rows], mode="lines+markers",
+                    name="hit rate, requests 3..")
+    fig.add_vline(x=2, line_dash="dot", annotation_text="both documents fit")
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return fig
+
+
+# =================================================================== E. hosted-API pricing
+def reference_cached_cost(prefix_tokens: int, suffix_tokens: int, n_requests: int, write: float = CACHE_WRITE,
+                          read: float = CACHE_READ) -> float:
+    if n_requests <= 0:
+        return 0.0
+    return prefix_tokens * write + (n_requests - 1) * prefix_tokens * read + n_requests * suffix_tokens
+
+
+COST_CASES = (  # (args, kwargs, what it shows)
+    ((10_000, 0, 10), {}, "the example: 12,500 to write once, 9 x 1,000 to read"),
+    ((10_000, 200, 10), {}, "each question's own 200 tokens are billed at the normal price"),
+    ((2_000, 50, 1), {}, "one request: the write costs more than no cache at all"),
+    ((1_000, 30, 0), {}, "no requests, no bill"),
+    ((0, 100, 5), {}, "no shared start: plain input tokens"),
+    ((1_000, 10, 4), {"write": 1.0, "read": 0.5}, "other prices: use write and read"),
+)
+
+
+def check_cached_cost(cached_cost: Callable, cases=COST_CASES) -> str:
+    for args, kwargs, why in cases:
+        got = _call(lambda *a: cached_cost(*a, **kwargs), args, f"cached_cost{args}")
+        want = reference_cached_cost(*args, **kwargs)
+        prefix, suffix, n = args
+        write, read = kwargs.get("write", CACHE_WRITE), kwargs.get("read", CACHE_READ)
+        hint = ""
+        if isinstance(got, (int, float)) and not isinstance(got, bool):
+            if n and got == n * prefix * write + n * suffix != want:
+                hint = "the start is written once (the first request) and read by the other n_requests - 1"
+            elif n and got == prefix * write + n * prefix * read + n * suffix != want:
+                hint = "the first request writes the start; only the other n_requests - 1 read it"
+            elif n and got == prefix * write + (n - 1) * prefix * read != want:
+                hint = "each request's own suffix_tokens are billed too, at the plain input price (1x)"
+            elif n and got == (prefix + suffix) * write + (n - 1) * prefix * read + (n - 1) * suffix != want:
+                hint = "only the shared start is written to the cache; the first question is plain input"
+            elif kwargs and got == reference_cached_cost(*args):
+                hint = "use the write and read arguments, not the defaults"
+            elif n == 0 and got != 0:
+                hint = "no requests, nothing billed"
+        name = "cached_cost" if not kwargs else f"cached_cost[{', '.join(f'{k}={v}' for k, v in kwargs.items())}]"
+        expect_number(name, args, got, want, hint=(hint or why))
+    return passed("cached_cost", len(cases))
+
+
+def cost_figure(cached_cost: Callable, prefix_tokens: int = 10_000, suffix_tokens: int = 0, max_requests: int = 20):
+    """Billed input-token equivalents vs the number of requests sharing the start."""
+    n = list(range(1, max_requests + 1))
+    fig = new_figure(f"Billing a {prefix_tokens:,}-token shared start (write {CACHE_WRITE}x, read {CACHE_READ}x)",
+                     "requests sharing the start", "billed as input tokens")
+    fig.add_scatter(x=n, y=[k * (prefix_tokens + suffix_tokens) for k in n], name="no cache", mode="lines+markers")
+    fig.add_scatter(x=n, y=[cached_cost(prefix_tokens, suffix_tokens, k) for k in n], name="prompt cache (yours)",
+                    mode="lines+markers")
+    return fig

@@ -1,0 +1,248 @@
+"""Lab 06 (prefix caching): the master's solutions pass every check; the checks name each usual
+mistake (blocks hashed alone, the partial block keyed, the salt left out, a sum for a hash, keys
+that depend on the rest of the prompt, a lookup that skips misses, the last token taken from the
+cache, the cache write billed every time); the engine on the learner's hash chain gives the cache-
+off tokens and the engine's own hits; the measurements and figures come out right on tiny inputs."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+
+from minillm.lab import lab06
+from minillm.lab.build import REPO_ROOT, SOURCE_DIR
+from minillm.lab.common import CheckFailed, figure_subtitle
+
+MASTER = SOURCE_DIR / "06_prefix_caching" / "06_prefix_caching.ipynb"
+
+
+@pytest.fixture(scope="module")
+def solution():
+    """The master's solution cells, run in one namespace."""
+    nb = nbformat.read(MASTER, as_version=4)
+    namespace: dict = {"lab06": lab06}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
+            exec(compile(cell.source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
+    return namespace
+
+
+def test_master_has_every_graded_piece_with_hidden_tests():
+    nb = nbformat.read(MASTER, as_version=4)
+    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    for name in ("block_hashes", "lookup", "reusable_blocks", "cached_cost"):
+        assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
+    graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
+    assert set(graded) == {"test_block_hashes_chain", "test_block_hashes_salt", "test_lookup", "test_reusable_blocks",
+                           "test_engine_hash", "test_cached_cost"}
+    for gid in graded:
+        assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
+        assert graded[gid]["locked"] and graded[gid]["points"] > 0
+    assert sum(m["points"] for m in graded.values()) == 11
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+    assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
+
+
+def test_student_copy_has_stubs_and_no_solution():
+    student = nbformat.read(REPO_ROOT / "labs" / "06_prefix_caching.ipynb", as_version=4)
+    stubs = {c.metadata["nbgrader"]["grade_id"]: c.source for c in student.cells
+             if c.metadata.get("nbgrader", {}).get("solution")}
+    assert set(stubs) == {"block_hashes", "lookup", "reusable_blocks", "cached_cost"}
+    for gid, source in stubs.items():
+        assert "raise NotImplementedError()" in source, gid
+    assert "hash((parent" not in stubs["block_hashes"]
+
+
+# --------------------------------------------------------------------- the solutions pass
+def test_solution_passes_every_check(solution):
+    for block_size, seed in ((4, 0), (1, 11), (3, 12), (5, 13), (16, 14)):
+        assert lab06.check_block_hashes(solution["block_hashes"], block_size=block_size, seed=seed).startswith("✓")
+        assert lab06.check_reusable_blocks(solution["reusable_blocks"], solution["block_hashes"], block_size=block_size,
+                                           seed=seed).startswith("✓")
+    assert lab06.check_lookup(solution["lookup"]).startswith("✓")
+    assert lab06.check_cached_cost(solution["cached_cost"]).startswith("✓")
+    assert solution["cached_cost"](10_000, 0, 10) == pytest.approx(21_500)
+
+
+def test_reference_chain_agrees_with_the_engine_keys_on_equality():
+    """The engine's SHA-256 chain and the reference give equal keys for exactly the same blocks."""
+    from minillm.engine.block_manager import block_hash
+
+    def engine_chain(ids, bs, salt=None):
+        keys, parent = [], None
+        for start in range(0, len(ids) - bs + 1, bs):
+            parent = block_hash(parent, ids[start:start + bs], salt)
+            keys.append(parent)
+        return keys
+
+    assert lab06.check_block_hashes(engine_chain, block_size=3, seed=5).startswith("✓")
+    prompts = [([1, 2, 3, 4, 5, 6, 7], None), ([1, 2, 3, 4, 5, 6, 8], None), ([1, 2, 3, 9, 5, 6], None),
+               ([1, 2, 3, 4, 5, 6], "t")]
+    ref = [lab06.reference_block_hashes(ids, 3, s) for ids, s in prompts]
+    eng = [engine_chain(ids, 3, s) for ids, s in prompts]
+    for a in range(len(prompts)):
+        for b in range(len(prompts)):
+            for i in range(min(len(ref[a]), len(ref[b]))):
+                assert (ref[a][i] == ref[b][i]) == (eng[a][i] == eng[b][i])
+
+
+# --------------------------------------------------------------------- the checks catch mistakes
+def _independent(ids, bs, salt=None):
+    return [hash((tuple(ids[i:i + bs]), salt)) for i in range(0, len(ids) - bs + 1, bs)]
+
+
+def _partial_keyed(ids, bs, salt=None):
+    return lab06.reference_block_hashes(list(ids) + [0] * (-len(ids) % bs), bs, salt)
+
+
+def _no_salt(ids, bs, salt=None):
+    return lab06.reference_block_hashes(ids, bs)
+
+
+def _sum_hash(ids, bs, salt=None):
+    keys, parent = [], 0
+    for i in range(0, len(ids) - bs + 1, bs):
+        parent = hash((parent, sum(ids[i:i + bs]), salt))
+        keys.append(parent)
+    return keys
+
+
+def _whole_prompt(ids, bs, salt=None):
+    return [hash((tuple(ids), i, salt)) for i in range(len(ids) // bs)]
+
+
+def _list_keys(ids, bs, salt=None):
+    return [list(ids[:i + bs]) for i in range(0, len(ids) - bs + 1, bs)]
+
+
+_counter = iter(range(10**9))
+
+
+def _unstable(ids, bs, salt=None):
+    return [next(_counter) for _ in range(len(ids) // bs)]
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (_independent, "must cover its parent's key"),
+    (_partial_keyed, "the partial last block has no key"),
+    (_no_salt, "the salt must enter the key"),
+    (_sum_hash, "not their sum or set"),
+    (_whole_prompt, "may not depend on anything after its own block"),
+    (_list_keys, "cannot be a dict key"),
+    (_unstable, "called twice"),
+])
+def test_block_hash_check_names_the_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        lab06.check_block_hashes(wrong)
+
+
+def test_lookup_check_names_the_mistake():
+    with pytest.raises(CheckFailed, match="stop at the first miss"):
+        lab06.check_lookup(lambda cache, keys: [cache[k] for k in keys if k in cache])
+    with pytest.raises(CheckFailed, match="not the keys"):
+        lab06.check_lookup(lambda cache, keys: list(keys)[:len(lab06.reference_lookup(cache, keys))])
+    with pytest.raises(CheckFailed, match="keep the keys' order"):
+        lab06.check_lookup(lambda cache, keys: sorted(lab06.reference_lookup(cache, keys)))
+
+
+def test_reusable_blocks_check_names_the_mistake(solution):
+    chain, lookup = solution["block_hashes"], solution["lookup"]
+    with pytest.raises(CheckFailed, match=r"at least the last prompt token must be computed"):
+        lab06.check_reusable_blocks(lambda cache, ids, bs, salt=None: lookup(cache, chain(ids, bs, salt)), chain)
+    with pytest.raises(CheckFailed, match="pass the salt on"):
+        lab06.check_reusable_blocks(lambda cache, ids, bs, salt=None: lookup(cache, chain(ids, bs)[:(len(ids) - 1) // bs]),
+                                    chain)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda p, s, n, write=1.25, read=0.1: n * p * write + n * s, "written once"),
+    (lambda p, s, n, write=1.25, read=0.1: p * write + n * p * read + n * s, "only the other n_requests - 1"),
+    (lambda p, s, n, write=1.25, read=0.1: p * write + (n - 1) * p * read if n else 0, "suffix_tokens are billed"),
+    (lambda p, s, n, write=1.25, read=0.1: lab06.reference_cached_cost(p, s, n), "use the write and read"),
+    (lambda p, s, n, write=1.25, read=0.1: p * write + (n - 1) * p * read + n * s, "no requests"),
+])
+def test_cost_check_names_the_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        lab06.check_cached_cost(wrong)
+
+
+def test_stubs_raise_not_implemented():
+    def stub(*args, **kwargs):
+        raise NotImplementedError()
+
+    for check in (lab06.check_block_hashes, lab06.check_lookup, lab06.check_cached_cost):
+        with pytest.raises(NotImplementedError):
+            check(stub)
+
+
+# --------------------------------------------------------------------- the engine and the measurements
+def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_llm, solution):
+    prompts = [{"prompt_token_ids": list(range(300, 341))}, {"prompt_token_ids": list(range(300, 333)) + [7, 8]},
+               {"prompt_token_ids": list(range(300, 316)) + [9] * 9}]
+    run = lab06.run_with_hash(default_llm, solution["block_hashes"], prompts, max_tokens=2, block_size=8)
+    assert lab06.check_hash_run(run).startswith("✓")
+    assert run["cached_tokens"] == [0, 32, 16] == run["expected_cached_tokens"]
+    # A different first block: nothing matches, although blocks 1-2 hold the same tokens (the chain).
+    repeated = [{"prompt_token_ids": [5] * 8 + list(range(40, 56)) + [1]},
+                {"prompt_token_ids": [6] * 8 + list(range(40, 56)) + [2]}]
+    good = lab06.run_with_hash(default_llm, solution["block_hashes"], repeated, max_tokens=1, block_size=8)
+    assert good["equal"] and good["cached_tokens"] == [0, 0]
+
+
+def test_hash_run_check_fails_on_wrong_tokens_or_hits():
+    base = {"tokens": [[1], [2]], "expected": [[1], [2]], "equal": True, "cached_tokens": [0, 16],
+            "expected_cached_tokens": [0, 16]}
+    assert lab06.check_hash_run(base).startswith("✓")
+    with pytest.raises(CheckFailed, match="served after a different start"):
+        lab06.check_hash_run({**base, "tokens": [[1], [3]], "equal": False})
+    with pytest.raises(CheckFailed, match="equal prefixes must give equal keys"):
+        lab06.check_hash_run({**base, "cached_tokens": [0, 0]})
+    with pytest.raises(CheckFailed, match="no request found a cached block"):
+        lab06.check_hash_run({**base, "cached_tokens": [0, 0], "expected_cached_tokens": [0, 0]})
+
+
+def test_shared_document_measurement_reads_the_document_once(default_llm):
+    doc = lab06.document_ids(default_llm, 64)
+    result = lab06.measure_shared_document(default_llm, lab06.document_questions(default_llm, doc, 3), max_tokens=2)
+    assert result["identical"] == 3
+    assert [r["cached_tokens"] for r in result["off"]] == [0, 0, 0]
+    assert [r["cached_tokens"] for r in result["on"]] == [0, 64, 64]   # 4 full blocks of 16
+    assert all(r["ttft_s"] > 0 for r in result["on"])
+    fig = lab06.shared_document_figure(result)
+    assert len(fig.data) == 2 and default_llm.device in figure_subtitle(fig)
+    lab06.print_shared_document(result)
+
+
+def test_sensitivity_recomputes_from_the_changed_block(default_llm):
+    doc = lab06.document_ids(default_llm, 64, offset=100)
+    result = lab06.measure_sensitivity(default_llm, doc, fractions=(0.25, 0.75))
+    # A word at token 16 changes block 1 on: 16 of 64 tokens cached; at token 48, 48 cached.
+    assert result["computed"] == {0.25: pytest.approx(0.75), 0.75: pytest.approx(0.25)}
+    assert set(result["relative"]) == {0.25, 0.75} and result["first_s"] > 0
+    fig = lab06.sensitivity_figure(result, {0.25: 0.8, 0.75: None})
+    assert len(fig.data) == 4 and default_llm.device in figure_subtitle(fig)
+    lab06.print_sensitivity(result, {0.25: 0.8})
+
+
+def test_edit_one_token_changes_exactly_one_token(default_llm):
+    ids = lab06.document_ids(default_llm, 40)
+    edited = lab06.edit_one_token(default_llm, ids, 10)
+    assert [i for i, (a, b) in enumerate(zip(ids, edited)) if a != b] == [10] and len(edited) == len(ids)
+    assert lab06.edit_one_token(default_llm, edited, 10)[10] != edited[10]
+
+
+def test_eviction_hit_rate_grows_with_the_pool(default_llm):
+    a, b = lab06.document_ids(default_llm, 48, offset=2000), lab06.document_ids(default_llm, 48, offset=3000)
+    rows = lab06.measure_eviction(default_llm, a, b, (1.0, 3.0), num_requests=4, block_size=16)
+    assert rows[0]["hit_rate"] < rows[1]["hit_rate"] and rows[1]["evictions"] == 0
+    assert rows[1]["hit_rate"] == pytest.approx(48 / 49)   # every later document read from the cache
+    fig = lab06.eviction_figure(rows, default_llm.device)
+    assert default_llm.device in figure_subtitle(fig)
+
+
+def test_cost_figure_uses_the_learners_function(solution):
+    fig = lab06.cost_figure(solution["cached_cost"], max_requests=5)
+    assert list(fig.data[1].y) == [pytest.approx(solution["cached_cost"](10_000, 0, k)) for k in range(1, 6)]
+    assert list(fig.data[0].y) == [10_000 * k for k in range(1, 6)]
