@@ -13,8 +13,8 @@ and for V. A token's head vector x (head_dim values) is stored as
 
 Per token and head (not per tensor) because a new token is written once and never revisited:
 its scale is known the moment it is stored, and an outlier in one head of one token does not
-spoil the precision of any other. `quantize_kv` / `dequantize_kv` below are the torch
-reference; the Triton store kernel (kernels/store_kv.py) computes the same bits.
+spoil the precision of any other. `quantize_kv` / `dequantize_kv` (minillm/quant/kv.py) are the
+torch reference; the Triton store kernel (kernels/store_kv.py) computes the same bits.
 """
 
 from __future__ import annotations
@@ -22,21 +22,12 @@ from __future__ import annotations
 import torch
 
 from ..models.config import ModelConfig
+from ..quant.kv import (AMAX_FLOOR, KV_DTYPES, KV_QMAX, KV_SCALE_DTYPE, KV_STORAGE,  # noqa: F401  re-exported
+                       dequantize_kv, kv_quantized, quantize_kv)
 
 # Default pool cap: on a laptop 1 GiB of KV is about 23k tokens of SmolLM2-135M in fp32.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_KV_FRACTION = 0.5
-
-KV_DTYPES = ("int8", "fp8")     # or None / "auto": the model dtype
-KV_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-KV_QMAX = {"int8": 127.0, "fp8": 448.0}
-KV_SCALE_DTYPE = torch.float32  # one fp32 scale per token and KV head, for K and for V
-# Floor of max|x| before taking 1/max: an all-zero vector gets scale 0 and stores 0s, not NaNs.
-AMAX_FLOOR = 1e-30
-
-
-def kv_quantized(kv_dtype: str | None) -> bool:
-    return kv_dtype not in (None, "auto")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
@@ -50,31 +41,6 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: str | Non
         return cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
     scale_bytes = torch.finfo(KV_SCALE_DTYPE).bits // 8
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * 1 + scale_bytes)
-
-
-def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [..., head_dim] (any float dtype) -> (q [..., head_dim] int8 / float8_e4m3fn, scale [...] fp32).
-
-    Symmetric absmax over the last dimension. The arithmetic is the Triton store kernel's, op for
-    op (fp32 max, one reciprocal, a multiply, clamp, round), so both write the same bits."""
-    qmax = KV_QMAX[kv_dtype]
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1).double()
-    # The two divisions in fp64, then rounded: IEEE fp32 division, as the kernel computes it
-    # (torch's fp32 `127 / tensor` on the CPU can be an ulp off, which flips rounding ties).
-    scale = (amax / qmax).float()
-    inv = (qmax / amax.clamp(min=AMAX_FLOOR)).float()
-    y = (xf * inv.unsqueeze(-1)).clamp(-qmax, qmax)
-    if kv_dtype == "int8":
-        q = torch.where(y >= 0, y + 0.5, y - 0.5).trunc().to(torch.int8)   # round half away from zero
-    else:
-        q = y.to(torch.float8_e4m3fn)                                      # round to nearest even
-    return q, scale
-
-
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q: [..., head_dim] int8 / fp8, scale: [...] -> q * scale in `dtype` (computed in fp32)."""
-    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
 def free_memory_bytes(device: torch.device) -> int:

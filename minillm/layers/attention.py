@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.kv_cache import dequantize_kv, quantize_kv
+from ..quant.kv import dequantize_kv, quantize_kv
 
 
 @dataclass
