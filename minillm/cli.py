@@ -83,6 +83,8 @@ def cmd_bench(args) -> int:
         return _bench_mixed(llm, args)
     if args.workload == "shared-prefix":
         return _bench_shared_prefix(llm, args)
+    if args.workload == "repeat":
+        return _bench_repeat(llm, args)
     args.max_tokens = args.max_tokens or 64
     requests = chat_workload(args.num_requests or 8, args.max_tokens, llm.tokenizer)
     results = [run_workload(llm, requests, label=", ".join(f"{k}={v}" for k, v in levers.items()) or "default")]
@@ -127,6 +129,19 @@ def _bench_shared_prefix(llm, args) -> int:
         with open(args.json, "w") as f:
             json.dump({**result, "off": result["off"].__dict__, "on": result["on"].__dict__}, f, indent=1, default=str)
     return 0 if result["identical"] == result["num_requests"] else 1
+
+
+def _bench_repeat(llm, args) -> int:
+    from .bench.speculative import compare_speculative, format_speculative, repeat_workload
+
+    requests = repeat_workload(llm, num_requests=args.num_requests or 4, max_tokens=args.max_tokens or 96)
+    result = compare_speculative(llm, requests)
+    print(format_speculative(result))
+    if args.json:
+        rows = [{k: v for k, v in row.items() if k != "run"} for row in result["rows"]]
+        with open(args.json, "w") as f:
+            json.dump({"device": result["device"], "rows": rows}, f, indent=1, default=str)
+    return 0 if all(row["identical"] == result["num_requests"] for row in result["rows"]) else 1
 
 
 def _bench_mixed(llm, args) -> int:
@@ -312,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="run a workload and print latency, throughput, memory, cost and bounds")
     b.add_argument("--model", default=None)
-    b.add_argument("--workload", choices=["chat", "mixed", "shared-prefix"], default="chat",
+    b.add_argument("--workload", choices=["chat", "mixed", "shared-prefix", "repeat"], default="chat",
                    help="chat: questions from data/prompts.txt, one setting (plus comparisons); mixed: nano-vllm's "
                         "shape (prompt and output lengths uniform in 100-1024, times --scale) on data/corpus.txt, "
-                        "static vs continuous and paged vs contiguous side by side")
+                        "static vs continuous and paged vs contiguous side by side; shared-prefix: prefix caching off vs "
+                        "on; repeat: answers that repeat the prompt, speculative decoding off vs ngram at batch 1")
     b.add_argument("--num-requests", type=int, default=None,
                    help="default 8 (chat), 256 (mixed) or 10 (shared-prefix: questions after one document)")
     b.add_argument("--prefix-tokens", type=int, default=2000,

@@ -159,3 +159,16 @@ def test_default_model_repeating_its_prompt(default_llm):
     assert got == plain
     assert spec.stats.spec.acceptance_rate > 0.3 and spec.stats.spec.mean_accepted_length > 1.5
     assert_engine_idle(spec)
+
+
+def test_repeat_benchmark_reports_identical_outputs_and_acceptance(default_llm):
+    from minillm.bench.speculative import compare_speculative, format_speculative, repeat_workload
+
+    requests = repeat_workload(default_llm, num_requests=1, max_tokens=24)
+    result = compare_speculative(default_llm, requests, ks=(3,))
+    off, on = result["rows"]
+    assert off["label"] == "off" and on["label"] == "ngram k=3"
+    assert on["identical"] == 1 and len(on["run"].outputs[0]) == 24
+    assert on["acceptance_rate"] > 0.3 and on["tokens_per_pass"] > 1.5
+    text = format_speculative(result)
+    assert "ngram k=3" in text and "acceptance >= 1.5x" in text
