@@ -322,7 +322,7 @@ def print_hash_run(result: dict) -> None:
     for i, (n, c, e, text) in enumerate(zip(result["prompt_tokens"], result["cached_tokens"],
                                             result["expected_cached_tokens"], result["text"])):
         print(f"{i:>8}{n:>15}{c:>16}{e:>17}  {text!r}")
-    print(f"your block_hashes ran {result['hash_calls']} times (once per new full block)")
+    print(f"your block_hashes ran {result['hash_calls']} times (once per full block of each request: the engine keeps a request's keys)")
 
 
 def check_hash_run(result: dict) -> str:
