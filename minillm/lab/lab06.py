@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 
 from ..sampling import SamplingParams
-from .common import CheckFailed, as_widget, expect_number, format_seconds, new_figure, passed
+from .common import CheckFailed, expect_number, format_seconds, new_figure, passed
 
 # What the sources measured on a laptop: ten questions about one long document, total reading
 # (prefill) time without and with a kept prefix; and the re-read cost after changing one word at
@@ -322,7 +322,8 @@ def print_hash_run(result: dict) -> None:
     for i, (n, c, e, text) in enumerate(zip(result["prompt_tokens"], result["cached_tokens"],
                                             result["expected_cached_tokens"], result["text"])):
         print(f"{i:>8}{n:>15}{c:>16}{e:>17}  {text!r}")
-    print(f"your block_hashes ran {result['hash_calls']} times (once per full block of each request: the engine keeps a request's keys)")
+    print(f"your block_hashes ran {result['hash_calls']} times "
+          "(once per full block of each request: the engine keeps a request's keys)")
 
 
 def check_hash_run(result: dict) -> str:
