@@ -21,6 +21,10 @@ sized for Llama-3's 128k context would launch hundreds of idle programs per sequ
 layer, so (like vLLM's max_seq_len_to_capture) a decode step whose context is longer runs
 eagerly instead.
 
+A quantized KV cache (kv_dtype "int8" / "fp8") needs nothing more: its scale pools, like the
+value pools, are allocated once and bound to the layers, so their addresses are fixed, and the
+store kernel skips a padding row's scales along with its values (slot -1).
+
 Logits are computed inside the graph; sampling runs outside it. Prefill and mixed steps
 run eagerly (their token counts vary too much to capture).
 
