@@ -1,0 +1,615 @@
+"""Lab 07 helpers — speculative decoding: checks of the learner's greedy verifier, n-gram proposer and
+rejection sampler (against minillm.spec), the engine running on the learner's functions, the toy
+reproduced on the real model, the chi-square test, and the k sweep on the repeat workload.
+
+The learner writes, with fixed signatures:
+
+    greedy_verify(proposal, target_argmax) -> kept tokens            # target_argmax has k + 1 entries
+    ngram_propose(token_ids, k, max_n=3, min_n=1) -> up to k tokens   # [] when nothing matches
+    rejection_sample(proposal, draft_probs, target_probs, generator) -> kept tokens
+    expected_tokens_per_pass(alpha, k) -> float
+
+The engine (minillm/engine/speculative.py) looks its proposer and verifiers up as module-level
+names; `plugged` swaps the learner's functions in for the duration of a `with` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Callable
+
+import torch
+
+from ..sampling import SamplingParams
+from ..spec.ngram import ngram_propose as ref_ngram_propose
+from ..spec.verify import greedy_verify as ref_greedy_verify
+from ..spec.verify import residual_distribution
+from .common import CheckFailed, new_figure, passed
+
+TOY_SENTENCE = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
+                "father had taught him.")
+OPEN_QUESTIONS = ("Why is the sky blue? Explain it to a child.",
+                  "Write a short poem about a cat who wants to fly.",
+                  "What should I cook for dinner tonight? Give me three ideas.",
+                  "Describe the taste of coffee to someone who has never had it.")
+
+
+# =================================================================== engine plumbing
+@contextlib.contextmanager
+def plugged(propose: Callable | None = None, verify: Callable | None = None, sample: Callable | None = None):
+    """Swap the learner's proposer / greedy verifier / rejection sampler into the engine for the
+    `with` block (the engine's own functions come back afterwards, even on an error). Yields a
+    record: 'rounds' (one dict per greedy verification: proposal, target_argmax, kept) and call counts."""
+    from ..engine import speculative as spec_mod
+
+    record = {"rounds": [], "propose_calls": 0, "verify_calls": 0, "sample_calls": 0}
+    saved = {name: getattr(spec_mod, name) for name in ("ngram_propose", "greedy_verify", "rejection_sample")}
+    proposer = propose or saved["ngram_propose"]
+    verifier = verify or saved["greedy_verify"]
+    sampler = sample or saved["rejection_sample"]
+
+    def propose_wrapper(token_ids, k):
+        record["propose_calls"] += 1
+        return [int(t) for t in proposer(list(token_ids), k)][:k]
+
+    def verify_wrapper(proposal, target_argmax):
+        record["verify_calls"] += 1
+        kept = [int(t) for t in verifier(list(proposal), list(target_argmax))]
+        record["rounds"].append({"proposal": list(proposal), "target_argmax": list(target_argmax), "kept": kept})
+        return kept
+
+    def sample_wrapper(proposal, draft_probs, target_probs, generator=None):
+        record["sample_calls"] += 1
+        if draft_probs is None:   # a deterministic proposer: all of q's mass on the proposed token
+            draft_probs = torch.zeros(len(proposal), target_probs.shape[1], dtype=target_probs.dtype,
+                                      device=target_probs.device)
+            if proposal:
+                draft_probs[torch.arange(len(proposal)), torch.tensor(proposal)] = 1.0
+        return [int(t) for t in sampler(list(proposal), draft_probs, target_probs, generator)]
+
+    spec_mod.ngram_propose = propose_wrapper
+    spec_mod.greedy_verify = verify_wrapper
+    spec_mod.rejection_sample = sample_wrapper
+    try:
+        yield record
+    finally:
+        for name, fn in saved.items():
+            setattr(spec_mod, name, fn)
+
+
+def repeat_prompt(llm, sentence: str = TOY_SENTENCE) -> dict:
+    """A chat prompt whose answer repeats the prompt."""
+    ids = llm.chat_token_ids([{"role": "user", "content": f"Repeat the following sentence exactly, word for word:\n\n{sentence}"}])
+    return {"prompt_token_ids": ids}
+
+
+def open_prompt(llm, question: str = OPEN_QUESTIONS[0]) -> dict:
+    return {"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": question}])}
+
+
+# =================================================================== 1. the toy on the real model
+def toy_rounds(llm, k: int = 3, rounds: int = 3) -> dict:
+    """Greedy speculative decoding with the engine's n-gram proposer: the prefill's token, then
+    `rounds` rounds of k proposals + one target pass each; every round recorded."""
+    engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k, max_num_seqs=1)
+    params = SamplingParams(max_tokens=1 + rounds * (k + 1), temperature=0)
+    with plugged() as record:
+        out = engine.generate(repeat_prompt(llm), params, use_tqdm=False)[0]
+    spec = engine.stats.spec
+    return {"k": k, "rounds": record["rounds"], "tokens": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
+            "passes": spec.num_passes, "emitted": spec.num_emitted, "tokenizer": llm.tokenizer}
+
+
+def print_toy(toy: dict) -> None:
+    tok = toy["tokenizer"]
+    show = lambda ids: repr(tok.decode(ids)) if ids else "(nothing)"  # noqa: E731
+    print(f"prefill (its own pass, as always): first token {show(toy['tokens'][:1])}")
+    total = 0
+    for i, r in enumerate(toy["rounds"], 1):
+        total += len(r["kept"])
+        accepted = len(r["kept"]) - 1
+        print(f"round {i}: proposed {show(r['proposal'])} ({len(r['proposal'])} tokens, no model)")
+        print(f"         one target pass scores {len(r['proposal']) + 1} positions -> keeps {show(r['kept'])}: "
+              f"{accepted} accepted + 1 from the target; {total} tokens after {i} pass{'es' if i > 1 else ''}")
+    print(f"decode: {toy['emitted']} tokens from {toy['passes']} target passes "
+          f"(without speculation: {toy['emitted']} passes)")
+    print(f"answer: {toy['text']!r}")
+
+
+# =================================================================== 2. greedy verification
+def _greedy_cases(seed: int, num: int = 200) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(num):
+        k = rng.randint(0, 8)
+        target = [rng.randrange(5) for _ in range(k + 1)]
+        agree = rng.randint(0, k)
+        proposal = target[:agree] + [(t + 1 + rng.randrange(3)) % 5 for t in target[agree:k]]
+        # after the first disagreement, later proposals may agree again by chance: keep some
+        if agree < k and rng.random() < 0.5:
+            proposal[agree + 1:] = target[agree + 1:k]
+        cases.append((proposal, target))
+    return cases
+
+
+def _diagnose_greedy(proposal, target, got, want) -> str:
+    k = len(proposal)
+    agree = len(want) - 1
+    if agree == k and list(got) == want[:-1]:
+        return ("every proposal was accepted, and then the target's token after the last one (the bonus, "
+                "target_argmax[k]) is free: the pass already computed it")
+    if agree < k and list(got) == want[:-1]:
+        return (f"proposal[{agree}] = {proposal[agree]} disagrees with the target's {target[agree]}: keep the "
+                "target's token there (one pass always yields at least one token)")
+    if agree < k and list(got) == proposal[:agree + 1]:
+        return (f"at the first disagreement (position {agree}) keep the target's token {target[agree]}, "
+                f"not the proposal's {proposal[agree]}")
+    if len(got) > len(want):
+        return (f"stop at the first disagreement (position {agree}): the target's tokens after it were scored "
+                "after a wrong token, so they are not what the target would have produced")
+    return "keep the proposal's agreeing prefix, then the target's token at the first disagreement (or the bonus)"
+
+
+def check_greedy_verify(greedy_verify: Callable, seed: int = 0, num_cases: int = 200) -> str:
+    """Your verifier vs minillm.spec.verify.greedy_verify on random cases."""
+    for proposal, target in _greedy_cases(seed, num_cases):
+        got = greedy_verify(list(proposal), list(target))
+        want = ref_greedy_verify(proposal, target)
+        if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
+            raise CheckFailed(f"greedy_verify({proposal}, {target}) returned {got!r}, expected {want}: "
+                              + _diagnose_greedy(proposal, target, got if isinstance(got, (list, tuple)) else [], want))
+    return passed("greedy_verify", num_cases)
+
+
+def check_greedy_verify_edges(greedy_verify: Callable) -> str:
+    cases = [([], [7], "an empty proposal: a plain decode step, the target's token only"),
+             ([1, 2, 3], [9, 2, 3, 4], "nothing accepted: the first proposal is already wrong"),
+             ([1, 2, 3], [1, 2, 3, 4], "all accepted, plus the bonus token"),
+             ([5], [5, 5], "k = 1, accepted, bonus"),
+             ([1, 2, 3, 4], [1, 2, 8, 4, 6], "agreement after a disagreement does not count")]
+    for proposal, target, why in cases:
+        got = greedy_verify(list(proposal), list(target))
+        want = ref_greedy_verify(proposal, target)
+        if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
+            raise CheckFailed(f"greedy_verify({proposal}, {target}) returned {got!r}, expected {want} ({why}): "
+                              + _diagnose_greedy(proposal, target, got if isinstance(got, (list, tuple)) else [], want))
+    return passed("greedy_verify edge cases", len(cases))
+
+
+# =================================================================== 3. the n-gram proposer
+def _variant_first_occurrence(token_ids, k, max_n=3, min_n=1):
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        for start in range(0, length - n):
+            if token_ids[start:start + n] == tail and token_ids[start + n:start + n + k]:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def _variant_shortest_first(token_ids, k, max_n=3, min_n=1):
+    length = len(token_ids)
+    for n in range(min_n, min(max_n, length - 1) + 1):
+        tail = token_ids[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == tail and token_ids[start + n:start + n + k]:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def _diagnose_ngram(token_ids, k, max_n, min_n, got) -> str:
+    want = ref_ngram_propose(token_ids, k, max_n, min_n)
+    if len(got) > k:
+        return f"return at most k = {k} tokens"
+    if got == _variant_first_occurrence(token_ids, k, max_n, min_n):
+        return "you took the earliest occurrence; take the most recent one (scan start positions from the end)"
+    if got == _variant_shortest_first(token_ids, k, max_n, min_n):
+        return "you tried short n-grams first; try n = max_n first (a longer match is a better predictor)"
+    if not got and want:
+        return ("a match exists: the last token(s) occur earlier; skip the tail's own position (it has no "
+                "continuation) and look further back")
+    if got and not want:
+        return ("nothing should match: only n-grams with min_n <= n <= max_n count, the tail never matches "
+                "itself, and a continuation must lie inside the sequence")
+    if len(got) < len(want) and got == want[:len(got)]:
+        return "take up to k tokens of the continuation, not fewer"
+    return "longest n first (max_n down to min_n), most recent earlier match, its next k tokens (clipped at the end)"
+
+
+def _ngram_cases(seed: int, num: int):
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(num):
+        length = rng.randint(0, 30)
+        vocab = rng.choice((2, 3, 5, 8))
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        max_n = rng.randint(1, 4)
+        min_n = rng.randint(1, max_n)
+        cases.append((ids, rng.randint(1, 8), max_n, min_n))
+    return cases
+
+
+def check_ngram_propose(ngram_propose: Callable, seed: int = 0, num_cases: int = 300) -> str:
+    """Your proposer vs minillm.spec.ngram.ngram_propose on random short sequences."""
+    for ids, k, max_n, min_n in _ngram_cases(seed, num_cases):
+        got = ngram_propose(list(ids), k, max_n=max_n, min_n=min_n)
+        want = ref_ngram_propose(ids, k, max_n, min_n)
+        if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
+            got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else []
+            raise CheckFailed(f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n}) returned {got!r}, "
+                              f"expected {want}: " + _diagnose_ngram(ids, k, max_n, min_n, got_list))
+    return passed("ngram_propose", num_cases)
+
+
+def check_ngram_edges(ngram_propose: Callable) -> str:
+    cases = [([1, 2, 3, 1, 2], 4, 3, 1, "continuation clipped at the end: [3, 1, 2] then nothing more"),
+             ([4, 5, 6, 7], 3, 3, 1, "no earlier occurrence: []"),
+             ([], 3, 3, 1, "an empty sequence"),
+             ([9], 3, 3, 1, "one token: nothing before it"),
+             ([1, 2, 9, 2, 8, 1, 2], 2, 3, 1, "longest match first: '1 2' -> [9, 2], not '2' -> [8, 1]"),
+             ([7, 1, 7, 2, 7], 1, 3, 1, "most recent occurrence of 7: [2]"),
+             ([1, 2, 3, 4, 2], 2, 3, 2, "min_n = 2: a lone '2' does not count"),
+             ([5, 5, 5, 5], 3, 2, 1, "overlapping: the tail '5 5' last occurred at 1, followed by [5]")]
+    for ids, k, max_n, min_n, why in cases:
+        got = ngram_propose(list(ids), k, max_n=max_n, min_n=min_n)
+        want = ref_ngram_propose(ids, k, max_n, min_n)
+        if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
+            got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else []
+            raise CheckFailed(f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n}) returned {got!r}, "
+                              f"expected {want} ({why}): " + _diagnose_ngram(ids, k, max_n, min_n, got_list))
+    return passed("ngram_propose edge cases", len(cases))
+
+
+# =================================================================== 4. the engine on your functions
+def run_plugged(llm, greedy_verify: Callable, ngram_propose: Callable, prompts: list, k: int = 4,
+                max_tokens: int = 32) -> dict:
+    """Greedy outputs: speculation off vs the engine with speculation on your proposer and verifier."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    off = llm.with_levers(speculative=None) if llm.config.speculative else llm
+    want = [list(o.outputs[0].token_ids) for o in off.generate(prompts, params, use_tqdm=False)]
+    on = llm.with_levers(speculative="ngram", num_speculative_tokens=k)
+    with plugged(propose=ngram_propose, verify=greedy_verify) as record:
+        outs = on.generate(prompts, params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    spec = on.stats.spec
+    return {"k": k, "tokens": got, "expected": want, "equal": got == want, "record": record,
+            "acceptance_rate": spec.acceptance_rate, "tokens_per_pass": spec.mean_accepted_length,
+            "passes": spec.num_passes, "proposed": spec.num_proposed, "accepted": spec.num_accepted,
+            "emitted": spec.num_emitted, "text": [o.outputs[0].text for o in outs]}
+
+
+def print_plugged(result: dict) -> None:
+    verdict = "✓ identical to speculation off" if result["equal"] else "✗ differs from speculation off"
+    print(f"{verdict}: {sum(len(t) for t in result['tokens'])} greedy tokens over {len(result['tokens'])} prompts")
+    r = result["record"]
+    print(f"your ngram_propose was called {r['propose_calls']} times, your greedy_verify {r['verify_calls']} times")
+    print(f"k = {result['k']}: {result['accepted']} of {result['proposed']} proposed tokens accepted "
+          f"(acceptance rate {result['acceptance_rate']:.1%}); {result['emitted']} tokens from {result['passes']} "
+          f"target passes = {result['tokens_per_pass']:.2f} tokens per pass")
+    for text in result["text"]:
+        print(f"  {text[:100]!r}")
+
+
+def check_plugged(result: dict) -> str:
+    if result["record"]["verify_calls"] == 0 or result["record"]["propose_calls"] == 0:
+        raise CheckFailed("the engine never called your functions: run the cell above with speculative='ngram'")
+    if not result["equal"]:
+        for i, (a, b) in enumerate(zip(result["tokens"], result["expected"])):
+            if a != b:
+                j = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                raise CheckFailed(f"prompt {i}: with your functions the engine produced {a[:j + 3]}..., speculation "
+                                  f"off {b[:j + 3]}...; they part at output token {j}. Greedy speculation must keep "
+                                  "only the target's own tokens: check greedy_verify")
+    if not result["accepted"] > 0:
+        raise CheckFailed("no proposed token was accepted on prompts that repeat themselves: check ngram_propose "
+                          "(the proposals must continue an earlier occurrence of the sequence's last tokens)")
+    return passed("the engine on your proposer and verifier", len(result["tokens"]))
+
+
+# =================================================================== 5. rejection sampling
+def synthetic_case(vocab: int = 6, k: int = 3, seed: int = 0, far: bool = True):
+    """Context-free target p_i and draft q_i per position ([k + 1, V] and [k, V]): whatever came
+    before, position i's target distribution is p_i, so every emitted token at position i must
+    follow p_i. `far`: q puts its mass where p does not (many rejections)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(k + 1, vocab, generator=g, dtype=torch.float64) ** 2 + 0.02
+    p = p / p.sum(-1, keepdim=True)
+    if far:
+        q = p[:k].flip(-1) + 0.05 * torch.rand(k, vocab, generator=g, dtype=torch.float64)
+    else:
+        q = p[:k] + 0.3 * torch.rand(k, vocab, generator=g, dtype=torch.float64)
+    q = q / q.sum(-1, keepdim=True)
+    return p, q
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of observed counts against probs; the p-value is the chi-square
+    survival function, Q(df / 2, x / 2) (regularized upper incomplete gamma)."""
+    n = counts.sum()
+    expected = probs.double() * n
+    keep = expected > 0
+    if (counts.double()[~keep] > 0).any():
+        return 0.0   # a token the target never emits
+    stat = ((counts.double()[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def sample_rounds(rejection_sample: Callable, p: torch.Tensor, q: torch.Tensor, num_rounds: int, seed: int = 0):
+    """Run `num_rounds` rounds: draw k proposals from q, verify with your sampler. Returns the counts of
+    the token emitted at each position [k + 1, V], the rounds reaching each position, and the outputs."""
+    k, vocab = q.shape
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(k + 1, vocab, dtype=torch.long)
+    lengths = torch.zeros(k + 2, dtype=torch.long)
+    for _ in range(num_rounds):
+        proposal = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+        out = rejection_sample(list(proposal), q.clone(), p.clone(), g)
+        if not isinstance(out, (list, tuple)) or not 1 <= len(out) <= k + 1:
+            raise CheckFailed(f"rejection_sample({proposal}, ...) with k = {k} returned {out!r}; expected 1 to "
+                              f"k + 1 = {k + 1} tokens (the accepted prefix, then one corrected or bonus token)")
+        out = [int(t) for t in out]
+        if out[:-1] != proposal[:len(out) - 1]:
+            raise CheckFailed(f"rejection_sample({proposal}, ...) returned {out}: every token but the last must be an "
+                              "accepted proposal, in order; stop at the first rejection")
+        for i, t in enumerate(out):
+            counts[i, t] += 1
+        lengths[len(out)] += 1
+    return counts, lengths
+
+
+def skip_correction_sample(proposal, draft_probs, target_probs, generator=None):
+    """The usual mistake: accept with min(1, p/q), but on a rejection draw from p itself, not from
+    normalize(max(p - q, 0)). Tokens q over-proposes are counted twice."""
+    out = []
+    for i, x in enumerate(proposal):
+        p, q = target_probs[i], draft_probs[i]
+        if torch.rand(1, generator=generator).item() < min(1.0, (p[x] / q[x]).item()):
+            out.append(x)
+            continue
+        out.append(int(torch.multinomial(p, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return out
+
+
+def chi_square_report(rejection_sample: Callable, num_rounds: int = 3000, vocab: int = 6, k: int = 3,
+                      seed: int = 0, far: bool = True) -> dict:
+    """Per position: the p-value of the emitted tokens against the target's p_i."""
+    p, q = synthetic_case(vocab, k, seed, far)
+    counts, lengths = sample_rounds(rejection_sample, p, q, num_rounds, seed=seed + 1)
+    rows = []
+    for i in range(k + 1):
+        n = int(counts[i].sum())
+        rows.append({"position": i, "n": n, "p_value": chi_square_p_value(counts[i], p[i]) if n >= 50 else float("nan"),
+                     "observed": (counts[i].double() / max(n, 1)).tolist(), "target": p[i].tolist()})
+    accepted = sum((len_ - 1) * int(c) for len_, c in enumerate(lengths.tolist()) if len_ > 0)
+    return {"rows": rows, "num_rounds": num_rounds, "k": k, "vocab": vocab, "p": p, "q": q,
+            "acceptance_rate": accepted / (k * num_rounds), "tokens_per_round": float(counts.sum()) / num_rounds}
+
+
+ALPHA = 1e-3   # reject "follows p" below this p-value (seeded runs: a correct sampler passes with margin)
+
+
+def print_chi_square(report: dict, name: str = "your rejection_sample") -> None:
+    print(f"{name}: {report['num_rounds']} rounds, k = {report['k']}, vocabulary {report['vocab']}; acceptance "
+          f"rate {report['acceptance_rate']:.1%}, {report['tokens_per_round']:.2f} tokens per round")
+    for r in report["rows"]:
+        obs = " ".join(f"{v:.3f}" for v in r["observed"])
+        tgt = " ".join(f"{v:.3f}" for v in r["target"])
+        verdict = "n/a (too few)" if math.isnan(r["p_value"]) else (
+            f"p = {r['p_value']:.3g} " + ("✓" if r["p_value"] >= ALPHA else "✗ not the target's distribution"))
+        print(f"  position {r['position']} ({r['n']:>5} tokens): observed [{obs}]  target [{tgt}]  {verdict}")
+
+
+def check_rejection_sample_shape(rejection_sample: Callable) -> str:
+    """Deterministic corners: q == p accepts everything; p(x) = 0 always rejects x."""
+    vocab, k = 5, 3
+    p = torch.full((k + 1, vocab), 1 / vocab, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        proposal = [int(t) for t in torch.randint(0, vocab, (k,), generator=g)]
+        out = rejection_sample(list(proposal), p[:k].clone(), p.clone(), g)
+        if not isinstance(out, (list, tuple)) or len(out) != k + 1 or [int(t) for t in out[:k]] != proposal:
+            raise CheckFailed(f"with q == p every proposal must be accepted (min(1, p/q) = 1) and a bonus token drawn "
+                              f"from target_probs[k]: rejection_sample({proposal}, q=p, p) returned {out!r}")
+    zero = p.clone()
+    zero[0] = torch.tensor([0.0, 0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    q = torch.full((k, vocab), 1 / vocab, dtype=torch.float64)
+    q[0] = torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
+    for _ in range(20):
+        out = rejection_sample([0, 1, 2], q.clone(), zero.clone(), g)
+        if not isinstance(out, (list, tuple)) or len(out) != 1 or int(out[0]) == 0:
+            raise CheckFailed(f"the target gives token 0 probability 0 at position 0, so proposal [0, 1, 2] must be "
+                              f"rejected at once and a token other than 0 drawn from the residual: got {out!r}")
+    out = rejection_sample([], torch.zeros(0, vocab, dtype=torch.float64), p[:1].clone(), g)
+    if not isinstance(out, (list, tuple)) or len(out) != 1:
+        raise CheckFailed(f"an empty proposal is a plain step: one token drawn from target_probs[0]; got {out!r}")
+    return passed("rejection_sample corners", 41)
+
+
+def check_rejection_sample(rejection_sample: Callable, num_rounds: int = 3000, seed: int = 0, vocab: int = 6,
+                           k: int = 3, far: bool = True) -> str:
+    """The chi-square test: tokens emitted at every position follow the target's p."""
+    report = chi_square_report(rejection_sample, num_rounds, vocab, k, seed, far)
+    for r in report["rows"]:
+        if not math.isnan(r["p_value"]) and r["p_value"] < ALPHA:
+            wrong = chi_square_report(skip_correction_sample, num_rounds, vocab, k, seed, far)["rows"][r["position"]]
+            near = max(abs(a - b) for a, b in zip(r["observed"], wrong["observed"])) < 0.03
+            hint = ("your frequencies match a sampler that draws the replacement from p itself: after a rejection draw "
+                    "from normalize(max(p - q, 0)), the residual, or the tokens q over-proposes come out twice"
+                    if near else "accept with probability min(1, p(x) / q(x)), draw a rejection's replacement from "
+                    "normalize(max(p - q, 0)), and the bonus token from target_probs[k]")
+            raise CheckFailed(f"chi-square test at position {r['position']}: the emitted tokens' frequencies "
+                              f"{[round(v, 3) for v in r['observed']]} do not follow the target's "
+                              f"{[round(v, 3) for v in r['target']]} (p-value {r['p_value']:.2g} < {ALPHA}): {hint}")
+    return passed(f"rejection_sample chi-square (k = {k}, {num_rounds} rounds)", k + 1)
+
+
+def distribution_figure(report: dict, wrong: dict | None = None, position: int = 0):
+    """Observed vs target frequencies at one position (and the skip-correction sampler's)."""
+    fig = new_figure(f"Tokens emitted at position {position}: your sampler vs the target p",
+                     "token id", "frequency", device="model: synthetic vocabulary, context-free p and q")
+    x = list(range(report["vocab"]))
+    fig.add_bar(x=x, y=report["rows"][position]["target"], name="target p")
+    fig.add_bar(x=x, y=report["rows"][position]["observed"], name=f"yours (p = {report['rows'][position]['p_value']:.2g})")
+    if wrong is not None:
+        fig.add_bar(x=x, y=wrong["rows"][position]["observed"],
+                    name=f"skips the correction (p = {wrong['rows'][position]['p_value']:.2g})")
+    fig.add_bar(x=x, y=report["q"][position].tolist(), name="draft q", marker_opacity=0.4)
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def run_sampled(llm, rejection_sample: Callable, prompt: dict, k: int = 4, max_tokens: int = 24,
+                temperature: float = 0.7, seed: int = 0) -> dict:
+    """The engine sampling with your rejection sampler (a seeded request)."""
+    engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    with plugged(sample=rejection_sample) as record:
+        out = engine.generate(prompt, params, use_tqdm=False)[0]
+    spec = engine.stats.spec
+    return {"text": out.outputs[0].text, "calls": record["sample_calls"], "acceptance_rate": spec.acceptance_rate,
+            "tokens_per_pass": spec.mean_accepted_length}
+
+
+# =================================================================== 6. the k sweep
+def check_expected_tokens_per_pass(fn: Callable) -> str:
+    cases = [(0.0, 4), (0.5, 1), (0.5, 3), (0.8, 8), (0.9, 2), (1.0, 5), (1.0, 1), (0.3, 0), (0.999, 6)]
+    for alpha, k in cases:
+        want = float(sum(alpha ** i for i in range(k + 1)))
+        got = fn(alpha, k)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-6):
+            hint = "E = 1 + a + a^2 + ... + a^k: the target's own token always comes, the i-th proposal with a^i"
+            if isinstance(got, (int, float)) and not isinstance(got, bool):
+                if math.isclose(got, want - alpha ** k, rel_tol=1e-6, abs_tol=1e-12):
+                    hint = "you summed k terms; there are k + 1 (a round ends with the target's own token)"
+                elif math.isclose(got, want - 1, rel_tol=1e-6, abs_tol=1e-12):
+                    hint = "you counted the accepted proposals only; the target's own token (1) comes every pass"
+            raise CheckFailed(f"expected_tokens_per_pass({alpha}, {k}) returned {got!r}, expected {want:.6g}: {hint}")
+    return passed("expected_tokens_per_pass", len(cases))
+
+
+def available_methods() -> tuple[str, ...]:
+    """The proposers this engine has built ("ngram"; "self" once the early-exit draft lands)."""
+    from ..config import SPECULATIVE_METHODS
+
+    return tuple(m for m in ("ngram", "self") if m in SPECULATIVE_METHODS)
+
+
+def _run_requests(engine, requests, label: str, progress) -> dict:
+    run = {"label": label, "decode_s": 0.0, "decode_tokens": 0, "outputs": [], "proposed": 0, "accepted": 0,
+           "passes": 0, "emitted": 0}
+    for req in requests:   # one after another: batch 1
+        out = engine.generate(req.prompt, req.params, use_tqdm=False)[0]
+        n = len(out.outputs[0].token_ids)
+        if n > 1 and out.metrics.tpot_s is not None:
+            run["decode_s"] += out.metrics.tpot_s * (n - 1)
+            run["decode_tokens"] += n - 1
+        run["outputs"].append(list(out.outputs[0].token_ids))
+        spec = engine.stats.spec
+        for key, attr in (("proposed", "num_proposed"), ("accepted", "num_accepted"), ("passes", "num_passes"),
+                          ("emitted", "num_emitted")):
+            run[key] += getattr(spec, attr)
+        progress.update(1)
+    return run
+
+
+def sweep(llm, settings, num_requests: int = 4, max_tokens: int = 96, requests=None) -> dict:
+    """Batch-1 greedy decode: speculation off, then each (method, k) of `settings`, on the repeat
+    workload of `minillm bench --workload repeat` (or on `requests`). Same weights throughout."""
+    from tqdm.auto import tqdm
+
+    from ..bench.speculative import repeat_workload
+    from ..bench.workloads import Request
+
+    requests = requests or repeat_workload(llm, num_requests=num_requests, max_tokens=max_tokens)
+    engines = [("off", None, 0, llm.with_levers(speculative=None))]
+    engines += [(f"{m} k={k}", m, k, llm.with_levers(speculative=m, num_speculative_tokens=k)) for m, k in settings]
+    warm = Request({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=4, ignore_eos=True))
+    runs = []
+    with tqdm(total=len(engines) * len(requests), desc="speculative decoding runs") as progress:
+        for label, method, k, engine in engines:
+            engine.generate(warm.prompt, warm.params, use_tqdm=False)   # first-call overheads out of the timings
+            run = _run_requests(engine, requests, label, progress)
+            run.update(method=method, k=k)
+            runs.append(run)
+    base = runs[0]
+    base_tps = base["decode_tokens"] / base["decode_s"] if base["decode_s"] else float("nan")
+    rows = []
+    for r in runs:
+        tps = r["decode_tokens"] / r["decode_s"] if r["decode_s"] else float("nan")
+        # decode passes (each request's first token came from its prefill, which SpecStats does not count)
+        decode_passes = r["passes"] if r["k"] else r["decode_tokens"]
+        pass_s = r["decode_s"] / decode_passes if decode_passes > 0 else float("nan")
+        rows.append({"label": r["label"], "method": r["method"], "k": r["k"], "decode_tok_per_s": tps,
+                     "speedup": tps / base_tps,
+                     "acceptance_rate": r["accepted"] / r["proposed"] if r["proposed"] else float("nan"),
+                     "tokens_per_pass": r["emitted"] / r["passes"] if r["k"] and r["passes"] else 1.0,
+                     "pass_cost": pass_s / (1 / base_tps) if base_tps else float("nan"),
+                     "identical": sum(a == b for a, b in zip(r["outputs"], base["outputs"])), "run": r})
+    return {"device": llm.engine.device_label, "rows": rows, "num_requests": len(requests),
+            "output_tokens": sum(len(o) for o in base["outputs"])}
+
+
+def print_sweep(result: dict) -> None:
+    n = result["num_requests"]
+    print(f"batch 1 on {result['device']}: {n} requests, {result['output_tokens']} greedy output tokens")
+    print(f"{'setting':12}{'tok/s':>9}{'speed-up':>10}{'acceptance':>12}{'tokens/pass':>13}{'pass cost':>11}{'identical':>11}")
+    for row in result["rows"]:
+        acc = "" if row["k"] == 0 else f"{row['acceptance_rate']:.1%}"
+        tpp = 1.0 if row["k"] == 0 else row["tokens_per_pass"]
+        print(f"{row['label']:12}{row['decode_tok_per_s']:>9.1f}{row['speedup']:>9.2f}x{acc:>12}{tpp:>13.2f}"
+              f"{row['pass_cost']:>10.2f}x{row['identical']:>8}/{n}")
+    print("pass cost: seconds per decode pass (draft passes included) relative to a plain one-token decode step")
+
+
+def sweep_figure(result: dict, device: str):
+    """Acceptance rate against speed-up, one point per k."""
+    rows = [r for r in result["rows"] if r["k"]]
+    fig = new_figure("Speculative decoding (ngram): acceptance rate vs speed-up, batch 1", "acceptance rate",
+                     "decode speed-up over speculation off", device=device)
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        fig.add_scatter(x=[r["acceptance_rate"] for r in mine], y=[r["speedup"] for r in mine],
+                        mode="markers+text+lines", text=[f"k={r['k']}" for r in mine], textposition="top center",
+                        name=method)
+    fig.add_hline(y=1.0, line_dash="dot", annotation_text="no speed-up")
+    fig.update_xaxes(tickformat=".0%")
+    return fig
+
+
+def tokens_per_pass_figure(result: dict, device: str, expected_tokens_per_pass: Callable | None = None):
+    """Tokens per pass, pass cost and speed-up against k (speed-up = tokens per pass / pass cost)."""
+    rows = [r for r in result["rows"] if r["method"] in (None, "ngram")]
+    ks = [r["k"] for r in rows]
+    fig = new_figure("What k buys and what it costs (ngram)", "k (proposed tokens per pass; 0 = off)", "ratio", device=device)
+    fig.add_scatter(x=ks, y=[1.0 if r["k"] == 0 else r["tokens_per_pass"] for r in rows], name="tokens per pass")
+    fig.add_scatter(x=ks, y=[r["pass_cost"] for r in rows], name="pass cost (vs a one-token step)")
+    fig.add_scatter(x=ks, y=[r["speedup"] for r in rows], name="speed-up")
+    first = next((r for r in rows if r["k"] == 1), None)
+    if expected_tokens_per_pass is not None and first is not None:
+        alpha = first["acceptance_rate"]
+        try:
+            fig.add_scatter(x=ks, y=[expected_tokens_per_pass(alpha, k) for k in ks], line_dash="dash",
+                            name=f"1 + a + ... + a^k, a = {alpha:.2f} (k = 1's acceptance)")
+        except NotImplementedError:
+            pass
+    return fig
+
+
+def open_workload(llm, num_requests: int, max_tokens: int):
+    from ..bench.workloads import Request
+
+    return [Request(open_prompt(llm, OPEN_QUESTIONS[i % len(OPEN_QUESTIONS)]), SamplingParams(max_tokens=max_tokens))
+            for i in range(num_requests)]
+
+
+__all__ = ["plugged", "toy_rounds", "print_toy", "check_greedy_verify", "check_greedy_verify_edges",
+           "check_ngram_propose", "check_ngram_edges", "run_plugged", "print_plugged", "check_plugged",
+           "synthetic_case", "chi_square_p_value", "chi_square_report", "print_chi_square",
+           "check_rejection_sample", "check_rejection_sample_shape", "skip_correction_sample", "distribution_figure",
+           "run_sampled", "check_expected_tokens_per_pass", "sweep", "print_sweep", "sweep_figure",
+           "tokens_per_pass_figure", "open_workload", "available_methods", "residual_distribution"]
