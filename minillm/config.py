@@ -18,8 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 WEIGHT_CALIBRATIONS = ("awq",)            # or None: round-to-nearest
-SPECULATIVE_METHODS = ("ngram",)          # built proposers (engine/speculative.py)
-SPECULATIVE_LATER = ("draft", "self")     # named by the design, not built yet: refused with the reason
+SPECULATIVE_METHODS = ("ngram", "self")   # built proposers (engine/speculative.py)
+SPECULATIVE_LATER = ("draft",)            # named by the design, not built yet: refused with the reason
 MAX_SPECULATIVE_TOKENS = 16
 WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
@@ -62,9 +62,10 @@ class EngineConfig:
     weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
     kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
-    speculative: str | None = None      # built: "ngram" (prompt lookup); None: off
+    speculative: str | None = None      # built: "ngram" (prompt lookup) | "self" (early-exit draft); None: off
     num_speculative_tokens: int = 4
     draft_model: str | None = None
+    draft_num_layers: int | None = None  # speculative="self": the target's first layers that draft (None: a quarter)
     cuda_graphs: bool = False           # built: GPU decode steps replay CUDA graphs (needs attention_backend="triton")
 
     def __post_init__(self) -> None:
@@ -159,6 +160,10 @@ class EngineConfig:
         need(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
              and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        need(self.draft_num_layers is None or (isinstance(self.draft_num_layers, int)
+                                                and not isinstance(self.draft_num_layers, bool)
+                                                and self.draft_num_layers >= 1),
+             f"draft_num_layers={self.draft_num_layers!r} must be None or an integer >= 1")
         if self.speculative is not None and not self.kv_cache:
             raise ValueError(f"speculative={self.speculative!r} needs kv_cache=True: the target scores the proposals "
                              "as a short chunk on top of the cached sequence")
@@ -166,7 +171,7 @@ class EngineConfig:
         # Levers not built yet: refuse anything but the baseline, and say so.
         later = {
             f"speculative={self.speculative!r}": (self.speculative in SPECULATIVE_LATER,
-                                                  "lab 07 (speculative decoding: draft-model and self-draft proposers)"),
+                                                  "lab 07 (speculative decoding: the draft-model proposer)"),
         }
         for name, (asked, where) in later.items():
             if asked:

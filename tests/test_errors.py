@@ -179,7 +179,6 @@ def test_bad_engine_options(kwargs, pattern):
 
 # Levers that arrive with later labs. When one lands, move its case out of this list.
 LATER_LEVERS = [
-    {"speculative": "self"},
     {"speculative": "draft"},
 ]
 

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (speculative="ngram"): greedy output equals the target
+"""Speculative decoding in the engine (speculative="ngram" / "self"): greedy output equals the target
 alone, token for token, at batch 1 and batched, under every batching / paging / chunking /
 prefix-caching lever and under preemption; sampled output keeps the target's distribution
 (chi-square); proposals never overrun max_tokens or stop conditions; every block returns."""
@@ -33,7 +33,8 @@ def target_tokens():
 
 
 def _run(levers):
-    llm = LLM("random:tiny-llama", max_model_len=256, speculative="ngram", **levers)
+    levers = {"speculative": "ngram", **levers}
+    llm = LLM("random:tiny-llama", max_model_len=256, **levers)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -58,6 +59,9 @@ def test_greedy_speculation_equals_the_target_alone(target_tokens, levers):
     dict(prefix_caching=True),                                      # blocks shared with the cache
     dict(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16),  # 12 blocks: preemption
     dict(attention_backend="triton", num_speculative_tokens=3),     # the extend kernel verifies
+    dict(speculative="self", draft_num_layers=1),                   # early-exit draft: 1 of 2 layers
+    dict(speculative="self", draft_num_layers=1, max_num_seqs=1, num_speculative_tokens=2),
+    dict(speculative="self", draft_num_layers=1, attention_backend="triton", chunked_prefill=True),
 ])
 def test_greedy_speculation_under_other_levers(target_tokens, levers):
     llm, tokens = _run(levers)
@@ -100,11 +104,13 @@ def _target_probs(llm, tokens):
     return filter_logits(logits, 1.0, 6, 1.0).softmax(-1).double()
 
 
-def test_sampled_speculation_keeps_the_target_distribution(monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_sampled_speculation_keeps_the_target_distribution(monkeypatch, method):
     """The second output token's distribution given the first, with speculation, against the
     target's own next-token distribution (temperature 1, top-k 6), by a chi-square test. The
     proposer is pinned to a plausible token (the target's second choice), so verification both
-    accepts (min(1, p/q) with q a point mass) and rejects (resampling from the residual)."""
+    accepts (min(1, p/q) with q a point mass) and rejects (resampling from the residual). The
+    "self" proposer samples its proposals from its own distribution q (the first layer)."""
     import minillm.engine.speculative as speculative
 
     prompt = [11, 12, 13, 11, 12, 13, 11, 12]
@@ -112,10 +118,11 @@ def test_sampled_speculation_keeps_the_target_distribution(monkeypatch):
     first = int(_target_probs(ref, prompt).argmax())
     p = _target_probs(ref, prompt + [first])
     proposal = int(p.topk(2).indices[1])
-    monkeypatch.setattr(speculative, "ngram_propose", lambda token_ids, k: [proposal] * k)
+    if method == "ngram":
+        monkeypatch.setattr(speculative, "ngram_propose", lambda token_ids, k: [proposal] * k)
 
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(1500)]
-    llm = LLM("random:tiny-llama", max_model_len=64, max_num_seqs=256, speculative="ngram", num_speculative_tokens=1)
+    llm = LLM("random:tiny-llama", max_model_len=64, max_num_seqs=256, speculative=method, num_speculative_tokens=1)
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * len(params), params,
                                                          use_tqdm=False)]
     spec = llm.stats.spec
@@ -130,6 +137,8 @@ def test_sampled_speculation_keeps_the_target_distribution(monkeypatch):
     df = int(keep.sum()) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
     assert p_value > 1e-3, (p_value, counts[keep].tolist(), expected.tolist())
+    if method == "self":
+        return
     # the same test rejects a verifier that keeps every proposal (the output would be the proposal)
     biased = torch.zeros_like(p)
     biased[proposal] = len(seconds)
@@ -142,10 +151,16 @@ def test_sampled_speculation_keeps_the_target_distribution(monkeypatch):
     (dict(speculative="ngram", num_speculative_tokens=0), ValueError, r"num_speculative_tokens=0 must be an integer in \[1, 16\]"),
     (dict(speculative="ngram", num_speculative_tokens=17), ValueError, r"num_speculative_tokens=17"),
     (dict(speculative="ngram", kv_cache=False), ValueError, "needs kv_cache=True"),
+    (dict(speculative="self", draft_num_layers=0), ValueError, r"draft_num_layers=0 must be None or an integer >= 1"),
 ])
 def test_bad_speculative_options_are_refused(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         EngineConfig(**kwargs)
+
+
+def test_self_draft_must_be_shallower_than_the_model():
+    with pytest.raises(ValueError, match=r"draft_num_layers=2 must be in \[1, 1\]"):
+        LLM("random:tiny-llama", speculative="self", draft_num_layers=2)
 
 
 @pytest.mark.slow

@@ -90,7 +90,8 @@ class Engine:
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, config.num_speculative_tokens, self.runner, self.block_manager, self.max_model_len)
+            config.speculative, config.num_speculative_tokens, self.runner, self.block_manager, self.max_model_len,
+            config.draft_num_layers)
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
         self.device_label = device_name(self.device)

@@ -50,6 +50,7 @@ class SpecStats:
     num_proposed: int = 0        # proposed tokens
     num_accepted: int = 0        # proposed tokens the verifier kept
     num_emitted: int = 0         # tokens appended (accepted + one corrected / bonus token per pass)
+    num_draft_passes: int = 0    # draft model passes (speculative="self"; 0 for n-gram lookup)
 
     @property
     def acceptance_rate(self) -> float:

@@ -100,15 +100,20 @@ class LlamaForCausalLM(nn.Module):
             return self.quantized_head.dequantized_weight()
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (before lm_head)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (before lm_head).
+
+        num_layers: run only the first layers, then the final norm (an early exit: the "self"
+        speculative proposer drafts with it; their K/V are the full model's for those layers)."""
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
         hidden = self.embed_tokens(input_ids)
         if self.use_triton_ops:  # the residual stream is carried apart and added inside each norm
             delta = None
-            for layer in self.layers:
+            for layer in layers:
                 delta, hidden = layer.forward_fused(positions, delta, hidden, meta)
             return self.norm.add_and_norm(delta, hidden)[0]
-        for layer in self.layers:
+        for layer in layers:
             hidden = layer(positions, hidden, meta)
         return self.norm(hidden)
 
