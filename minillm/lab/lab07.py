@@ -60,13 +60,22 @@ def plugged(propose: Callable | None = None, verify: Callable | None = None, sam
         record["rounds"].append({"proposal": list(proposal), "target_argmax": list(target_argmax), "kept": kept})
         return kept
 
+    cpu_generators: dict = {}
+
     def sample_wrapper(proposal, draft_probs, target_probs, generator=None):
         record["sample_calls"] += 1
+        target_probs = target_probs.detach().cpu()   # the learner works on the CPU, whatever the device
         if draft_probs is None:   # a deterministic proposer: all of q's mass on the proposed token
-            draft_probs = torch.zeros(len(proposal), target_probs.shape[1], dtype=target_probs.dtype,
-                                      device=target_probs.device)
+            draft_probs = torch.zeros(len(proposal), target_probs.shape[1], dtype=target_probs.dtype)
             if proposal:
                 draft_probs[torch.arange(len(proposal)), torch.tensor(proposal)] = 1.0
+        draft_probs = draft_probs.detach().cpu()
+        if generator is not None and generator.device.type != "cpu":
+            # one CPU generator per request, seeded from the request's own (so seeded requests repeat)
+            if id(generator) not in cpu_generators:
+                seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+                cpu_generators[id(generator)] = (generator, torch.Generator().manual_seed(seed))
+            generator = cpu_generators[id(generator)][1]
         return [int(t) for t in sampler(list(proposal), draft_probs, target_probs, generator)]
 
     spec_mod.ngram_propose = propose_wrapper
