@@ -166,7 +166,7 @@ def test_self_draft_must_be_shallower_than_the_model():
 @pytest.mark.slow
 def test_default_model_repeating_its_prompt(default_llm):
     text = "The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the time in the log."
-    ids = default_llm.chat_token_ids([{"role": "user", "content": "Repeat exactly: " + text}])
+    ids = default_llm.chat_token_ids([{"role": "user", "content": "Repeat exactly:\n" + text}])
     params = SamplingParams(max_tokens=32)
     plain = default_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
     spec = default_llm.with_levers(speculative="ngram", num_speculative_tokens=4)
@@ -187,3 +187,40 @@ def test_repeat_benchmark_reports_identical_outputs_and_acceptance(default_llm):
     assert on["acceptance_rate"] > 0.3 and on["tokens_per_pass"] > 1.5
     text = format_speculative(result)
     assert "ngram k=3" in text and "acceptance >= 1.5x" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", [
+    "The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the time in the log.",
+    "Copper conducts heat well, so the pan warms evenly and the sauce does not burn.",
+])
+def test_sampled_speculation_keeps_the_real_models_distribution(default_llm, text):
+    """On the default model, with its own n-gram proposals (the answer repeats the prompt): the
+    token after the most frequent first token, sampled through speculative steps, against the
+    model's next-token distribution there (temperature 1, top-k 6); bins expected below 5 merged."""
+    ids = default_llm.chat_token_ids([{"role": "user", "content": "Repeat exactly:\n" + text}])
+    spec = default_llm.with_levers(speculative="ngram", num_speculative_tokens=2, max_num_seqs=64)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(400)]
+    outs = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": ids}] * len(params), params,
+                                                          use_tqdm=False)]
+    st = spec.stats.spec
+    assert 0 < st.num_accepted < st.num_proposed, st
+    first = max(set(o[0] for o in outs), key=lambda t: sum(o[0] == t for o in outs))
+    seconds = [o[1] for o in outs if o[0] == first]
+    assert len(seconds) >= 100
+    ref = default_llm.with_levers(kv_cache=False)
+    p = _target_probs(ref, ids + [first])
+    counts = torch.bincount(torch.tensor(seconds), minlength=p.numel()).double()
+    assert counts[p == 0].sum() == 0
+    expected = p * len(seconds)
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    assert df >= 1, (counts[p > 0].tolist(), expected[p > 0].tolist())
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+    assert p_value > 1e-3, (p_value, obs.tolist(), exp.tolist())
+    assert_engine_idle(spec)
+
