@@ -198,8 +198,7 @@ class Engine:
         try:
             tokens = self.runner.run(seqs)
         except Exception as exc:
-            for seq in seqs:  # fail this batch with the reason; blocks go back to the pool
-                self.abort(seq, "error", f"{type(exc).__name__}: {exc}")
+            self._fail(seqs, exc)
             raise
         now = time.perf_counter()
         if self.device.type == "cuda":
@@ -220,13 +219,17 @@ class Engine:
                 seq.finish_s = now
         return seqs
 
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        """A model pass raised: fail this batch with the reason; its blocks go back to the pool."""
+        for seq in seqs:
+            self.abort(seq, "error", f"{type(exc).__name__}: {exc}")
+
     def _speculative_step(self, seqs: list[Sequence], t0: float) -> list[Sequence]:
         """A decode step with speculation: one target pass keeps 1 to k + 1 tokens per sequence."""
         try:
             kept = self.speculator.step(seqs)
         except Exception as exc:
-            for seq in seqs:  # fail this batch with the reason; blocks go back to the pool
-                self.abort(seq, "error", f"{type(exc).__name__}: {exc}")
+            self._fail(seqs, exc)
             raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -258,13 +258,18 @@ class Scheduler:
                 if self.prefix_caching:
                     self._cache_full_blocks(seq)
                 continue
-            seq.num_cached_tokens = len(seq)   # every token fed this step is now in the cache
-            if self.prefix_caching:
-                self._cache_full_blocks(seq)
-            seq.token_ids.append(token)
-            reason = check_stop(seq)
-            if reason is not None:
-                self.finish(seq, reason)
+            self._append(seq, token, check_stop)
+
+    def _append(self, seq: Sequence, token: int, check_stop) -> bool:
+        """Append one sampled token after the tokens before it are in the cache; True if it stops."""
+        seq.num_cached_tokens = len(seq)   # every token fed so far is now in the cache
+        if self.prefix_caching:
+            self._cache_full_blocks(seq)
+        seq.token_ids.append(token)
+        reason = check_stop(seq)
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason is not None
 
     def postprocess_many(self, seqs: list[Sequence], token_lists: list[list[int]], check_stop) -> None:
         """Speculative decoding's postprocess: each sequence fed its last token and its proposals,
@@ -274,13 +279,7 @@ class Scheduler:
         bm = self.block_manager
         for seq, tokens in zip(seqs, token_lists):
             for token in tokens:
-                seq.num_cached_tokens = len(seq)   # the token before this one is in the cache
-                if self.prefix_caching:
-                    self._cache_full_blocks(seq)
-                seq.token_ids.append(token)
-                reason = check_stop(seq)
-                if reason is not None:
-                    self.finish(seq, reason)
+                if self._append(seq, token, check_stop):
                     break
             if not seq.is_finished and bm is not None:
                 bm.truncate(seq.block_table, len(seq))
