@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model lab test test-fast labs labs-check bench bench-batching doctor browser-deps clean
+.PHONY: setup model lab test test-all test-slow labs labs-check bench bench-batching doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,14 @@ lab: model          ## the course: JupyterLab on labs/
 browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
 	@bash scripts/install_browser.sh
 
-test: setup model browser-deps   ## the whole suite, slow tests included (about 20 min on 2 idle cores; keep it under 25)
+test: setup model browser-deps   ## the suite CI runs: everything but the tests marked slow (keep it under 25 min on 2 cores)
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-all: setup model browser-deps   ## the whole suite, slow tests included (run it before a release)
 	$(BIN)/python -m pytest -q
 
-test-fast: setup model browser-deps   ## everything but the tests marked slow
-	$(BIN)/python -m pytest -m "not slow" -q
+test-slow: setup model browser-deps  ## only the tests marked slow
+	$(BIN)/python -m pytest -m slow -q
 
 labs: setup         ## regenerate labs/ and solutions/ from the instructor masters
 	$(BIN)/python -m minillm.lab.build
