@@ -58,10 +58,12 @@ def test_greedy_speculation_equals_the_target_alone(target_tokens, levers):
     dict(max_num_seqs=1),                                           # batch 1
     dict(prefix_caching=True),                                      # blocks shared with the cache
     dict(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16),  # 12 blocks: preemption
-    dict(attention_backend="triton", num_speculative_tokens=3),     # the extend kernel verifies
+    pytest.param(dict(attention_backend="triton", num_speculative_tokens=3),   # the extend kernel verifies
+                 marks=pytest.mark.slow),   # 80-160 s in the interpreter; test-slow runs it
     dict(speculative="self", draft_num_layers=1),                   # early-exit draft: 1 of 2 layers
     dict(speculative="self", draft_num_layers=1, max_num_seqs=1, num_speculative_tokens=2),
-    dict(speculative="self", draft_num_layers=1, attention_backend="triton", chunked_prefill=True),
+    pytest.param(dict(speculative="self", draft_num_layers=1, attention_backend="triton", chunked_prefill=True),
+                 marks=pytest.mark.slow),
 ])
 def test_greedy_speculation_under_other_levers(target_tokens, levers):
     llm, tokens = _run(levers)
