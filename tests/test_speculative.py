@@ -206,7 +206,9 @@ def test_sampled_speculation_keeps_the_real_models_distribution(default_llm, tex
     outs = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": ids}] * len(params), params,
                                                           use_tqdm=False)]
     st = spec.stats.spec
-    assert 0 < st.num_accepted < st.num_proposed, st
+    # proposals are made and kept (a confident model may keep all of them: the rejection path
+    # is covered on the tiny model above)
+    assert st.num_proposed > 0 and st.num_accepted > 0, st
     first = max(set(o[0] for o in outs), key=lambda t: sum(o[0] == t for o in outs))
     seconds = [o[1] for o in outs if o[0] == first]
     assert len(seconds) >= 100
