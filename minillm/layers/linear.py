@@ -8,9 +8,12 @@ round, (W @ x^T)^T, with the row count rounded up to 2, 4, 8, 16 or a multiple o
 W at bandwidth. Measured over SmolLM2-135M's 30 layers and head on 2 EPYC cores (one decode
 step's matmuls; `scripts/cpu_linear_sweep.py` prints this table):
 
-    rows            1     2     4     8    16    32    64   256
-    F.linear (ms)  27    44    77    78    97   113   162   468
-    linear() (ms)  27    25    27    50    54    78   124   416
+    rows            1     2     4     8    16    32    64
+    F.linear (ms)  27    44    77    78    97   113   162
+    linear() (ms)  27    25    27    50    54    78   124
+
+Above MAX_ROWS rows (prefill) the gain shrinks (256 rows: 468 vs 416 ms before the copy back
+to row-major is counted), so those keep F.linear.
 
 Same arithmetic (each output is one row of W dotted with one row of x); only the summation
 order inside MKL may differ, so results agree to float rounding. GPUs and other dtypes keep
@@ -26,15 +29,13 @@ MAX_ROWS = 64   # above this F.linear is as fast (prefill), and the transposing 
 
 
 def padded_rows(m: int) -> int:
-    """Row count the CPU path multiplies: 2, 4, 8, 16, then multiples of 16 up to 256."""
+    """Row count the CPU path multiplies (m <= MAX_ROWS): 2, 4, 8, 16, then multiples of 16."""
     if m <= 16:
         b = 2
         while b < m:
             b *= 2
         return b
-    if m <= 256:
-        return -(-m // 16) * 16
-    return m
+    return -(-m // 16) * 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
