@@ -309,9 +309,36 @@ def cmd_model(args) -> int:
     return 0
 
 
+# Commands with their own argument parsers, in their own modules (each exposes main(argv) -> int).
+DELEGATED = {
+    ("serve",): ("minillm.serve.cli", "an OpenAI-compatible HTTP server on the engine (every lever is a flag)"),
+    ("bench", "serve"): ("minillm.bench.serve", "load generator against an OpenAI-compatible endpoint "
+                                                 "(Poisson arrivals or fixed concurrency; vLLM-style report)"),
+    ("cost",): ("minillm.bench.cost", "$ per million output tokens as the levers stack, measured here, plotted"),
+}
+
+
+def _delegate(argv: list[str]) -> int | None:
+    import importlib
+
+    for prefix, (module, _) in DELEGATED.items():
+        if tuple(argv[:len(prefix)]) == prefix:
+            return importlib.import_module(module).main(argv[len(prefix):])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minillm", description=__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    delegated = _delegate(argv)
+    if delegated is not None:
+        return delegated
+    parser = argparse.ArgumentParser(prog="minillm", description=__doc__,
+                                     epilog="also: " + "; ".join(f"minillm {' '.join(k)}: {h}"
+                                                                 for k, (_, h) in DELEGATED.items()))
     sub = parser.add_subparsers(dest="command", required=True)
+    for prefix, (_, help_text) in DELEGATED.items():
+        if len(prefix) == 1:
+            sub.add_parser(prefix[0], help=help_text, add_help=False)
 
     g = sub.add_parser("generate", help="stream an answer to a prompt")
     g.add_argument("prompt")
