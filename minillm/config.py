@@ -18,8 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 WEIGHT_CALIBRATIONS = ("awq",)            # or None: round-to-nearest
-SPECULATIVE_METHODS = ("ngram", "self")   # built proposers (engine/speculative.py)
-SPECULATIVE_LATER = ("draft",)            # named by the design, not built yet: refused with the reason
+SPECULATIVE_METHODS = ("ngram", "self", "draft")  # proposers (engine/speculative.py)
 MAX_SPECULATIVE_TOKENS = 16
 WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
@@ -62,9 +61,9 @@ class EngineConfig:
     weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
     kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
-    speculative: str | None = None      # built: "ngram" (prompt lookup) | "self" (early-exit draft); None: off
+    speculative: str | None = None      # built: "ngram" (prompt lookup) | "self" (early-exit draft) | "draft" (draft_model); None: off
     num_speculative_tokens: int = 4
-    draft_model: str | None = None
+    draft_model: str | None = None      # speculative="draft": a smaller model sharing the tokenizer (path, hub id or "random:<preset>")
     draft_num_layers: int | None = None  # speculative="self": the target's first layers that draft (None: a quarter)
     cuda_graphs: bool = False           # built: GPU decode steps replay CUDA graphs (needs attention_backend="triton")
 
@@ -155,8 +154,8 @@ class EngineConfig:
             raise ValueError(f"prefix_caching=True needs kv_cache=True and paged=True (got kv_cache={self.kv_cache}, "
                              f"paged={self.paged}): cached blocks are shared through paged block tables")
 
-        need(self.speculative in (None,) + SPECULATIVE_METHODS + SPECULATIVE_LATER,
-             f"speculative={self.speculative!r} is not one of {(None,) + SPECULATIVE_METHODS + SPECULATIVE_LATER}")
+        need(self.speculative in (None,) + SPECULATIVE_METHODS,
+             f"speculative={self.speculative!r} is not one of {(None,) + SPECULATIVE_METHODS}")
         need(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
              and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
@@ -164,18 +163,14 @@ class EngineConfig:
                                                 and not isinstance(self.draft_num_layers, bool)
                                                 and self.draft_num_layers >= 1),
              f"draft_num_layers={self.draft_num_layers!r} must be None or an integer >= 1")
+        need(self.draft_model is None or (isinstance(self.draft_model, str) and self.draft_model != ""),
+             f"draft_model={self.draft_model!r} must be None or a model path, hub id or 'random:<preset>'")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative='draft' needs draft_model=<a smaller model sharing the target's tokenizer>, "
+                             "e.g. SmolLM2-135M drafting for SmolLM2-1.7B")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise ValueError(f"draft_model={self.draft_model!r} is only used with speculative='draft' "
+                             f"(got speculative={self.speculative!r})")
         if self.speculative is not None and not self.kv_cache:
             raise ValueError(f"speculative={self.speculative!r} needs kv_cache=True: the target scores the proposals "
                              "as a short chunk on top of the cached sequence")
-
-        # Levers not built yet: refuse anything but the baseline, and say so.
-        later = {
-            f"speculative={self.speculative!r}": (self.speculative in SPECULATIVE_LATER,
-                                                  "lab 07 (speculative decoding: the draft-model proposer)"),
-        }
-        for name, (asked, where) in later.items():
-            if asked:
-                raise NotImplementedError(
-                    f"{name} is not available in this version of minillm; it arrives with {where}. "
-                    "Leave it at its default."
-                )

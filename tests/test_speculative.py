@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (speculative="ngram" / "self"): greedy output equals the target
+"""Speculative decoding in the engine (speculative="ngram" / "self" / "draft"): greedy output equals the target
 alone, token for token, at batch 1 and batched, under every batching / paging / chunking /
 prefix-caching lever and under preemption; sampled output keeps the target's distribution
 (chi-square); proposals never overrun max_tokens or stop conditions; every block returns."""
@@ -106,13 +106,14 @@ def _target_probs(llm, tokens):
     return filter_logits(logits, 1.0, 6, 1.0).softmax(-1).double()
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
 def test_sampled_speculation_keeps_the_target_distribution(monkeypatch, method):
     """The second output token's distribution given the first, with speculation, against the
     target's own next-token distribution (temperature 1, top-k 6), by a chi-square test. The
     proposer is pinned to a plausible token (the target's second choice), so verification both
     accepts (min(1, p/q) with q a point mass) and rejects (resampling from the residual). The
-    "self" proposer samples its proposals from its own distribution q (the first layer)."""
+    "self" proposer samples its proposals from its own distribution q (the first layer); "draft"
+    from a perturbed copy of the target."""
     import minillm.engine.speculative as speculative
 
     prompt = [11, 12, 13, 11, 12, 13, 11, 12]
@@ -124,7 +125,11 @@ def test_sampled_speculation_keeps_the_target_distribution(monkeypatch, method):
         monkeypatch.setattr(speculative, "ngram_propose", lambda token_ids, k: [proposal] * k)
 
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(1500)]
-    llm = LLM("random:tiny-llama", max_model_len=64, max_num_seqs=256, speculative=method, num_speculative_tokens=1)
+    extra = dict(draft_model="random:tiny-llama") if method == "draft" else {}
+    llm = LLM("random:tiny-llama", max_model_len=64, max_num_seqs=256, speculative=method, num_speculative_tokens=1,
+              **extra)
+    if method == "draft":
+        perturb_draft(llm, 0.5)
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * len(params), params,
                                                          use_tqdm=False)]
     spec = llm.stats.spec
@@ -139,7 +144,7 @@ def test_sampled_speculation_keeps_the_target_distribution(monkeypatch, method):
     df = int(keep.sum()) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
     assert p_value > 1e-3, (p_value, counts[keep].tolist(), expected.tolist())
-    if method == "self":
+    if method != "ngram":
         return
     # the same test rejects a verifier that keeps every proposal (the output would be the proposal)
     biased = torch.zeros_like(p)
@@ -228,3 +233,95 @@ def test_sampled_speculation_keeps_the_real_models_distribution(default_llm, tex
     assert p_value > 1e-3, (p_value, obs.tolist(), exp.tolist())
     assert_engine_idle(spec)
 
+
+
+# ----------------------------------------------------------------------------- speculative="draft"
+def perturb_draft(llm, scale: float, seed: int = 1) -> None:
+    """Make the draft a near copy of the target: noise on its head, so it agrees often, not always."""
+    head = llm.engine.draft.model.lm_head.weight
+    gen = torch.Generator().manual_seed(seed)
+    head.add_(torch.randn(head.shape, generator=gen) * head.std() * scale)
+
+
+def assert_draft_idle(llm) -> None:
+    draft = llm.engine.draft
+    assert not draft.states, f"draft states left: {list(draft.states)}"
+    bm = draft.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} draft KV blocks leaked"
+    bm.check()
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted(target_tokens):
+    """The draft model's own cache is kept in step with the sequence: a draft that is the target
+    itself must propose exactly the target's tokens, every time (a stale or shifted draft cache
+    would break this), so every proposal is accepted."""
+    llm, tokens = _run(dict(speculative="draft", draft_model="random:tiny-llama"))
+    assert tokens == target_tokens
+    spec = llm.stats.spec
+    assert spec.num_proposed > 0 and spec.num_accepted == spec.num_proposed, spec
+    assert_engine_idle(llm)
+    assert_draft_idle(llm)
+
+
+@pytest.mark.parametrize("levers", [
+    dict(max_num_seqs=1),
+    dict(),
+    dict(chunked_prefill=True, max_num_batched_tokens=32, num_speculative_tokens=3),
+    dict(prefix_caching=True),
+    dict(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16),  # 12 blocks: preemption
+    dict(batching="static", num_speculative_tokens=6),
+    pytest.param(dict(attention_backend="triton", num_speculative_tokens=3), marks=pytest.mark.slow),
+])
+def test_greedy_draft_model_speculation_equals_the_target_alone(target_tokens, levers):
+    llm = LLM("random:tiny-llama", max_model_len=256, speculative="draft", draft_model="random:tiny-llama", **levers)
+    perturb_draft(llm, 1.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == target_tokens
+    spec = llm.stats.spec
+    assert spec.num_proposed > 0 and 0 < spec.num_accepted < spec.num_proposed, spec
+    assert spec.num_draft_passes > 0
+    if "kv_cache_bytes" in levers:
+        assert llm.stats.num_preemptions > 0
+    assert_engine_idle(llm)
+    assert_draft_idle(llm)
+
+
+def test_a_smaller_draft_of_another_shape_keeps_the_output():
+    """A draft with its own shapes (1 layer, MQA, tied head) and so its own KV pool layout."""
+    plain = LLM("random:tiny-llama", max_model_len=256)
+    llm = LLM("random:tiny-llama", max_model_len=256, speculative="draft", draft_model="random:tiny-llama-draft")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:8]]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS[:8], use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS[:8], use_tqdm=False)]
+    assert got == want
+    draft = llm.engine.draft
+    assert draft.kv_cache.k[0].shape[0] == 1 != llm.engine.kv_cache.k[0].shape[0]   # its own KV heads (MQA)
+    assert len(draft.kv_cache.k) == 1 and llm.stats.spec.num_proposed > 0
+    assert_engine_idle(llm)
+    assert_draft_idle(llm)
+
+
+def test_aborting_a_request_frees_its_draft_blocks():
+    llm = LLM("random:tiny-llama", max_model_len=256, speculative="draft", draft_model="random:tiny-llama")
+    engine = llm.engine
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:4]]
+    for _ in range(4):   # prefill, then speculative steps: the draft holds blocks for each sequence
+        engine.step()
+    assert engine.draft.states and engine.draft.block_manager.num_free_blocks < engine.draft.block_manager.num_blocks
+    for seq in seqs:
+        engine.abort(seq)
+    assert_engine_idle(llm)
+    assert_draft_idle(llm)
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    from minillm.models.presets import PRESETS, register_preset, with_layers
+    import dataclasses
+
+    register_preset("tiny-llama-other-vocab", dataclasses.replace(with_layers(PRESETS["tiny-llama"], 1), vocab_size=300))
+    with pytest.raises(ValueError, match=r"draft_model='random:tiny-llama-other-vocab' has a vocabulary of 300 "
+                                         r"tokens, the target 512: the draft must share the target's tokenizer"):
+        LLM("random:tiny-llama", speculative="draft", draft_model="random:tiny-llama-other-vocab")
+    with pytest.raises(ValueError, match=r"has a context of 1024 tokens, shorter than max_model_len=2048"):
+        register_preset("tiny-llama-long", dataclasses.replace(PRESETS["tiny-llama"], max_position_embeddings=4096))
+        LLM("random:tiny-llama-long", max_model_len=2048, speculative="draft", draft_model="random:tiny-llama")

@@ -18,7 +18,7 @@ from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import Speculator
+from .speculative import DraftWorker, Speculator
 
 
 def validate_cache_salt(cache_salt) -> None:
@@ -89,9 +89,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.block_manager, self.kv_cache, config.attention_backend)
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        self.draft = self._load_draft() if config.speculative == "draft" else None
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, config.num_speculative_tokens, self.runner, self.block_manager, self.max_model_len,
-            config.draft_num_layers)
+            config.draft_num_layers, self.draft)
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
         self.device_label = device_name(self.device)
@@ -101,6 +102,28 @@ class Engine:
             self.speculator.stats = self.stats.spec
         self._preemptions_at_reset = 0
         self._prefix_at_reset = (0, 0, 0)
+
+    def _load_draft(self) -> DraftWorker:
+        """speculative="draft": the second model, on this engine's device and dtype, with a KV pool
+        of as many blocks as the target's. It must share the target's tokenizer (same vocabulary:
+        a proposal is a token id the target scores) and cover max_model_len positions."""
+        config, mcfg = self.config, self.model_config
+        path = resolve_model_path(config.draft_model)
+        dcfg = load_model_config(path)
+        if dcfg.vocab_size != mcfg.vocab_size:
+            raise ValueError(f"draft_model={config.draft_model!r} has a vocabulary of {dcfg.vocab_size} tokens, the "
+                             f"target {mcfg.vocab_size}: the draft must share the target's tokenizer")
+        if dcfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"draft_model={config.draft_model!r} has a context of {dcfg.max_position_embeddings} "
+                             f"tokens, shorter than max_model_len={self.max_model_len}; lower max_model_len")
+        if self.tokenizer is not None:
+            draft_tokenizer = load_tokenizer(path)
+            if draft_tokenizer is not None and draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ValueError(f"draft_model={config.draft_model!r} has another tokenizer than the target "
+                                 "(same size, different tokens): its proposals would mean other text")
+        model = load_model(path, self.dtype, self.device, self.max_model_len)
+        return DraftWorker(model, dcfg, self.device, self.dtype, self.block_manager.num_blocks,
+                           self.block_manager.block_size, config.attention_backend)
 
     # ----------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -147,6 +170,8 @@ class Engine:
         if not seq.is_finished:
             seq.finish_s = time.perf_counter()
             self.scheduler.finish(seq, reason, error)
+        if self.speculator is not None:
+            self.speculator.release_finished([seq])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -217,6 +242,8 @@ class Engine:
         for seq in seqs:
             if seq.is_finished and seq.finish_s is None:
                 seq.finish_s = now
+        if self.speculator is not None:   # a recomputed prefill can finish a sequence the draft knows
+            self.speculator.release_finished(seqs)
         return seqs
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
@@ -242,6 +269,7 @@ class Engine:
             seq.token_times_s.extend([now] * (len(seq) - before))  # the kept tokens arrive together
             if seq.is_finished and seq.finish_s is None:
                 seq.finish_s = now
+        self.speculator.release_finished(seqs)
         return seqs
 
     def _record_step(self, kind: str, seqs: list[Sequence], num_tokens: int, duration_s: float) -> None:
