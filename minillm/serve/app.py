@@ -1,0 +1,404 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+`build_app(async_engine, model_name)` returns a FastAPI app. Requests are parsed by hand (not
+by pydantic models) so that every refusal is a 400 in OpenAI's shape whose message names the
+value and the allowed range, reusing the engine's own validation messages. Unset sampling
+fields take minillm's SamplingParams defaults: temperature 0 (greedy), top_p 1, top_k off.
+Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids, return_token_ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamEvent
+
+DISCONNECT_POLL_S = 0.5   # how often a waiting handler checks whether its client is still there
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+# Fields that would change the answer in a way this server does not implement: refused, not ignored.
+UNSUPPORTED = {
+    "logprobs": "logprobs are not returned by this server",
+    "top_logprobs": "logprobs are not returned by this server",
+    "echo": "echo=true (returning the prompt) is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "tools": "tool calling is not supported",
+    "functions": "function calling is not supported",
+}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# ---------------------------------------------------------------------------- request parsing
+def _type_name(value: Any) -> str:
+    return "null" if value is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                         list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _bad_type(name: str, value: Any, expected: str) -> ApiError:
+    shown = json.dumps(value)[:80]
+    return ApiError(f"{name}={shown} must be {expected} (got {_type_name(value)})", name, "invalid_type")
+
+
+def _int(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad_type(name, value, "an integer")
+    return value
+
+
+def _number(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad_type(name, value, "a number")
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad_type(name, value, "true or false")
+    return value
+
+
+@dataclass
+class ParsedRequest:
+    kind: str                                   # "completion" | "chat"
+    inputs: dict                                # prompt= | prompt_token_ids= | messages= for AsyncEngine
+    params: SamplingParams
+    fill_context: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
+    max_tokens = _int(body, max_tokens_field)
+    if max_tokens_field != "max_tokens" and max_tokens is None:
+        max_tokens_field, max_tokens = "max_tokens", _int(body, "max_tokens")
+    fill_context = max_tokens is None and default_max_tokens is None
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _bad_type("stop", stop, "a string or a list of strings")
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise _bad_type("stop_token_ids", stop_token_ids, "a list of integers")
+    defaults = SamplingParams()
+    kwargs = dict(
+        max_tokens=1 if fill_context else (max_tokens if max_tokens is not None else default_max_tokens),
+        temperature=_number(body, "temperature", defaults.temperature),
+        top_p=_number(body, "top_p", defaults.top_p),
+        top_k=_int(body, "top_k", defaults.top_k),
+        seed=_int(body, "seed"),
+        stop=stop,
+        stop_token_ids=stop_token_ids or [],
+        ignore_eos=_bool(body, "ignore_eos"),
+    )
+    try:
+        params = SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        param = next((f for f in SAMPLING_FIELDS if message.startswith(f + "=")), None)
+        if param == "max_tokens":
+            param = max_tokens_field
+            message = max_tokens_field + message[len("max_tokens"):]
+        raise ApiError(message, param, "invalid_value") from None
+    return params, fill_context
+
+
+def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(f"model={json.dumps(model)[:80]} is not served here; the served model is {model_name!r} "
+                       "(GET /v1/models lists it)", "model", "model_not_found")
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise ApiError(f"n={n}: this server returns one choice per request (n=1 only); send {n} requests "
+                       "instead (they are batched together on the server)", "n", "invalid_value")
+    best_of = _int(body, "best_of", 1)
+    if best_of != 1:
+        raise ApiError(f"best_of={best_of} is not supported (best_of=1 only)", "best_of", "invalid_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0) != 0:
+            raise ApiError(f"{name}={body[name]} is not supported (0 only)", name, "invalid_value")
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise ApiError(f"{name}={json.dumps(body[name])[:80]}: {why}", name, "unsupported")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad_type("stream_options", options, "an object like {\"include_usage\": true}")
+    include_usage = _bool(options or {}, "include_usage")
+    if options is not None and not stream:
+        raise ApiError("stream_options is only allowed with stream=true", "stream_options", "invalid_value")
+    return stream, include_usage, _bool(body, "return_token_ids")
+
+
+def parse_completion(body: dict, model_name: str) -> ParsedRequest:
+    stream, include_usage, return_ids = _common(body, model_name)
+    if "prompt" not in body:
+        raise ApiError("prompt is missing: give a string or a list of token ids", "prompt", "missing_field")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:  # a batch of prompts
+            raise ApiError(f"prompt is a list of {len(prompt)} prompts; this server takes one prompt per request "
+                           f"(send {len(prompt)} requests: they are batched together on the server)",
+                           "prompt", "invalid_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        inputs = {"prompt": prompt}
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        inputs = {"prompt_token_ids": prompt}
+    else:
+        raise _bad_type("prompt", prompt, "a string or a list of integer token ids")
+    params, fill = _sampling(body, "max_tokens", default_max_tokens=16)  # OpenAI's default for completions
+    return ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids)
+
+
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(f"messages[{i}].content: only text parts {{\"type\": \"text\", \"text\": ...}} are "
+                               f"supported, got {json.dumps(part)[:80]}", "messages", "invalid_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad_type(f"messages[{i}].content", content, "a string or a list of text parts")
+
+
+def parse_chat(body: dict, model_name: str) -> ParsedRequest:
+    stream, include_usage, return_ids = _common(body, model_name)
+    if "messages" not in body:
+        raise ApiError("messages is missing: give a list like [{\"role\": \"user\", \"content\": \"Hi\"}]",
+                       "messages", "missing_field")
+    raw = body["messages"]
+    if not isinstance(raw, list):
+        raise _bad_type("messages", raw, "a list of {\"role\": ..., \"content\": ...} objects")
+    if not raw:
+        raise ApiError("messages is empty: give at least one message", "messages", "invalid_value")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _bad_type(f"messages[{i}]", m, "an object with role and content")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise _bad_type(f"messages[{i}].role", role, "a string such as \"system\", \"user\" or \"assistant\"")
+        messages.append({"role": role, "content": _message_text(i, m.get("content"))})
+    params, fill = _sampling(body, "max_completion_tokens", default_max_tokens=None)
+    return ParsedRequest("chat", {"messages": messages}, params, fill, stream, include_usage, return_ids)
+
+
+# ---------------------------------------------------------------------------- responses
+def _usage(event: StreamEvent) -> dict:
+    return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
+            "total_tokens": event.num_prompt_tokens + event.num_output_tokens}
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return reason  # minillm's "stop" / "length" are OpenAI's; "abort" reaches no client
+
+
+def _engine_error(exc: Exception, req: ParsedRequest) -> ApiError:
+    message = str(exc)
+    param = next((f for f in SAMPLING_FIELDS if message.startswith(f + "=")), None)
+    if param is None:
+        param = "messages" if req.kind == "chat" else "prompt"
+    return ApiError(message, param, "invalid_value")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The FastAPI app serving `async_engine` under the name `model_name`."""
+    app = FastAPI(title="minillm", description="OpenAI-compatible API on the minillm engine")
+    app.state.async_engine = async_engine
+    app.state.model_name = model_name
+    created_at = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        shown = json.dumps(first.get("input"), default=str)[:80] if "input" in first else "?"
+        return ApiError(f"{param or 'request'}={shown}: {first.get('msg', 'invalid value')}", param,
+                        "invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(f"{request.method} {request.url.path}: {exc.detail}", None, None, exc.status_code,
+                        type_).response()
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(f"the request body is not valid JSON ({exc}); send an object like "
+                           "{\"model\": ..., \"prompt\": ...}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(f"the request body must be a JSON object, got a {_type_name(body)}", None, "invalid_json")
+        return body
+
+    async def admit(req: ParsedRequest, request_id: str) -> RequestStream:
+        try:
+            return await async_engine.add_request(req.params, request_id=request_id, fill_context=req.fill_context,
+                                                  **req.inputs)
+        except (ValueError, TypeError) as exc:
+            raise _engine_error(exc, req) from None
+        except EngineStoppedError as exc:
+            raise ApiError(str(exc), None, "engine_stopped", 503, "server_error") from None
+
+    async def next_event(request: Request, stream: RequestStream) -> StreamEvent | None:
+        """The next event, or None when the client has gone (the request is then aborted)."""
+        while True:
+            try:
+                return await stream.get(timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    stream.abort("the client disconnected")
+                    return None
+
+    async def run(request: Request, req: ParsedRequest):
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = await admit(req, request_id)
+        base = {"id": request_id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+                "created": created, "model": model_name}
+        if req.stream:
+            return StreamingResponse(stream_events(request, req, stream, base), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        texts, ids, event = [], [], None
+        try:
+            while event is None or not event.finished:
+                event = await next_event(request, stream)
+                if event is None:
+                    return PlainTextResponse("", status_code=499)  # nobody reads it
+                texts.append(event.text)
+                ids.extend(event.token_ids)
+        finally:
+            stream.abort()  # no-op once finished; a cancelled handler frees its blocks
+        if event.finish_reason in ("error", "abort"):
+            raise ApiError(f"the request failed inside the engine: {event.error}", None, "engine_error", 500,
+                           "server_error")
+        text = "".join(texts)
+        if req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": _finish_reason(event.finish_reason)}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(event.finish_reason)}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        return JSONResponse({**base, "choices": [choice], "usage": _usage(event)})
+
+    async def stream_events(request: Request, req: ParsedRequest, stream: RequestStream, base: dict):
+        chunk_base = {**base, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion"}
+
+        def chunk(piece: str | None, ids: list[int], finish: str | None) -> dict:
+            if req.kind == "chat":
+                delta = {} if piece is None else {"content": piece}
+                if first:
+                    delta = {"role": "assistant", **delta}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+            out = {**chunk_base, "choices": [choice]}
+            if req.include_usage:
+                out["usage"] = None
+            return out
+
+        first = True
+        try:
+            if req.kind == "chat":  # OpenAI opens a chat stream with the role
+                yield _sse(chunk("", [], None))
+                first = False
+            while True:
+                event = await next_event(request, stream)
+                if event is None:
+                    return
+                if event.finish_reason in ("error", "abort"):
+                    error = {"message": f"the request failed inside the engine: {event.error}",
+                             "type": "server_error", "param": None, "code": "engine_error"}
+                    yield _sse({"error": error})
+                    break
+                if event.text or event.token_ids or event.finished:
+                    # The last token's text comes with the finish reason in one chunk.
+                    yield _sse(chunk(event.text if (event.text or not event.finished) else None,
+                                     event.token_ids, _finish_reason(event.finish_reason)))
+                    first = False
+                if event.finished:
+                    if req.include_usage:
+                        yield _sse({**chunk_base, "choices": [], "usage": _usage(event)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (cancellation / GeneratorExit) or we are done
+            stream.abort("the client disconnected")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, parse_completion(await read_body(request), model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, parse_chat(await read_body(request), model_name))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created_at,
+                                             "owned_by": "minillm", "max_model_len": async_engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return JSONResponse({"status": "stopped", "reason": async_engine._stopped_reason()}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(async_engine.render_metrics(model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

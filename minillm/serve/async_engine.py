@@ -1,0 +1,370 @@
+"""AsyncEngine: one background thread owns the Engine and steps it; asyncio tasks add, stream and abort.
+
+The Engine is plain synchronous Python: nothing but its own thread may touch it. Requests
+arrive from any asyncio task (any event loop) through a thread-safe command queue; the engine
+thread admits them between steps, so requests from different HTTP clients join the running
+batch (continuous batching does the rest). After every step the thread hands each request its
+new text and token ids through that request's own asyncio.Queue, fed with
+`loop.call_soon_threadsafe`.
+
+    engine = AsyncEngine(llm)
+    stream = await engine.add_request(SamplingParams(max_tokens=8), prompt="Hello")  # ValueError: bad input
+    async for event in stream:      # StreamEvent(text=..., token_ids=..., finish_reason=None | "stop" | ...)
+        print(event.text, end="")
+    engine.shutdown()
+
+A bad request is refused to its caller only; an exception inside a step finishes that batch's
+requests with finish_reason "error" (Engine._fail) and the thread keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..sampling import SamplingParams
+from .metrics import EngineGauges, ServerMetrics, render_prometheus
+
+if TYPE_CHECKING:
+    from ..engine.sequence import Sequence
+    from ..llm import LLM
+
+logger = logging.getLogger("minillm.serve")
+
+MAX_KEPT_STEPS = 4096   # Engine.stats keeps one StepStats per step: reset it so a long-lived server stays small
+_ids = itertools.count()
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread has stopped (shutdown, or it crashed): no new requests."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one request got since its previous event. The last one has `finished=True`."""
+
+    request_id: str
+    text: str                    # new text (held back while it could still become a stop string)
+    token_ids: list[int]         # new token ids
+    num_prompt_tokens: int
+    num_output_tokens: int       # output tokens so far
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" on the last event
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    """A request's state on both sides: the caller's loop and queue, the engine thread's Sequence."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    accepted: asyncio.Future
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    fill_context: bool = False       # max_tokens unset: run until EOS or the context is full
+    cache_salt: str | None = None
+    arrival_s: float = 0.0           # time.perf_counter() when the caller asked
+    seq: "Sequence | None" = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    holdback_chars: int = 0
+    counted_first_token: bool = False
+
+
+class RequestStream:
+    """The caller's side of one admitted request: async-iterate its StreamEvents.
+
+    Leaving early (break, cancellation, close()) aborts the request; its KV blocks go back."""
+
+    def __init__(self, engine: "AsyncEngine", request: _Request, num_prompt_tokens: int):
+        self._engine = engine
+        self._request = request
+        self.request_id = request.request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.finished = False
+
+    async def get(self, timeout: float | None = None) -> StreamEvent:
+        """The next event; asyncio.TimeoutError after `timeout` seconds without one."""
+        if self.finished:
+            raise StopAsyncIteration
+        if timeout is None:
+            event = await self._request.events.get()
+        else:
+            event = await asyncio.wait_for(self._request.events.get(), timeout)
+        if event.finished:
+            self.finished = True
+        return event
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        try:
+            return await self.get()
+        except BaseException:
+            if not self.finished:
+                self.abort()
+            raise
+
+    def abort(self, reason: str = "the client went away") -> None:
+        if not self.finished:
+            self._engine.abort(self.request_id, reason)
+
+    close = abort
+
+
+class AsyncEngine:
+    """Owns `llm.engine` in a background thread until shutdown(); `llm` must not be stepped elsewhere meanwhile."""
+
+    def __init__(self, llm: "LLM", start: bool = True):
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.metrics = ServerMetrics()
+        self.gauges = EngineGauges()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, _Request] = {}
+        self._stopping = False
+        self._stopped = threading.Event()
+        self.crash: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._update_gauges()
+        if start:
+            self._thread.start()
+
+    # ------------------------------------------------------------------ caller side (any event loop)
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def add_request(self, params: SamplingParams, *, prompt: str | None = None,
+                          prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
+                          request_id: str | None = None, fill_context: bool = False,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Queue one request (give exactly one of prompt, prompt_token_ids, messages) and wait until
+        the engine thread admits it. A bad request raises ValueError / TypeError here with the engine's
+        message; nothing was queued. `fill_context=True` replaces params.max_tokens by what the context
+        (and the KV pool) leaves after the prompt."""
+        given = [name for name, v in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
+                                      ("messages", messages)) if v is not None]
+        if len(given) != 1:
+            raise TypeError(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not self.is_running:
+            raise EngineStoppedError(self._stopped_reason())
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"req-{next(_ids)}"
+        request = _Request(request_id, loop, asyncio.Queue(), loop.create_future(), params, prompt=prompt,
+                           prompt_token_ids=prompt_token_ids, messages=messages, fill_context=fill_context,
+                           cache_salt=cache_salt, arrival_s=time.perf_counter())
+        self._commands.put(("add", request))
+        try:
+            num_prompt_tokens = await request.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id, "the caller was cancelled before admission")
+            raise
+        return RequestStream(self, request, num_prompt_tokens)
+
+    async def generate(self, params: SamplingParams, **inputs) -> tuple[str, list[int], StreamEvent]:
+        """Run one request to the end: (text, token ids, last event)."""
+        stream = await self.add_request(params, **inputs)
+        text, ids = [], []
+        async for event in stream:
+            text.append(event.text)
+            ids.extend(event.token_ids)
+            if event.finished:
+                return "".join(text), ids, event
+        raise AssertionError("a request stream ended without a finished event")
+
+    def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
+        """Thread-safe and idempotent: finish the request with reason "abort"; its KV blocks go back."""
+        if not self._stopped.is_set():
+            self._commands.put(("abort", (request_id, reason)))
+
+    def render_metrics(self, model_name: str) -> str:
+        return render_prometheus(model_name, self.gauges, self.metrics)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is in flight (each stream gets its last event), stop the thread, hand the engine back idle."""
+        if not self._thread.is_alive():
+            self._stopping = True
+            self._stopped.set()
+            return
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the engine thread did not stop within {timeout_s} s")
+
+    def _stopped_reason(self) -> str:
+        if self.crash is not None:
+            return f"the engine thread crashed: {type(self.crash).__name__}: {self.crash}"
+        return "the engine is shut down; start a new server"
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain(block=not self.engine.has_unfinished())
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self._update_gauges()
+        except BaseException as exc:  # a bug in this loop: keep no caller waiting forever
+            self.crash = exc
+            logger.exception("minillm engine thread crashed")
+        finally:
+            self._stopping = True
+            reason = self._stopped_reason() if self.crash else "the server is shutting down"
+            for request in list(self._active.values()):
+                if request.seq is not None:
+                    self.engine.abort(request.seq, "abort", reason)
+            self._publish()
+            self._stopped.set()
+            while True:  # whatever arrived meanwhile is refused
+                try:
+                    kind, payload = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    self._reply(payload, error=EngineStoppedError(reason))
+            self._update_gauges()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = command
+            if kind == "add":
+                self._admit(payload)
+            elif kind == "abort":
+                self._abort(*payload)
+            elif kind == "stop":
+                self._stopping = True
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()  # aborted requests get their last event now
+
+    def _admit(self, request: _Request) -> None:
+        llm, engine = self.llm, self.engine
+        try:
+            if request.messages is not None:
+                text, ids = None, llm.chat_token_ids(request.messages)
+            elif request.prompt_token_ids is not None:
+                text, ids = llm._tokenize({"prompt_token_ids": request.prompt_token_ids})
+            else:
+                text, ids = llm._tokenize(request.prompt)
+            params = request.params
+            if request.fill_context:
+                limit = engine.max_model_len
+                if engine.block_manager is not None and not engine.block_manager.contiguous:
+                    limit = min(limit, engine.block_manager.capacity_tokens)
+                params = dataclasses.replace(params, max_tokens=max(1, limit - len(ids)))
+            request.seq = engine.add_request(ids, params, prompt=text, request_id=request.request_id,
+                                             cache_salt=request.cache_salt)
+        except (ValueError, TypeError) as exc:
+            self.metrics.rejected += 1
+            self._reply(request, error=exc)
+            return
+        except Exception as exc:  # e.g. a chat template that raises on these messages
+            self.metrics.rejected += 1
+            self._reply(request, error=ValueError(f"{type(exc).__name__}: {exc}"))
+            return
+        request.holdback_chars = max((len(s) for s in params.stop), default=1) - 1
+        self._active[request.request_id] = request
+        self._reply(request, num_prompt_tokens=len(ids))
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        request = self._active.get(request_id)
+        if request is not None and request.seq is not None:
+            self.engine.abort(request.seq, "abort", reason)
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as exc:  # Engine already finished the batch with "error"; keep serving
+            self.metrics.step_errors += 1
+            logger.error("minillm engine step failed: %s: %s", type(exc).__name__, exc)
+        if len(self.engine.stats.steps) > MAX_KEPT_STEPS:
+            self.engine.reset_stats()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand every request what it got since its last event; retire the finished ones."""
+        metrics = self.metrics
+        for request_id, request in list(self._active.items()):
+            seq = request.seq
+            output = seq.token_ids[seq.num_prompt_tokens:]
+            new_ids = output[request.sent_tokens:]
+            text = seq.output_text
+            finished = seq.is_finished
+            upto = len(text) if finished else max(request.sent_chars, len(text) - request.holdback_chars)
+            new_text = text[request.sent_chars:upto]
+            if seq.first_token_s is not None and not request.counted_first_token:
+                request.counted_first_token = True
+                metrics.prompt_tokens += seq.num_prompt_tokens
+                metrics.ttft_s.observe(max(0.0, seq.first_token_s - request.arrival_s))
+            if not (new_ids or new_text or finished):
+                continue
+            request.sent_tokens += len(new_ids)
+            request.sent_chars = max(request.sent_chars, upto)
+            metrics.generation_tokens += len(new_ids)
+            event = StreamEvent(request_id, new_text, new_ids, seq.num_prompt_tokens, len(output),
+                                seq.finish_reason if finished else None, seq.error if finished else None)
+            self._send(request, event)
+            if finished:
+                del self._active[request_id]
+                metrics.finished[seq.finish_reason] = metrics.finished.get(seq.finish_reason, 0) + 1
+                metrics.e2e_s.observe(time.perf_counter() - request.arrival_s)
+
+    def _update_gauges(self) -> None:
+        engine, sched, bm = self.engine, self.engine.scheduler, self.engine.block_manager
+        self.gauges = EngineGauges(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_blocks_used=bm.num_used_blocks if bm is not None else 0,
+            kv_blocks_total=bm.num_blocks if bm is not None else 0,
+            prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
+            num_preemptions=sched.num_preemptions)
+
+    # ------------------------------------------------------------------ thread -> loop
+    @staticmethod
+    def _call(request: _Request, fn, *args) -> None:
+        try:
+            request.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def _send(self, request: _Request, event: StreamEvent) -> None:
+        self._call(request, request.events.put_nowait, event)
+
+    def _reply(self, request: _Request, num_prompt_tokens: int | None = None, error: BaseException | None = None):
+        def settle() -> None:
+            if request.accepted.done():  # the caller was cancelled meanwhile
+                return
+            if error is not None:
+                request.accepted.set_exception(error)
+            else:
+                request.accepted.set_result(num_prompt_tokens)
+
+        self._call(request, settle)

@@ -1,0 +1,118 @@
+"""serve_in_thread: an OpenAI-compatible server on an existing LLM, in a background thread.
+
+    from minillm import LLM
+    from minillm.serve import serve_in_thread
+
+    llm = LLM()
+    with serve_in_thread(llm) as server:          # port 0: a free port
+        client = openai.OpenAI(base_url=server.base_url, api_key="none")
+        ...
+
+Uvicorn runs its own event loop in its own thread, so this works inside a Jupyter kernel
+(whose loop is already running in the main thread). While the server runs, its engine thread
+owns `llm.engine`: do not call llm.generate() until close().
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .app import build_app
+from .async_engine import AsyncEngine
+
+if TYPE_CHECKING:
+    from ..llm import LLM
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def default_model_name(llm: "LLM") -> str:
+    """The name clients pass as `model`: the model argument as given, else the model directory's name."""
+    model = llm.config.model
+    if model:
+        return model.rstrip("/") if not os.path.isdir(model) else os.path.basename(os.path.normpath(model))
+    return os.path.basename(os.path.normpath(str(llm.engine.model_path)))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({exc}); pick another --port, or 0 for a free one") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerHandle:
+    """A running server: `.base_url` ("http://127.0.0.1:54321/v1") for OpenAI clients, `.url`, `.port`, `.close()`."""
+
+    def __init__(self, llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.llm = llm
+        self.model_name = model_name or default_model_name(llm)
+        self.async_engine = AsyncEngine(llm)
+        self.app = build_app(self.async_engine, self.model_name)
+        try:
+            self._socket = _bind(host, port)
+        except OSError:
+            self.async_engine.shutdown()
+            raise
+        self.host = host
+        self.port = self._socket.getsockname()[1]
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+        self.url = f"http://{shown_host}:{self.port}"
+        self.base_url = self.url + "/v1"
+        config = uvicorn.Config(self.app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="minillm-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the server on {self.url} did not start: {self._error!r}")
+            time.sleep(0.01)
+
+    def _serve(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])  # its own event loop, in this thread
+        except BaseException as exc:
+            self._error = exc
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self.async_engine.is_running
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Abort what is in flight, stop the server and the engine thread; `llm` is usable again after."""
+        self.async_engine.shutdown(timeout_s)       # open streams get their last event and end
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._socket.close()
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "closed"
+        return f"ServerHandle({self.model_name!r} at {self.base_url}, {state})"
+
+
+def serve_in_thread(llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
+                    log_level: str = "warning") -> ServerHandle:
+    """Start the OpenAI-compatible server on `llm` in a background thread; returns once it accepts connections."""
+    return ServerHandle(llm, host, port, model_name, log_level)
