@@ -135,7 +135,12 @@ def _bench_repeat(llm, args) -> int:
     from .bench.speculative import compare_speculative, format_speculative, repeat_workload
 
     requests = repeat_workload(llm, num_requests=args.num_requests or 4, max_tokens=args.max_tokens or 96)
-    result = compare_speculative(llm, requests)
+    others = {}
+    if args.self_draft:
+        others["self k=4"] = dict(speculative="self", num_speculative_tokens=4)
+    if args.draft_model:
+        others["draft k=4"] = dict(speculative="draft", draft_model=args.draft_model, num_speculative_tokens=4)
+    result = compare_speculative(llm, requests, others=others)
     print(format_speculative(result))
     if args.json:
         rows = [{k: v for k, v in row.items() if k != "run"} for row in result["rows"]]
@@ -367,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0, help="mixed: the lengths and text windows drawn")
     b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 64; 16 for shared-prefix)")
     b.add_argument("--set", nargs="*", metavar="LEVER=VALUE", help="engine levers, e.g. kv_cache=false max_num_seqs=4")
+    b.add_argument("--draft-model", default=None,
+                   help="repeat: also speculate with this draft model (same tokenizer), k=4")
+    b.add_argument("--self-draft", action="store_true", help="repeat: also speculate with the early-exit self-draft, k=4")
     b.add_argument("--compare-kv-cache", action="store_true", help="also run with the kv_cache lever flipped")
     b.add_argument("--compare-transformers", action="store_true",
                    help="chat: single-request decode tokens/s beside transformers' generate, same prompts; "

@@ -187,13 +187,17 @@ def test_repeat_benchmark_reports_identical_outputs_and_acceptance(default_llm):
     from minillm.bench.speculative import compare_speculative, format_speculative, repeat_workload
 
     requests = repeat_workload(default_llm, num_requests=1, max_tokens=24)
-    result = compare_speculative(default_llm, requests, ks=(3,))
-    off, on = result["rows"]
-    assert off["label"] == "off" and on["label"] == "ngram k=3"
-    assert on["identical"] == 1 and len(on["run"].outputs[0]) == 24
+    # the default model as its own draft: the real tokenizers are compared, every proposal is kept
+    draft = {"draft k=3": dict(speculative="draft", draft_model=default_llm.engine.model_path,
+                               num_speculative_tokens=3)}
+    result = compare_speculative(default_llm, requests, ks=(3,), others=draft)
+    off, on, drafted = result["rows"]
+    assert off["label"] == "off" and on["label"] == "ngram k=3" and drafted["label"] == "draft k=3"
+    assert on["identical"] == drafted["identical"] == 1 and len(on["run"].outputs[0]) == 24
     assert on["acceptance_rate"] > 0.3 and on["tokens_per_pass"] > 1.5
+    assert drafted["acceptance_rate"] == 1.0 and drafted["tokens_per_pass"] > 3.5   # 24 tokens in 6-7 passes
     text = format_speculative(result)
-    assert "ngram k=3" in text and "acceptance >= 1.5x" in text
+    assert "ngram k=3" in text and "draft k=3" in text and "acceptance >= 1.5x" in text
 
 
 @pytest.mark.slow

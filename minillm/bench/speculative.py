@@ -80,12 +80,17 @@ def _run(llm, requests: list[Request], label: str, progress) -> SpecRun:
     return run
 
 
-def compare_speculative(llm, requests: list[Request], ks: tuple[int, ...] = (2, 4, 6)) -> dict:
-    """Speculation off, then speculative='ngram' with each k in `ks` (same weights), batch 1."""
+def compare_speculative(llm, requests: list[Request], ks: tuple[int, ...] = (2, 4, 6),
+                        others: dict[str, dict] | None = None) -> dict:
+    """Speculation off, then speculative='ngram' with each k in `ks` (same weights), batch 1;
+    `others` adds settings by label, e.g. {"draft k=4": dict(speculative="draft", draft_model=...)}."""
     from tqdm.auto import tqdm
 
-    engines = [("off", llm.with_levers(speculative=None) if llm.config.speculative else llm)]
-    engines += [(f"ngram k={k}", llm.with_levers(speculative="ngram", num_speculative_tokens=k)) for k in ks]
+    off = dict(speculative=None, draft_model=None)
+    engines = [("off", llm.with_levers(**off) if llm.config.speculative else llm)]
+    engines += [(f"ngram k={k}", llm.with_levers(**{**off, "speculative": "ngram", "num_speculative_tokens": k}))
+                for k in ks]
+    engines += [(label, llm.with_levers(**{**off, **levers})) for label, levers in (others or {}).items()]
     warm = Request({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=4, ignore_eos=True))
     for _, engine in engines:   # first-call overheads out of the timings
         engine.generate(warm.prompt, warm.params, use_tqdm=False)
