@@ -276,11 +276,16 @@ class AsyncEngine:
             else:
                 text, ids = llm._tokenize(request.prompt)
             params = request.params
+            room = engine.max_model_len - len(ids)  # output tokens the context leaves (< 1: the engine refuses)
             if request.fill_context:
                 limit = engine.max_model_len
                 if engine.block_manager is not None and not engine.block_manager.contiguous:
                     limit = min(limit, engine.block_manager.capacity_tokens)
                 params = dataclasses.replace(params, max_tokens=max(1, limit - len(ids)))
+            elif room >= 1 and params.max_tokens > room:  # the engine would cut it at the context; say so (as vLLM)
+                raise ValueError(f"max_tokens={params.max_tokens} is too large: the prompt has {len(ids)} tokens and "
+                                 f"the context (max_model_len) is {engine.max_model_len}, so max_tokens may be at "
+                                 f"most {room}")
             request.seq = engine.add_request(ids, params, prompt=text, request_id=request.request_id,
                                              cache_salt=request.cache_salt)
         except (ValueError, TypeError) as exc:
