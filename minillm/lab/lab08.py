@@ -1,0 +1,826 @@
+"""Lab 08 helpers — serving and cost: checks of the learner's SSE parser, stream timer, goodput,
+$ per million tokens and batch-size choice; a raw streaming client over httpx; the batch-size sweep
+through the server with the load generator; the cost ladder beside the sources' H100 numbers.
+
+The learner writes, with fixed signatures:
+
+    parse_sse(lines) -> list[dict]                            # the JSON of every `data:` line, up to [DONE]
+    stream_metrics(timed_lines, sent_s) -> dict               # {"text", "ttft_s", "itl_s"}
+    goodput(records, slo, duration_s) -> float                # requests per second that meet every SLO
+    cost_per_million(tokens_per_s, hourly_usd) -> float       # USD per million output tokens
+    choose_batch_size(measurements, per_user_floor_tps) -> int | None
+
+The engine-facing pieces (minillm.serve, minillm.bench.serve, minillm.bench.cost) are imported
+where they are used, so the checks of the five functions run without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from .common import CheckFailed, new_figure, passed
+
+# The sources' cost ladder: one H100 at 2.50 USD per hour, output tokens per second as the levers
+# stack. The naive engine makes one token every 30 ms (33.3 tok/s): 20.83 USD per million tokens.
+SOURCE_DEVICE = "NVIDIA H100 (the sources' example)"
+SOURCE_HOURLY_USD = 2.50
+SOURCE_STACK: tuple[tuple[str, float], ...] = (
+    ("naive: one request at a time", 100 / 3),
+    ("+ continuous batching + paging", 466.0),
+    ("+ quantization", 747.0),
+    ("+ speculative decoding", 1335.0),
+)
+SOURCE_USD_PER_MTOK = (20.83, 1.49, 0.93, 0.52)
+
+# The SLO keys goodput understands: a record's metric (seconds) must be <= the limit.
+SLO_KEYS = ("ttft_s", "tpot_s", "e2el_s")
+
+
+def _call(fn: Callable, args: tuple, call: str, hint: str = ""):
+    """Call the learner's function; an exception becomes a CheckFailed naming the call."""
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except CheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the message names the learner's error
+        raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}" + (f": {hint}" if hint else "")) from exc
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# =================================================================== 1. server-sent events
+def reference_parse_sse(lines: Sequence[str]) -> list[dict]:
+    """The JSON payload of every `data:` line, in order, up to `data: [DONE]`."""
+    events = []
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if not line.startswith("data:"):
+            continue   # blank event separators, ': keep-alive' comments, event: / id: / retry: fields
+        data = line[len("data:"):]
+        if data.startswith(" "):
+            data = data[1:]
+        if data.strip() == "[DONE]":
+            break
+        events.append(json.loads(data))
+    return events
+
+
+def _sse(event: dict) -> str:
+    return "data: " + json.dumps(event, separators=(",", ":"))
+
+
+def completion_chunk(text: str, finish_reason: str | None = None, index: int = 0) -> dict:
+    """A /v1/completions stream chunk, as OpenAI (and minillm's server) sends it."""
+    return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(content: str | None = None, role: str | None = None, finish_reason: str | None = None) -> dict:
+    """A /v1/chat/completions stream chunk: the first carries only the role, the last only a finish_reason."""
+    delta: dict = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(prompt_tokens: int = 5, completion_tokens: int = 3) -> dict:
+    """The last chunk when the request asks for stream_options={"include_usage": true}: no choices."""
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _sse_cases() -> list[tuple[list[str], str]]:
+    a, b, c = completion_chunk(" Paris"), completion_chunk(" is"), completion_chunk("", "stop")
+    return [
+        ([_sse(a), "", _sse(b), "", "data: [DONE]", ""], "two chunks, each followed by a blank separator line"),
+        ([_sse(a), "", "data: [DONE]", "", _sse(b)], "nothing after data: [DONE] counts"),
+        ([": keep-alive", "", _sse(a), "", ": ping", _sse(c), "", "data: [DONE]"], "comment lines start with ':'"),
+        (["event: message", "id: 7", _sse(a), "retry: 100", "", "data: [DONE]"], "event:, id: and retry: are not data"),
+        (["data:" + json.dumps(b), "", "data:[DONE]"], "'data:' without the space is legal SSE"),
+        ([_sse(a) + "\r", "\r", "data: [DONE]\r"], "lines may end in '\\r'"),
+        ([_sse(chat_chunk(role="assistant", content="")), _sse(chat_chunk("Hi")), _sse(usage_chunk()), "data: [DONE]"],
+         "chat chunks and a usage chunk are events like any other"),
+        ([], "an empty stream"),
+        (["data: [DONE]"], "only [DONE]"),
+        ([_sse(a), _sse(b)], "a stream cut before [DONE]: keep what arrived"),
+    ]
+
+
+def _diagnose_sse(lines: list[str], got: list, want: list[dict]) -> str:
+    if any(line.strip() == "data: [DONE]" or line.strip() == "data:[DONE]" for line in lines) and len(got) > len(want):
+        return "stop at data: [DONE]: it ends the stream (it is not JSON, and nothing after it is an event)"
+    if not got and want and any(line.startswith("data:") and not line.startswith("data: ") for line in lines):
+        return "after 'data:' the space is optional: 'data:{...}' is a data line too"
+    if got and not isinstance(got[0], dict):
+        return "return the parsed JSON (json.loads of what follows 'data: '), a dict per event, not the raw text"
+    if len(got) < len(want):
+        return "every 'data:' line before [DONE] is one event; only blank, ':' comment and other field lines are skipped"
+    return "json.loads the text after 'data:' (one optional space), skip every other line, stop at [DONE]"
+
+
+def check_parse_sse(parse_sse: Callable) -> str:
+    """Your parser vs the reference on streams with separators, comments, fields, [DONE] and '\\r'."""
+    cases = _sse_cases()
+    for lines, why in cases:
+        call = f"parse_sse({lines!r})"
+        hint = ("blank lines, ': comment' lines and 'data: [DONE]' are not JSON: skip the first two, stop at the third"
+                if any(not line.startswith("data:") or "[DONE]" in line for line in lines) else "")
+        got = _call(parse_sse, (list(lines),), call, hint)
+        want = reference_parse_sse(lines)
+        if not isinstance(got, (list, tuple)) or list(got) != want:
+            got_list = list(got) if isinstance(got, (list, tuple)) else []
+            raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}): "
+                              + _diagnose_sse(lines, got_list, want))
+    return passed("parse_sse", len(cases))
+
+
+# =================================================================== 2. timing a stream
+def chunk_text(event: dict) -> str:
+    """The text one stream chunk adds: choices[0]["text"] (completions) or choices[0]["delta"]["content"]
+    (chat); '' for a role-only, finish-only or usage chunk."""
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "text" in choice:
+        return choice.get("text") or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+def reference_stream_metrics(timed_lines: Sequence[tuple[float, str]], sent_s: float) -> dict:
+    """Text, time to first token and inter-token gaps of one streamed response: only chunks that
+    carry text count (the time a chunk's line arrived is its time)."""
+    pieces, times = [], []
+    for arrival_s, line in timed_lines:
+        for event in reference_parse_sse([line]):
+            piece = chunk_text(event)
+            if piece:
+                pieces.append(piece)
+                times.append(arrival_s)
+    return {"text": "".join(pieces), "ttft_s": times[0] - sent_s if times else None,
+            "itl_s": [b - a for a, b in zip(times, times[1:])]}
+
+
+def _timed(sent_s: float, events: list[tuple[float, dict | str]]) -> list[tuple[float, str]]:
+    lines = []
+    for t, event in events:
+        lines.append((sent_s + t, event if isinstance(event, str) else _sse(event)))
+        lines.append((sent_s + t, ""))
+    return lines
+
+
+def _stream_cases() -> list[tuple[list[tuple[float, str]], float, str]]:
+    sent = 1000.0
+    chat = _timed(sent, [(0.05, chat_chunk(role="assistant", content="")), (0.40, chat_chunk("The")),
+                         (0.55, chat_chunk(" sky")), (0.75, chat_chunk(" is")), (0.80, chat_chunk(" blue")),
+                         (0.81, chat_chunk(finish_reason="stop")), (0.81, usage_chunk(9, 4)), (0.82, "data: [DONE]")])
+    completion = _timed(sent, [(0.30, completion_chunk(" Paris")), (0.42, completion_chunk(",")),
+                               (0.61, completion_chunk(" the capital")),   # one chunk may carry several tokens
+                               (0.66, completion_chunk("", "length")), (0.67, "data: [DONE]")])
+    keepalive = [(sent + 0.1, ": keep-alive")] + _timed(sent, [(0.5, completion_chunk("A")), (0.9, completion_chunk("B")),
+                                                               (0.95, "data: [DONE]")])
+    no_text = _timed(sent, [(0.2, chat_chunk(role="assistant", content="")), (0.3, chat_chunk(finish_reason="length")),
+                            (0.3, "data: [DONE]")])
+    one = _timed(5.0, [(0.25, chat_chunk(role="assistant")), (1.5, chat_chunk("Yes")), (1.6, chat_chunk(finish_reason="stop")),
+                       (1.6, "data: [DONE]")])
+    return [(chat, sent, "a chat stream: role-only first chunk, finish chunk, usage chunk"),
+            (completion, sent, "a completion stream"),
+            (keepalive, sent, "a keep-alive comment before the first token"),
+            (no_text, sent, "no text at all: ttft_s None, itl_s []"),
+            (one, 5.0, "a single text chunk: no gaps")]
+
+
+def _diagnose_stream(timed_lines, sent_s, got: dict, want: dict) -> str:
+    first_line_s = next((t for t, line in timed_lines if line.startswith("data:")), None)
+    text_times = [t for t, line in timed_lines for e in reference_parse_sse([line]) if chunk_text(e)]
+    all_times = [t for t, line in timed_lines for _ in reference_parse_sse([line])]
+    ttft = got.get("ttft_s")
+    itl = got.get("itl_s")
+    if got.get("text") != want["text"]:
+        return ("the text is the pieces of every chunk joined: choices[0]['text'] for completions, "
+                "choices[0]['delta']['content'] for chat (a missing or None content adds nothing)")
+    if want["ttft_s"] is not None and _number(ttft):
+        if first_line_s is not None and math.isclose(ttft, first_line_s - sent_s, abs_tol=1e-9) \
+                and not math.isclose(ttft, want["ttft_s"], abs_tol=1e-9):
+            return ("you timed the first chunk; a chat stream's first chunk carries only the role (no text): the first "
+                    "token is the first chunk with text")
+        if math.isclose(ttft, want["ttft_s"] + sent_s, abs_tol=1e-6):
+            return "time to first token is measured from sent_s (when the request left): subtract it"
+    if want["ttft_s"] is None and ttft is not None:
+        return "no chunk carried text, so there is no first token: ttft_s is None"
+    if isinstance(itl, (list, tuple)) and _number(ttft) and want["ttft_s"] is not None \
+            and math.isclose(ttft, want["ttft_s"], abs_tol=1e-9):
+        if len(itl) == len(want["itl_s"]) + 1 and itl and math.isclose(itl[0], want["ttft_s"], abs_tol=1e-9):
+            return ("the first gap counted the wait for the first token; that wait is the TTFT, and inter-token gaps "
+                    "start after the first token (n text chunks, n - 1 gaps)")
+        if len(itl) > len(want["itl_s"]) and len(all_times) > len(text_times):
+            return ("chunks without text (the role chunk, the finish_reason chunk, the usage chunk) are not tokens: "
+                    "leave them out of the gaps")
+    return "ttft_s = first text chunk's arrival - sent_s; itl_s = gaps between consecutive text chunks' arrivals"
+
+
+def check_stream_metrics(stream_metrics: Callable) -> str:
+    """Your stream timer vs the reference on synthetic timed streams (chat and completions)."""
+    cases = _stream_cases()
+    for timed_lines, sent_s, why in cases:
+        call = f"stream_metrics(<{why}>, sent_s={sent_s})"
+        got = _call(stream_metrics, (list(timed_lines), sent_s), call,
+                    "a usage chunk has \"choices\": [] and a role chunk has no \"content\": read them defensively")
+        want = reference_stream_metrics(timed_lines, sent_s)
+        if not isinstance(got, dict) or not {"text", "ttft_s", "itl_s"} <= set(got):
+            raise CheckFailed(f"{call} returned {got!r}; expected a dict with 'text', 'ttft_s' and 'itl_s'")
+        itl = got["itl_s"]
+        ok = (got["text"] == want["text"]
+              and ((want["ttft_s"] is None and got["ttft_s"] is None)
+                   or (want["ttft_s"] is not None and _number(got["ttft_s"])
+                       and math.isclose(got["ttft_s"], want["ttft_s"], abs_tol=1e-9)))
+              and isinstance(itl, (list, tuple)) and len(itl) == len(want["itl_s"])
+              and all(_number(a) and math.isclose(a, b, abs_tol=1e-9) for a, b in zip(itl, want["itl_s"])))
+        if not ok:
+            shown = {k: (round(v, 6) if _number(v) else [round(x, 6) for x in v] if isinstance(v, list) else v)
+                     for k, v in want.items()}
+            raise CheckFailed(f"{call} returned {got!r}, expected {shown}: "
+                              + _diagnose_stream(timed_lines, sent_s, got, want))
+    return passed("stream_metrics", len(cases))
+
+
+# =================================================================== 3. goodput
+def reference_goodput(records: Sequence[dict], slo: dict, duration_s: float) -> float:
+    """Requests per second that succeeded and met every limit of `slo` (a metric of None — a one-token
+    answer has no TPOT — meets its limit)."""
+    unknown = set(slo) - set(SLO_KEYS)
+    if unknown:
+        raise ValueError(f"slo keys {sorted(unknown)} unknown; allowed: {SLO_KEYS}")
+    if not duration_s > 0:
+        raise ValueError(f"duration_s={duration_s!r} must be > 0")
+    good = sum(1 for r in records if r["success"]
+               and all(r[key] is None or r[key] <= limit for key, limit in slo.items()))
+    return good / duration_s
+
+
+def _record(ttft: float, tpot: float | None, e2el: float, success: bool = True, output_tokens: int = 16) -> dict:
+    return {"success": success, "ttft_s": ttft, "tpot_s": tpot, "e2el_s": e2el, "output_tokens": output_tokens}
+
+
+def _goodput_cases() -> list[tuple[list[dict], dict, float, str]]:
+    base = [_record(0.2, 0.04, 0.8), _record(0.6, 0.03, 1.1), _record(0.3, 0.09, 1.7), _record(0.1, 0.02, 0.5)]
+    failed = [_record(0.0, 0.0, 0.0, success=False, output_tokens=0)]   # vLLM's failed record: zeros
+    rng = random.Random(8)
+    many = [_record(rng.uniform(0.05, 2.0), rng.choice([None, rng.uniform(0.01, 0.2)]), rng.uniform(0.5, 9.0),
+                    success=rng.random() > 0.15) for _ in range(60)]
+    for r in many:
+        if not r["success"]:
+            r.update(ttft_s=0.0, tpot_s=0.0, e2el_s=0.0)
+    return [
+        (base, {"ttft_s": 0.5}, 2.0, "one request misses the TTFT limit"),
+        (base, {"ttft_s": 0.5, "tpot_s": 0.05}, 2.0, "a request is good only if it meets every limit"),
+        (base + failed, {"ttft_s": 0.5}, 2.0, "a failed request is never good, however small its (zero) numbers"),
+        (base, {"ttft_s": 0.3, "tpot_s": 0.04}, 4.0, "a value equal to its limit meets it (<=)"),
+        (base + [_record(0.2, None, 0.2, output_tokens=1)], {"tpot_s": 0.05}, 1.0,
+         "a one-token answer has no TPOT (None): it meets a TPOT limit"),
+        (base, {}, 2.0, "no limits: every successful request is good"),
+        (base, {"e2el_s": 1.0}, 0.5, "goodput is a rate: good requests per second of the run"),
+        ([], {"ttft_s": 1.0}, 3.0, "no requests"),
+        (many, {"ttft_s": 1.0, "tpot_s": 0.1, "e2el_s": 6.0}, 12.5, "60 random requests"),
+    ]
+
+
+def _diagnose_goodput(records, slo, duration_s, got: float) -> str:
+    want = reference_goodput(records, slo, duration_s)
+    n_good = want * duration_s
+
+    def count(pred) -> int:
+        return sum(1 for r in records if pred(r))
+
+    def meets(r, key, limit, strict=False):
+        return r[key] is None or (r[key] < limit if strict else r[key] <= limit)
+
+    with_failed = count(lambda r: all(meets(r, k, v) for k, v in slo.items())) / duration_s
+    any_limit = count(lambda r: r["success"] and (not slo or any(meets(r, k, v) for k, v in slo.items()))) / duration_s
+    strict = count(lambda r: r["success"] and all(meets(r, k, v, strict=True) for k, v in slo.items())) / duration_s
+    if records and math.isclose(got, n_good / len(records), rel_tol=1e-9, abs_tol=1e-12) and len(records) != duration_s:
+        return "goodput is good requests per second (divide by duration_s), not the fraction of requests that were good"
+    if math.isclose(got, n_good, rel_tol=1e-9) and duration_s != 1:
+        return "goodput is a rate: divide the good requests by duration_s"
+    if with_failed != want and math.isclose(got, with_failed, rel_tol=1e-9):
+        return ("a failed request (success False) is never good — its zero TTFT is not a fast answer, it is no answer")
+    if any_limit != want and math.isclose(got, any_limit, rel_tol=1e-9):
+        return "a request is good only if it meets every limit in slo (all, not any)"
+    if strict != want and math.isclose(got, strict, rel_tol=1e-9):
+        return "a value equal to its limit meets the SLO: compare with <=, not <"
+    return "count the successful requests whose every named metric is <= its limit (None meets it), divide by duration_s"
+
+
+def check_goodput(goodput: Callable) -> str:
+    """Your goodput vs the reference on hand-made and random benchmark records."""
+    cases = _goodput_cases()
+    for records, slo, duration_s, why in cases:
+        call = f"goodput(<{len(records)} records>, {slo}, {duration_s})"
+        hint = ("a one-token answer's tpot_s is None: it meets a TPOT limit (there is no second token to be late)"
+                if any(r["tpot_s"] is None for r in records) else "")
+        got = _call(goodput, ([dict(r) for r in records], dict(slo), duration_s), call, hint)
+        want = reference_goodput(records, slo, duration_s)
+        if not _number(got) or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
+            shown = f"{got:.4g}" if _number(got) else repr(got)
+            raise CheckFailed(f"{call} returned {shown}, expected {want:.4g} ({why}): "
+                              + (_diagnose_goodput(records, slo, duration_s, got) if _number(got) else
+                                 "return a float: good requests per second"))
+    return passed("goodput", len(cases))
+
+
+# =================================================================== 4. USD per million tokens
+def reference_cost_per_million(tokens_per_s: float, hourly_usd: float) -> float:
+    """USD per million output tokens when a device rented at `hourly_usd` makes `tokens_per_s`."""
+    if not tokens_per_s > 0:
+        raise ValueError(f"tokens_per_s={tokens_per_s!r} must be > 0 (a device that makes no tokens has no price per token)")
+    if not hourly_usd >= 0:
+        raise ValueError(f"hourly_usd={hourly_usd!r} must be >= 0")
+    return hourly_usd / 3600.0 / tokens_per_s * 1e6
+
+
+COST_CASES = [(100 / 3, 2.50), (466.0, 2.50), (1335.0, 2.50), (25.0, 0.08), (150.0, 0.08), (1.0, 3600.0),
+              (12_000.0, 4.10), (0.5, 0.0)]
+
+
+def _diagnose_cost(tokens_per_s: float, hourly_usd: float, got: float) -> str:
+    want = reference_cost_per_million(tokens_per_s, hourly_usd)
+    if want and math.isclose(got, want * 3600, rel_tol=1e-6):
+        return "the price is per hour and the rate per second: divide the hourly price by 3600"
+    if want and math.isclose(got, want / 1000, rel_tol=1e-6):
+        return "per million tokens: multiply the price of one token by 1e6 (not 1e3)"
+    if want and math.isclose(got, want / 1e6, rel_tol=1e-6):
+        return "that is the price of one token; the question is per million tokens"
+    if math.isclose(got, hourly_usd / 3600 * tokens_per_s * 1e6, rel_tol=1e-6):
+        return "more tokens per second must make each token cheaper: divide by tokens_per_s, do not multiply"
+    return "seconds per million tokens = 1e6 / tokens_per_s; their cost = that × hourly_usd / 3600"
+
+
+def check_cost_per_million(cost_per_million: Callable) -> str:
+    """Your price per million tokens vs the reference, and a clear error for a rate <= 0."""
+    for tokens_per_s, hourly_usd in COST_CASES:
+        call = f"cost_per_million({tokens_per_s:.6g}, {hourly_usd})"
+        got = _call(cost_per_million, (tokens_per_s, hourly_usd), call)
+        want = reference_cost_per_million(tokens_per_s, hourly_usd)
+        if not _number(got) or not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
+            shown = f"{got:.4g}" if _number(got) else repr(got)
+            raise CheckFailed(f"{call} returned {shown}, expected {want:.4g} USD per million tokens: "
+                              + (_diagnose_cost(tokens_per_s, hourly_usd, got) if _number(got) else "return a float"))
+    for bad in (0, 0.0, -5.0):
+        try:
+            got = cost_per_million(bad, 2.5)
+        except ValueError as exc:
+            if str(bad) not in str(exc) and repr(bad) not in str(exc):
+                raise CheckFailed(f"cost_per_million({bad}, 2.5) raised ValueError({str(exc)!r}); name the bad value "
+                                  f"in the message (e.g. 'tokens_per_s={bad} must be > 0')") from exc
+            continue
+        except Exception as exc:  # noqa: BLE001
+            raise CheckFailed(f"cost_per_million({bad}, 2.5) raised {type(exc).__name__}: {exc}; raise ValueError "
+                              "naming the value (a rate of 0 tokens/s has no price per token)") from exc
+        raise CheckFailed(f"cost_per_million({bad}, 2.5) returned {got!r}; raise ValueError naming the value "
+                          "(tokens_per_s must be > 0)")
+    return passed("cost_per_million", len(COST_CASES) + 3)
+
+
+# =================================================================== 5. the batch size from a floor
+def reference_choose_batch_size(measurements: Sequence[dict], per_user_floor_tps: float) -> int | None:
+    """The batch with the lowest USD per million tokens among those whose per-user tokens/s is >= the
+    floor (the smaller batch on a tie); None when none meets it."""
+    meeting = [m for m in measurements if m["per_user_tps"] >= per_user_floor_tps]
+    if not meeting:
+        return None
+    return min(meeting, key=lambda m: (m["usd_per_mtok"], m["batch"]))["batch"]
+
+
+def sweep_row(batch: int, aggregate_tps: float, per_user_tps: float, hourly_usd: float = 0.08) -> dict:
+    return {"batch": batch, "aggregate_tps": aggregate_tps, "per_user_tps": per_user_tps,
+            "usd_per_mtok": reference_cost_per_million(aggregate_tps, hourly_usd)}
+
+
+def _choose_cases() -> list[tuple[list[dict], float, str]]:
+    smooth = [sweep_row(1, 25, 25), sweep_row(2, 46, 23), sweep_row(4, 80, 20), sweep_row(8, 120, 15),
+              sweep_row(16, 150, 9.4), sweep_row(32, 170, 5.3)]
+    # measured on a busy machine: batch 16 made fewer tokens/s than batch 8
+    bumpy = [sweep_row(1, 24, 24), sweep_row(2, 44, 22), sweep_row(4, 71, 17.8), sweep_row(8, 118, 14.7),
+             sweep_row(16, 109, 13.9), sweep_row(32, 160, 5.0)]
+    ties = [sweep_row(1, 30, 30), sweep_row(4, 100, 25), sweep_row(8, 100, 12.5)]
+    shuffled = [smooth[4], smooth[0], smooth[5], smooth[2], smooth[1], smooth[3]]
+    return [
+        (smooth, 10.0, "the floor allows batch 8, not 16"),
+        (smooth, 15.0, "a per-user speed equal to the floor meets it"),
+        (smooth, 30.0, "no batch is that fast: None"),
+        (smooth, 0.0, "no floor: the cheapest batch"),
+        (bumpy, 13.0, "batch 16 meets the floor but costs more per token than batch 8"),
+        (ties, 10.0, "batches 4 and 8 cost the same: the smaller serves each user faster"),
+        (shuffled, 9.0, "measurements in any order"),
+        ([], 5.0, "no measurements"),
+    ]
+
+
+def _diagnose_choose(measurements, floor, got) -> str:
+    def largest_meeting():
+        meeting = [m["batch"] for m in measurements if m["per_user_tps"] >= floor]
+        return max(meeting) if meeting else None
+
+    cheapest_any = min(measurements, key=lambda m: (m["usd_per_mtok"], m["batch"]))["batch"] if measurements else None
+    strict = [m for m in measurements if m["per_user_tps"] > floor]
+    strict_choice = min(strict, key=lambda m: (m["usd_per_mtok"], m["batch"]))["batch"] if strict else None
+    meeting = [m for m in measurements if m["per_user_tps"] >= floor]
+    tie_larger = min(meeting, key=lambda m: (m["usd_per_mtok"], -m["batch"]))["batch"] if meeting else None
+    want = reference_choose_batch_size(measurements, floor)
+    if isinstance(got, dict):
+        return "return the batch size (an int), not its measurement"
+    if got == largest_meeting() and got != want:
+        return ("the largest batch that meets the floor is not always the cheapest: measured throughput need not grow "
+                "with the batch; take the lowest usd_per_mtok among the batches that meet the floor")
+    if got == cheapest_any and got != want:
+        return "the cheapest batch overall breaks the promise: only batches whose per_user_tps >= the floor qualify"
+    if got == strict_choice and got != want:
+        return "a batch whose per-user speed equals the floor meets it: compare with >=, not >"
+    if got == tie_larger and got != want:
+        return "on a tie in cost, take the smaller batch: the same price, and each user's text arrives faster"
+    if want is None:
+        return "no batch meets the floor: return None (and say so to whoever asked)"
+    return "filter per_user_tps >= floor, then the lowest usd_per_mtok (the smaller batch on a tie)"
+
+
+def check_choose_batch_size(choose_batch_size: Callable) -> str:
+    """Your choice vs the reference on smooth, bumpy, tied, shuffled and empty sweeps."""
+    cases = _choose_cases()
+    for measurements, floor, why in cases:
+        call = f"choose_batch_size(<batches {[m['batch'] for m in measurements]}>, {floor})"
+        got = _call(choose_batch_size, ([dict(m) for m in measurements], floor), call)
+        want = reference_choose_batch_size(measurements, floor)
+        if got != want or isinstance(got, bool):
+            table = ", ".join(f"b={m['batch']}: {m['per_user_tps']:.1f} tok/s/user, ${m['usd_per_mtok']:.2f}/Mtok"
+                              for m in measurements)
+            raise CheckFailed(f"{call} returned {got!r}, expected {want!r} ({why}; {table or 'empty'}): "
+                              + _diagnose_choose(measurements, floor, got))
+    return passed("choose_batch_size", len(cases))
+
+
+# =================================================================== the server, raw
+def stream_raw(base_url: str, payload: dict, timeout_s: float = 600.0) -> tuple[float, list[tuple[float, str]]]:
+    """POST `payload` with stream=true to /chat/completions (it has "messages") or /completions, and
+    return (sent_s, [(arrival_s, line), ...]): every raw line of the response with the
+    time.perf_counter() at which it arrived — what a load generator times."""
+    import httpx
+
+    endpoint = "/chat/completions" if "messages" in payload else "/completions"
+    url = base_url.rstrip("/") + endpoint
+    lines: list[tuple[float, str]] = []
+    with httpx.Client(timeout=timeout_s) as client:
+        sent_s = time.perf_counter()
+        with client.stream("POST", url, json={**payload, "stream": True}) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"POST {url} answered HTTP {response.status_code}: {response.read().decode()[:300]}")
+            for line in response.iter_lines():
+                lines.append((time.perf_counter(), line))
+    return sent_s, lines
+
+
+def openai_client(handle):
+    """An openai.OpenAI client on the server (the key is not checked; the client insists on one)."""
+    import openai
+
+    return openai.OpenAI(base_url=handle.base_url, api_key="none")
+
+
+def run_stream(handle, stream_metrics: Callable, question: str, max_tokens: int = 16) -> dict:
+    """One greedy chat request streamed twice: raw lines timed by your stream_metrics, and through the
+    openai client (its text must be the same)."""
+    messages = [{"role": "user", "content": question}]
+    payload = {"model": handle.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+               "stream_options": {"include_usage": True}}
+    sent_s, lines = stream_raw(handle.base_url, payload)
+    mine = stream_metrics(list(lines), sent_s)
+    stream = openai_client(handle).chat.completions.create(model=handle.model_name, messages=messages,
+                                                           max_tokens=max_tokens, temperature=0, stream=True)
+    official = "".join((chunk.choices[0].delta.content or "") for chunk in stream if chunk.choices)
+    return {"question": question, "mine": mine, "openai_text": official, "sent_s": sent_s, "lines": lines,
+            "reference": reference_stream_metrics(lines, sent_s)}
+
+
+def print_stream(run: dict, num_lines: int = 6) -> None:
+    lines = [line for _, line in run["lines"]]
+    print(f"{len(lines)} raw lines; the first {num_lines}:")
+    for line in lines[:num_lines]:
+        print("  " + (line if len(line) < 150 else line[:147] + "..."))
+    mine = run["mine"]
+    if isinstance(mine, dict) and _number(mine.get("ttft_s")):
+        gaps = mine.get("itl_s") or []
+        mean_itl = f"{statistics.fmean(gaps) * 1e3:.1f} ms" if gaps else "n/a"
+        print(f"your stream_metrics: TTFT {mine['ttft_s'] * 1e3:.1f} ms, {len(gaps)} inter-token gaps, mean ITL {mean_itl}")
+        print(f"  text:        {mine.get('text')!r}")
+    print(f"  openai text: {run['openai_text']!r}")
+
+
+def check_stream(run: dict) -> str:
+    """Your stream_metrics on the server's real stream: the openai client's text, the reference timings."""
+    mine, want = run["mine"], run["reference"]
+    if not isinstance(mine, dict) or not {"text", "ttft_s", "itl_s"} <= set(mine):
+        raise CheckFailed(f"stream_metrics returned {mine!r}; expected a dict with 'text', 'ttft_s' and 'itl_s'")
+    if mine["text"] != run["openai_text"]:
+        raise CheckFailed(f"your text {mine['text']!r} is not the openai client's {run['openai_text']!r} for the same "
+                          "greedy request: join the content of every chunk (chat: choices[0]['delta']['content'])")
+    if not (_number(mine["ttft_s"]) and math.isclose(mine["ttft_s"], want["ttft_s"], abs_tol=1e-9)):
+        raise CheckFailed(f"ttft_s = {mine['ttft_s']!r}; the first chunk with text arrived {want['ttft_s']:.4f} s after "
+                          "the request was sent (the role-only chunk before it is not a token)")
+    if len(mine["itl_s"]) != len(want["itl_s"]) or not all(
+            math.isclose(a, b, abs_tol=1e-9) for a, b in zip(mine["itl_s"], want["itl_s"])):
+        raise CheckFailed(f"{len(mine['itl_s'])} inter-token gaps; the stream had {len(want['itl_s']) + 1} chunks with "
+                          f"text, so {len(want['itl_s'])} gaps between them")
+    if not want["ttft_s"] > 0:
+        raise CheckFailed("the first token arrived before the request was sent: time with time.perf_counter()")
+    return passed("your stream timer on the server's stream", 1 + len(want["itl_s"]))
+
+
+def stream_figure(run: dict, device: str):
+    """When each chunk arrived, from the moment the request left: TTFT, then the inter-token gaps."""
+    sent = run["sent_s"]
+    text_t, text_label, other_t, other_label = [], [], [], []
+    for t, line in run["lines"]:
+        for event in reference_parse_sse([line]):
+            piece = chunk_text(event)
+            (text_t if piece else other_t).append((t - sent) * 1e3)
+            (text_label if piece else other_label).append(repr(piece) if piece else
+                                                          ("usage" if not event.get("choices") else "role / finish"))
+    fig = new_figure("One streamed answer, chunk by chunk", "ms since the request was sent", "", device=device, height=300)
+    fig.add_scatter(x=text_t, y=[1] * len(text_t), mode="markers+text", text=text_label, textposition="top center",
+                    name="chunk with text (a token)", marker=dict(size=10))
+    fig.add_scatter(x=other_t, y=[0.6] * len(other_t), mode="markers", text=other_label, name="chunk without text",
+                    marker=dict(size=8, symbol="x"))
+    if text_t:
+        fig.add_vrect(x0=0, x1=text_t[0], fillcolor="orange", opacity=0.15, line_width=0,
+                      annotation_text=f"TTFT {text_t[0]:.0f} ms", annotation_position="top left")
+    fig.update_yaxes(visible=False, range=[0, 1.6])
+    return fig
+
+
+# =================================================================== the load generator
+def chat_dataset(num_records: int = 64, output_tokens: int | None = None) -> list[dict]:
+    """Short questions from data/prompts.txt as run_benchmark records (their answers are the long part)."""
+    from ..bench.workloads import shipped_prompts
+
+    prompts = shipped_prompts()
+    return [{"prompt": prompts[i % len(prompts)], **({"output_tokens": output_tokens} if output_tokens else {})}
+            for i in range(num_records)]
+
+
+def records(result) -> list[dict]:
+    """A ServeBenchResult's per-request records as plain dicts: success, ttft_s, tpot_s, e2el_s,
+    output_tokens, start_s (seconds; a failed request's times are 0.0, as in vLLM)."""
+    out = []
+    for r in result.records:
+        ok = bool(r.success)
+        out.append({"success": ok, "ttft_s": r.ttft_s if ok else 0.0, "tpot_s": r.tpot_s if ok else 0.0,
+                    "e2el_s": r.e2el_s if ok else 0.0, "output_tokens": r.output_tokens, "start_s": r.start_s})
+    return out
+
+
+def slo_ms(slo: dict) -> dict:
+    """{"ttft_s": 0.5} -> {"ttft": 500.0}: the same SLOs in run_benchmark's goodput= form (milliseconds)."""
+    unknown = set(slo) - set(SLO_KEYS)
+    if unknown:
+        raise ValueError(f"slo keys {sorted(unknown)} unknown; allowed: {SLO_KEYS}")
+    return {key[:-2]: value * 1e3 for key, value in slo.items()}
+
+
+def check_goodput_on(goodput: Callable, result, slo: dict) -> str:
+    """Your goodput on the benchmark's records equals the load generator's own (same SLOs)."""
+    got = _call(goodput, (records(result), dict(slo), result.duration_s), f"goodput(records(bench), {slo}, ...)")
+    num_good = sum(r.meets(slo_ms(slo)) for r in result.records)   # the load generator's own verdicts
+    want = num_good / result.duration_s
+    if not _number(got) or not math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9):
+        raise CheckFailed(f"your goodput on the benchmark's {len(result.records)} records with {slo} is {got!r} req/s; "
+                          f"the load generator counts {num_good} good requests in {result.duration_s:.2f} s = "
+                          f"{want:.4g} req/s")
+    return passed("goodput on the measured records", len(result.records))
+
+
+def requests_figure(result, device: str, slo: dict | None = None):
+    """Each request as a bar: sent -> first token (waiting: queue + prefill), first token -> last (decoding)."""
+    recs = sorted(records(result), key=lambda r: r["start_s"])
+    ok = [r for r in recs if r["success"]]
+    fig = new_figure(f"{len(recs)} requests through the server", "seconds since the benchmark started", "request",
+                     device=device, height=max(300, 18 * len(recs) + 120))
+    y = list(range(len(ok)))
+    fig.add_bar(y=y, x=[r["ttft_s"] for r in ok], base=[r["start_s"] for r in ok], orientation="h",
+                name="waiting for the first token (TTFT)", marker_color="orange")
+    fig.add_bar(y=y, x=[r["e2el_s"] - r["ttft_s"] for r in ok], base=[r["start_s"] + r["ttft_s"] for r in ok],
+                orientation="h", name="streaming the answer", marker_color="steelblue")
+    fig.update_layout(barmode="overlay")
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """GET /metrics and read the Prometheus text: {'name{labels}': value} (no HELP / TYPE lines)."""
+    import httpx
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def print_metrics(url: str, prefixes: Sequence[str] = ("num_requests", "kv_", "prefix_cache_hit_rate", "prompt_tokens",
+                                                        "generation_tokens", "time_to_first_token_seconds_count",
+                                                        "time_to_first_token_seconds_sum")) -> dict[str, float]:
+    """The lines of /metrics an operator watches first."""
+    values = scrape_metrics(url)
+    for name, value in values.items():
+        short = name.split("{")[0].removeprefix("minillm_")
+        if any(short.startswith(p) for p in prefixes):
+            print(f"  {short:42} {value:g}")
+    return values
+
+
+# =================================================================== the batch-size sweep
+def serve_batch_sweep(llm, batch_sizes: Sequence[int], rounds: int = 2, max_tokens: int = 16,
+                      dataset: list[dict] | None = None) -> list[dict]:
+    """For each batch size b: a server on llm.with_levers(max_num_seqs=b) (same weights), and the load
+    generator keeping b requests in flight for rounds × b requests of max_tokens tokens each.
+    aggregate tokens/s = the benchmark's output throughput; per-user tokens/s = 1 / mean TPOT."""
+    from tqdm.auto import tqdm
+
+    from ..bench.serve import run_benchmark
+    from ..serve import serve_in_thread
+
+    for b in batch_sizes:
+        if not (isinstance(b, int) and b >= 1):
+            raise ValueError(f"batch size {b!r} must be an integer >= 1")
+    dataset = dataset or chat_dataset()
+    rows = []
+    for b in tqdm(list(batch_sizes), desc="batch sizes through the server"):
+        engine = llm.with_levers(max_num_seqs=b)
+        with serve_in_thread(engine) as handle:
+            # first-call costs (allocator, new shapes) out of the timings
+            run_benchmark(handle.base_url, endpoint="/v1/chat/completions", num_prompts=b, max_concurrency=b,
+                          max_tokens=2, dataset=dataset, progress=False)
+            res = run_benchmark(handle.base_url, endpoint="/v1/chat/completions", num_prompts=b * rounds,
+                                max_concurrency=b, max_tokens=max_tokens, dataset=dataset, seed=b, progress=False)
+        if res.failed:
+            raise RuntimeError(f"batch {b}: {res.failed} requests failed: {res.errors}")
+        tpot_s = res.metrics["tpot"]["mean_ms"] / 1e3
+        rows.append({"batch": b, "aggregate_tps": res.output_throughput, "per_user_tps": 1.0 / tpot_s,
+                     "tpot_s": tpot_s, "ttft_p50_s": res.metrics["ttft"]["median_ms"] / 1e3,
+                     "ttft_p99_s": res.metrics["ttft"].get("p99_ms", float("nan")) / 1e3,
+                     "duration_s": res.duration_s, "output_tokens": res.total_output_tokens})
+        del engine
+    return rows
+
+
+def print_batch_sweep(rows: Sequence[dict], device: str) -> None:
+    print(f"measured on {device}, through the server (HTTP, streaming, chat template)")
+    print(f"{'batch':>5} {'aggregate tok/s':>16} {'per-user tok/s':>15} {'TTFT p50':>9} {'$/Mtok':>9}")
+    for r in rows:
+        cost = f"{r['usd_per_mtok']:.3f}" if _number(r.get("usd_per_mtok")) else "—"
+        print(f"{r['batch']:>5} {r['aggregate_tps']:>16.1f} {r['per_user_tps']:>15.1f} {r['ttft_p50_s'] * 1e3:>7.0f}ms "
+              f"{cost:>9}")
+
+
+def batch_figure(rows: Sequence[dict], device: str, floor_tps: float | None = None, chosen: int | None = None):
+    """Aggregate and per-user tokens/s against the batch size; the floor as a line, the chosen batch starred."""
+    sizes = [r["batch"] for r in rows]
+    fig = new_figure("Batch size: what the operator gets vs what each user gets", "batch size (max_num_seqs)",
+                     "tokens / s", device=device)
+    fig.add_scatter(x=sizes, y=[r["aggregate_tps"] for r in rows], mode="lines+markers", name="aggregate tokens/s")
+    fig.add_scatter(x=sizes, y=[r["per_user_tps"] for r in rows], mode="lines+markers",
+                    name="per-user tokens/s (1 / TPOT)")
+    fig.add_scatter(x=[min(sizes), max(sizes)], y=[floor_tps, floor_tps] if floor_tps is not None else [None, None],
+                    mode="lines", name="per-user floor", line=dict(dash="dash", color="gray"))
+    star = [r for r in rows if r["batch"] == chosen]
+    fig.add_scatter(x=[r["batch"] for r in star], y=[r["aggregate_tps"] for r in star], mode="markers",
+                    name="chosen batch", marker=dict(size=16, symbol="star", color="black"))
+    fig.update_xaxes(type="log", tickvals=sizes, ticktext=[str(s) for s in sizes])
+    return fig
+
+
+class FloorExplorer:
+    """Slider: a per-user floor -> your choose_batch_size's batch, its cost and its throughput."""
+
+    def __init__(self, rows: Sequence[dict], choose: Callable, device: str, floor: float):
+        import ipywidgets as widgets
+
+        from .common import as_widget
+
+        self.rows, self.choose = [dict(r) for r in rows], choose
+        top = max(r["per_user_tps"] for r in self.rows)
+        self.slider = widgets.FloatSlider(value=round(floor, 1), min=0.0, max=round(top * 1.2, 1),
+                                          step=max(round(top / 100, 1), 0.1), description="floor tok/s per user",
+                                          continuous_update=False, style={"description_width": "initial"})
+        self.label = widgets.HTML()
+        self.figure = as_widget(batch_figure(self.rows, device, floor))
+        self.slider.observe(lambda _: self.update(), names="value")
+        self.widget = widgets.VBox([self.slider, self.label, self.figure])
+        self.update()
+
+    def update(self) -> None:
+        floor = self.slider.value
+        try:
+            chosen = self.choose([dict(r) for r in self.rows], floor)
+        except NotImplementedError:
+            self.label.value = "<b>finish exercise 5 (choose_batch_size) first</b>"
+            return
+        self.chosen = chosen
+        row = next((r for r in self.rows if r["batch"] == chosen), None)
+        with self.figure.batch_update():
+            self.figure.data[2].y = [floor, floor]
+            self.figure.data[3].x = [chosen] if row else []
+            self.figure.data[3].y = [row["aggregate_tps"]] if row else []
+        if row is None:
+            self.label.value = f"floor {floor:.1f} tok/s per user: <b>no measured batch is that fast</b> — promise less"
+        else:
+            self.label.value = (f"floor {floor:.1f} tok/s per user: <b>batch {chosen}</b> ({row['per_user_tps']:.1f} "
+                                f"tok/s each), {row['aggregate_tps']:.1f} tok/s in all, "
+                                f"<b>${row['usd_per_mtok']:.3f} per million tokens</b>")
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+# =================================================================== the cost ladder
+def cost_ladder(stack: Sequence, cost_per_million: Callable, hourly_usd: float) -> list[dict]:
+    """minillm.bench.cost.cost_stack's rows priced by your cost_per_million, each beside the sources' H100
+    rung at the same position (naive, + batching and paging, + quantization, + speculation)."""
+    ladder = []
+    for i, row in enumerate(stack):
+        usd = cost_per_million(row.tokens_per_s, hourly_usd)
+        if not _number(usd) or not math.isclose(usd, row.usd_per_mtok, rel_tol=1e-6):
+            raise CheckFailed(f"your cost_per_million({row.tokens_per_s:.4g}, {hourly_usd}) = {usd!r}; the cost stack "
+                              f"priced '{row.stage}' at {row.usd_per_mtok:.4g} $/Mtok: check exercise 4")
+        source = SOURCE_STACK[i] if i < len(SOURCE_STACK) else None
+        ladder.append({
+            "stage": row.stage, "tokens_per_s": row.tokens_per_s, "usd_per_mtok": usd,
+            "gain_vs_previous": row.tokens_per_s / stack[i - 1].tokens_per_s if i else 1.0,
+            "gain_vs_naive": row.tokens_per_s / stack[0].tokens_per_s, "same_tokens": row.same_tokens,
+            "num_requests": row.num_requests, "acceptance_rate": row.acceptance_rate,
+            "h100_stage": source[0] if source else None, "h100_tokens_per_s": source[1] if source else None,
+            "h100_usd_per_mtok": cost_per_million(source[1], SOURCE_HOURLY_USD) if source else None,
+            "h100_gain_vs_naive": source[1] / SOURCE_STACK[0][1] if source else None})
+    return ladder
+
+
+def print_ladder(ladder: Sequence[dict], device: str) -> None:
+    print(f"{'':32}{'here: ' + device:^40}  {'the sources: H100 at 2.50 $/h':^30}")
+    print(f"{'stage':32}{'tok/s':>9}{'x naive':>9}{'x prev':>8}{'$/Mtok':>11}   {'tok/s':>8}{'x naive':>9}{'$/Mtok':>9}")
+    for r in ladder:
+        h100 = (f"{r['h100_tokens_per_s']:>8.1f}{r['h100_gain_vs_naive']:>8.1f}x{r['h100_usd_per_mtok']:>9.2f}"
+                if r["h100_tokens_per_s"] else "")
+        print(f"{r['stage'][:31]:32}{r['tokens_per_s']:>9.1f}{r['gain_vs_naive']:>8.2f}x{r['gain_vs_previous']:>7.2f}x"
+              f"{r['usd_per_mtok']:>11.4f}   {h100}")
+    best = min(ladder, key=lambda r: r["usd_per_mtok"])
+    print(f"cheapest here: '{best['stage']}', {ladder[0]['usd_per_mtok'] / best['usd_per_mtok']:.1f}x cheaper than "
+          f"naive (the H100 ladder: {SOURCE_USD_PER_MTOK[0] / SOURCE_USD_PER_MTOK[-1]:.0f}x)")
+
+
+def ladder_figure(ladder: Sequence[dict], device: str):
+    """Tokens/s gained over the naive engine at each rung, here and on the sources' H100; $/Mtok on the bars."""
+    stages = [r["stage"] for r in ladder]
+    fig = new_figure("The cost ladder: gain over the naive engine at each rung", "", "x naive tokens/s (log)",
+                     device=device, log_y=True)
+    fig.add_bar(x=stages, y=[r["gain_vs_naive"] for r in ladder], name=f"here ({device})",
+                text=[f"${r['usd_per_mtok']:.3g}/Mtok" for r in ladder], textposition="outside")
+    h100 = [r for r in ladder if r["h100_gain_vs_naive"]]
+    fig.add_bar(x=[r["stage"] for r in h100], y=[r["h100_gain_vs_naive"] for r in h100], name="the sources' H100",
+                text=[f"${r['h100_usd_per_mtok']:.2f}/Mtok" for r in h100], textposition="outside")
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def greedy(max_tokens: int):
+    """SamplingParams for a short greedy answer."""
+    from ..sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+__all__ = ["CheckFailed", "SOURCE_STACK", "SOURCE_HOURLY_USD", "SOURCE_USD_PER_MTOK", "SLO_KEYS",
+           "check_parse_sse", "check_stream_metrics", "check_goodput", "check_cost_per_million",
+           "check_choose_batch_size", "chunk_text", "completion_chunk", "chat_chunk", "usage_chunk", "stream_raw",
+           "openai_client", "run_stream", "print_stream", "check_stream", "stream_figure", "chat_dataset", "records",
+           "slo_ms", "check_goodput_on", "requests_figure", "scrape_metrics", "print_metrics", "serve_batch_sweep",
+           "print_batch_sweep", "batch_figure", "FloorExplorer", "cost_ladder", "print_ladder", "ladder_figure",
+           "greedy"]
