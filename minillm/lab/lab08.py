@@ -136,8 +136,9 @@ def check_parse_sse(parse_sse: Callable) -> str:
     cases = _sse_cases()
     for lines, why in cases:
         call = f"parse_sse({lines!r})"
-        hint = ("blank lines, ': comment' lines and 'data: [DONE]' are not JSON: skip the first two, stop at the third"
-                if any(not line.startswith("data:") or "[DONE]" in line for line in lines) else "")
+        hint = ("'data: [DONE]' ends the stream and is not JSON; blank lines, ': comment' lines and other fields "
+                "(event:, id:) are not events: skip them" if any(not line.startswith("data:") or "[DONE]" in line
+                                                                for line in lines) else "")
         got = _call(parse_sse, (list(lines),), call, hint)
         want = reference_parse_sse(lines)
         if not isinstance(got, (list, tuple)) or list(got) != want:
@@ -442,6 +443,9 @@ def _diagnose_choose(measurements, floor, got) -> str:
     want = reference_choose_batch_size(measurements, floor)
     if isinstance(got, dict):
         return "return the batch size (an int), not its measurement"
+    cost = {m["batch"]: m["usd_per_mtok"] for m in meeting}
+    if want is not None and got in cost and got != want and cost[got] == cost[want]:
+        return "on a tie in cost, take the smaller batch: the same price, and each user's text arrives faster"
     if got == largest_meeting() and got != want:
         return ("the largest batch that meets the floor is not always the cheapest: measured throughput need not grow "
                 "with the batch; take the lowest usd_per_mtok among the batches that meet the floor")

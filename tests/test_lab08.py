@@ -1,0 +1,380 @@
+"""Lab 08 (serving and cost): the master has every graded piece, hidden tests and a hand-graded
+write-up with its rubric kept out of the generated copies; the solutions pass every check; the checks
+name each usual mistake (a [DONE] parsed as JSON, the role-only chunk timed as the first token, the
+first token's wait counted as a gap, failed requests counted as good, a fraction instead of a rate,
+the hourly price used per second, the largest batch instead of the cheapest, ties and edges); the
+learner's stream timer agrees with the openai client on the real server; the batch sweep through the
+server and the cost ladder come out right on a short run of the default model."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from minillm.lab import lab08
+from minillm.lab.build import REPO_ROOT, SOURCE_DIR
+from minillm.lab.common import CheckFailed, figure_subtitle
+
+LAB = "08_serving_cost"
+MASTER = SOURCE_DIR / LAB / f"{LAB}.ipynb"
+EXERCISES = {"parse_sse", "stream_metrics", "goodput", "cost_per_million", "choose_batch_size"}
+AUTOGRADED = {"test_parse_sse": 2, "test_parse_sse_edges": 1, "test_stream_metrics": 2, "test_stream_on_server": 2,
+              "test_goodput": 2, "test_cost_per_million": 2, "test_choose_batch_size": 3}
+WRITEUP_POINTS = 4
+
+
+@pytest.fixture(scope="module")
+def solution():
+    """The master's solution code cells, run in one namespace."""
+    nb = nbformat.read(MASTER, as_version=4)
+    namespace: dict = {"lab08": lab08}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
+            exec(compile(cell.source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
+    return namespace
+
+
+# --------------------------------------------------------------------- the master
+def test_master_has_every_graded_piece_with_hidden_tests():
+    nb = nbformat.read(MASTER, as_version=4)
+    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    for name in EXERCISES:
+        cell, m = meta[name]
+        assert cell.cell_type == "code" and m["solution"] and not m["locked"] and "### BEGIN SOLUTION" in cell.source
+    graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
+    assert set(graded) == set(AUTOGRADED) | {"writeup"}
+    for gid, points in AUTOGRADED.items():
+        cell = meta[gid][0]
+        assert cell.cell_type == "code" and "### BEGIN HIDDEN TESTS" in cell.source, f"{gid} has no hidden tests"
+        assert graded[gid]["locked"] and not graded[gid]["solution"] and graded[gid]["points"] == points, gid
+    assert sum(AUTOGRADED.values()) == 14
+    # the write-up: a markdown answer the learner edits, graded by hand, with the rubric inside the solution region
+    writeup, m = meta["writeup"]
+    assert writeup.cell_type == "markdown" and m["solution"] and m["grade"] and not m["locked"]
+    assert m["points"] == WRITEUP_POINTS
+    lines = writeup.source.splitlines()
+    assert lines[0] == "### BEGIN SOLUTION" and lines[-1] == "### END SOLUTION"
+    assert lines.index("### BEGIN MARK SCHEME") < lines.index("### END MARK SCHEME")
+    intro = nb.cells[0].source
+    assert "**18 points**" in intro and "14 points checked automatically" in intro
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell is not writeup:
+            assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+    assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "serve_in_thread(llm)" in "".join(c.source for c in code[:4]), "the server starts among the first cells"
+    assert "handle.close()" in code[-1].source, "the last cell closes the server"
+
+
+def test_student_and_solution_copies():
+    student = nbformat.read(REPO_ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
+    stubs = {c.metadata["nbgrader"]["grade_id"]: c.source for c in student.cells
+             if c.metadata.get("nbgrader", {}).get("solution")}
+    assert set(stubs) == EXERCISES | {"writeup"}
+    for gid in EXERCISES:
+        assert "raise NotImplementedError()" in stubs[gid], gid
+    assert stubs["writeup"] == "YOUR ANSWER HERE"
+    assert "usd_per_mtok\"], m[\"batch\"]" not in stubs["choose_batch_size"]
+    solved = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    writeup = next(c for c in solved.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "writeup")
+    assert "Model answer" in writeup.source
+    for nb in (student, solved):
+        text = json.dumps(nb)
+        assert "Rubric" not in text and "MARK SCHEME" not in text, "the rubric is for the instructor's master only"
+
+
+# --------------------------------------------------------------------- the solutions pass
+def test_solution_passes_every_check(solution):
+    lab08.check_parse_sse(solution["parse_sse"])
+    lab08.check_stream_metrics(solution["stream_metrics"])
+    lab08.check_goodput(solution["goodput"])
+    lab08.check_cost_per_million(solution["cost_per_million"])
+    lab08.check_choose_batch_size(solution["choose_batch_size"])
+    assert [round(solution["cost_per_million"](tps, 2.50), 2) for _, tps in lab08.SOURCE_STACK] == \
+        list(lab08.SOURCE_USD_PER_MTOK)
+
+
+def test_references_agree_with_the_engine_side_modules():
+    from minillm.bench import cost
+
+    for tps, usd in lab08.COST_CASES:
+        assert lab08.reference_cost_per_million(tps, usd) == pytest.approx(cost.cost_per_million(tps, usd))
+    assert lab08.slo_ms({"ttft_s": 0.5, "tpot_s": 0.05}) == {"ttft": 500.0, "tpot": 50.0}
+    with pytest.raises(ValueError, match="latency_s"):
+        lab08.slo_ms({"latency_s": 1.0})
+
+
+# --------------------------------------------------------------------- the checks name mistakes
+def _sse_no_done(lines):
+    return [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+
+
+def _sse_needs_space(lines):
+    out = []
+    for line in lines:
+        line = line.rstrip("\r")
+        if line == "data: [DONE]":
+            break
+        if line.startswith("data: "):
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def _sse_raw(lines):
+    out = []
+    for line in lines:
+        line = line.rstrip("\r")
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            out.append(data)
+    return out
+
+
+def _sse_skips_nothing(lines):   # parses every non-blank line, comments and fields too
+    out = []
+    for line in lines:
+        if "[DONE]" in line:
+            break
+        if line.strip():
+            out.append(json.loads(line.split(":", 1)[1]))
+    return out
+
+
+@pytest.mark.parametrize("wrong, words", [(_sse_no_done, "ends the stream"), (_sse_needs_space, "space is optional"),
+                                          (_sse_raw, "parsed JSON"), (_sse_skips_nothing, "raised")])
+def test_parse_sse_check_names_the_mistake(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        lab08.check_parse_sse(wrong)
+
+
+def _metrics_from(pieces_times, sent_s, ttft_from="text", itl_from_sent=False, absolute=False):
+    text = "".join(p for p, _ in pieces_times if p)
+    text_times = [t for p, t in pieces_times if p]
+    all_times = [t for _, t in pieces_times]
+    first = (all_times if ttft_from == "any" else text_times)
+    ttft = (first[0] - (0 if absolute else sent_s)) if text_times else None
+    times = ([sent_s] if itl_from_sent else []) + (all_times if ttft_from == "any" else text_times)
+    return {"text": text, "ttft_s": ttft, "itl_s": [b - a for a, b in zip(times, times[1:])]}
+
+
+def _pieces(timed_lines):
+    out = []
+    for t, line in timed_lines:
+        for event in lab08.reference_parse_sse([line]):
+            out.append((lab08.chunk_text(event), t))
+    return out
+
+
+def _timer_counts_every_chunk(timed_lines, sent_s):
+    return _metrics_from(_pieces(timed_lines), sent_s, ttft_from="any")
+
+
+def _timer_absolute(timed_lines, sent_s):
+    return _metrics_from(_pieces(timed_lines), sent_s, absolute=True)
+
+
+def _timer_gap_from_sent(timed_lines, sent_s):
+    return _metrics_from(_pieces(timed_lines), sent_s, itl_from_sent=True)
+
+
+def _timer_indexes_choices(timed_lines, sent_s):
+    pieces = []
+    for t, line in timed_lines:
+        for event in lab08.reference_parse_sse([line]):
+            choice = event["choices"][0]
+            pieces.append((choice.get("text") or choice["delta"].get("content") or "", t))
+    return _metrics_from(pieces, sent_s)
+
+
+@pytest.mark.parametrize("wrong, words", [(_timer_counts_every_chunk, "carries only the role"),
+                                          (_timer_absolute, "subtract it"),
+                                          (_timer_gap_from_sent, "the wait for the first token"),
+                                          (_timer_indexes_choices, "choices\": \\[\\]")])
+def test_stream_metrics_check_names_the_mistake(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        lab08.check_stream_metrics(wrong)
+
+
+def _good(records, slo, pred=None, strict=False, count_failed=False):
+    def meets(value, limit):
+        return value is None or (value < limit if strict else value <= limit)
+
+    pred = pred or all
+    return [r for r in records if (count_failed or r["success"])
+            and (pred(meets(r[k], v) for k, v in slo.items()) if slo else True)]
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda recs, slo, d: len(_good(recs, slo, count_failed=True)) / d, "failed request"),
+    (lambda recs, slo, d: len(_good(recs, slo, pred=any)) / d, "every limit"),
+    (lambda recs, slo, d: len(_good(recs, slo)) / len(recs) if recs else 0.0, "not the fraction"),
+    (lambda recs, slo, d: float(len(_good(recs, slo))), "divide the good requests by duration_s"),
+    (lambda recs, slo, d: len(_good(recs, slo, strict=True)) / d, "<=, not <"),
+    (lambda recs, slo, d: sum(r["success"] and all(r[k] <= v for k, v in slo.items()) for r in recs) / d, "None"),
+])
+def test_goodput_check_names_the_mistake(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        lab08.check_goodput(wrong)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda tps, usd: usd / tps * 1e6, "divide the hourly price by 3600"),
+    (lambda tps, usd: usd / 3600 / tps * 1e3, "not 1e3"),
+    (lambda tps, usd: usd / 3600 / tps, "price of one token"),
+    (lambda tps, usd: usd / 3600 * tps * 1e6, "do not multiply"),
+])
+def test_cost_check_names_the_mistake(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        lab08.check_cost_per_million(wrong)
+
+
+def test_cost_check_wants_a_clear_error_for_a_zero_rate(solution):
+    def no_guard(tps, usd):
+        return usd / 3600 / tps * 1e6
+
+    with pytest.raises(CheckFailed, match="ZeroDivisionError.*raise ValueError naming the value"):
+        lab08.check_cost_per_million(no_guard)
+
+    def infinite(tps, usd):
+        return float("inf") if tps <= 0 else solution["cost_per_million"](tps, usd)
+
+    with pytest.raises(CheckFailed, match="returned inf"):
+        lab08.check_cost_per_million(infinite)
+
+    def vague(tps, usd):
+        if tps <= 0:
+            raise ValueError("bad rate")
+        return solution["cost_per_million"](tps, usd)
+
+    with pytest.raises(CheckFailed, match="name the bad value"):
+        lab08.check_cost_per_million(vague)
+
+
+def _largest_meeting(rows, floor):
+    meeting = [r["batch"] for r in rows if r["per_user_tps"] >= floor]
+    return max(meeting) if meeting else None
+
+
+def _cheapest_ignoring_floor(rows, floor):
+    return min(rows, key=lambda r: r["usd_per_mtok"])["batch"] if rows else None
+
+
+def _strict_floor(rows, floor):
+    meeting = [r for r in rows if r["per_user_tps"] > floor]
+    return min(meeting, key=lambda r: (r["usd_per_mtok"], r["batch"]))["batch"] if meeting else None
+
+
+def _tie_to_larger(rows, floor):
+    meeting = [r for r in rows if r["per_user_tps"] >= floor]
+    return min(meeting, key=lambda r: (r["usd_per_mtok"], -r["batch"]))["batch"] if meeting else None
+
+
+def _returns_row(rows, floor):
+    meeting = [r for r in rows if r["per_user_tps"] >= floor]
+    return min(meeting, key=lambda r: (r["usd_per_mtok"], r["batch"])) if meeting else None
+
+
+@pytest.mark.parametrize("wrong, words", [(_largest_meeting, "largest batch that meets the floor is not always"),
+                                          (_cheapest_ignoring_floor, "breaks the promise"),
+                                          (_strict_floor, ">=, not >"), (_tie_to_larger, "smaller batch"),
+                                          (_returns_row, "not its measurement")])
+def test_choose_batch_size_check_names_the_mistake(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        lab08.check_choose_batch_size(wrong)
+
+
+def test_checks_let_not_implemented_through():
+    def todo(*args):
+        raise NotImplementedError()
+
+    for check in (lab08.check_parse_sse, lab08.check_stream_metrics, lab08.check_goodput,
+                  lab08.check_cost_per_million, lab08.check_choose_batch_size):
+        with pytest.raises(NotImplementedError):
+            check(todo)
+
+
+# --------------------------------------------------------------------- the engine behind the server
+@pytest.fixture(scope="module")
+def server(default_llm):
+    from minillm.serve import serve_in_thread
+
+    with serve_in_thread(default_llm) as handle:
+        yield handle
+
+
+def test_stream_on_the_server_matches_the_openai_client(server, solution, capsys):
+    run = lab08.run_stream(server, solution["stream_metrics"], "Name a colour.", max_tokens=6)
+    assert run["mine"]["text"] == run["openai_text"] and run["openai_text"]
+    assert run["mine"]["ttft_s"] > 0 and len(run["mine"]["itl_s"]) >= 1
+    lab08.check_stream(run)
+    lab08.print_stream(run)
+    assert "openai text" in capsys.readouterr().out
+    fig = lab08.stream_figure(run, "cpu: test device")
+    assert "cpu: test device" in figure_subtitle(fig) and len(fig.data[0].x) == len(run["mine"]["itl_s"]) + 1
+
+    wrong = lab08.run_stream(server, _timer_counts_every_chunk, "Name a colour.", max_tokens=6)
+    with pytest.raises(CheckFailed, match="role-only chunk"):
+        lab08.check_stream(wrong)
+
+
+def test_goodput_on_a_real_benchmark(server, solution):
+    from minillm.bench.serve import run_benchmark
+
+    slo = {"ttft_s": 30.0, "tpot_s": 5.0}
+    bench = run_benchmark(server.base_url, endpoint="/v1/chat/completions", num_prompts=3, max_concurrency=3,
+                          max_tokens=3, dataset=lab08.chat_dataset(3), goodput=lab08.slo_ms(slo), progress=False)
+    recs = lab08.records(bench)
+    assert len(recs) == 3 and all(r["success"] and r["output_tokens"] == 3 for r in recs)
+    lab08.check_goodput_on(solution["goodput"], bench, slo)
+    lab08.check_goodput_on(solution["goodput"], bench, {"ttft_s": 1e-6})   # nothing is that fast
+    assert solution["goodput"](recs, {"ttft_s": 1e-6}, bench.duration_s) == 0.0
+    with pytest.raises(CheckFailed, match="the load generator counts 3 good requests"):
+        lab08.check_goodput_on(lambda r, s, d: 0.0, bench, slo)
+    fig = lab08.requests_figure(bench, "cpu: test device")
+    assert len(fig.data) == 2 and len(fig.data[0].y) == 3
+    values = lab08.scrape_metrics(server.url)
+    assert any(name.startswith("minillm_generation_tokens_total") and value >= 9 for name, value in values.items())
+
+
+def test_batch_sweep_through_the_server_and_the_floor(default_llm, solution, capsys):
+    rows = lab08.serve_batch_sweep(default_llm, [1, 2], rounds=1, max_tokens=3, dataset=lab08.chat_dataset(4))
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["aggregate_tps"] > 0 and r["per_user_tps"] > 0 and r["output_tokens"] == 3 * r["batch"]
+        r["usd_per_mtok"] = solution["cost_per_million"](r["aggregate_tps"], 0.08)
+    lab08.print_batch_sweep(rows, "cpu: test device")
+    assert "per-user tok/s" in capsys.readouterr().out
+    floor = min(r["per_user_tps"] for r in rows)
+    chosen = solution["choose_batch_size"](rows, floor)
+    assert chosen == min(rows, key=lambda r: (r["usd_per_mtok"], r["batch"]))["batch"]
+    fig = lab08.batch_figure(rows, "cpu: test device", floor, chosen)
+    assert list(fig.data[3].x) == [chosen] and list(fig.data[2].y) == [floor, floor]
+    explorer = lab08.FloorExplorer(rows, solution["choose_batch_size"], "cpu: test device", floor)
+    assert explorer.chosen == chosen
+    explorer.slider.value = explorer.slider.max   # faster than any measured batch
+    assert explorer.chosen is None and "no measured batch" in explorer.label.value
+    assert list(explorer.figure.data[3].x) == []
+    with pytest.raises(ValueError, match="batch size 0"):
+        lab08.serve_batch_sweep(default_llm, [0])
+
+
+def test_cost_ladder_beside_the_h100(default_llm, solution, capsys):
+    from minillm.bench.cost import cost_stack, cost_workload
+
+    stack = cost_stack(default_llm, requests=cost_workload(default_llm, 2, 3), hourly_usd=0.08, progress=False)
+    ladder = lab08.cost_ladder(stack, solution["cost_per_million"], 0.08)
+    assert [r["stage"] for r in ladder] == [row.stage for row in stack]
+    assert ladder[0]["gain_vs_naive"] == 1.0 and ladder[0]["h100_usd_per_mtok"] == pytest.approx(20.83, abs=0.005)
+    assert ladder[-1]["h100_gain_vs_naive"] == pytest.approx(1335 / (100 / 3))
+    for r, row in zip(ladder, stack):
+        assert r["usd_per_mtok"] == pytest.approx(row.usd_per_mtok)
+    lab08.print_ladder(ladder, "cpu: test device")
+    assert "the H100 ladder: 40x" in capsys.readouterr().out
+    fig = lab08.ladder_figure(ladder, "cpu: test device")
+    assert len(fig.data) == 2 and list(fig.data[1].y) == pytest.approx([r["h100_gain_vs_naive"] for r in ladder])
+    with pytest.raises(CheckFailed, match="check exercise 4"):
+        lab08.cost_ladder(stack, lambda tps, usd: usd / tps * 1e6, 0.08)
