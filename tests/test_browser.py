@@ -270,3 +270,84 @@ def test_lab_runs_in_jupyterlab_and_widgets_respond(jupyter_lab):
     assert plot_count > 0 and plot_svg_count > 0, "no plotly figure rendered"
     assert "Error displaying widget" not in page_text, "a widget failed to render (see screenshot)"
     assert not stderr_tracebacks, f"error output in {lab}:\n" + "\n---\n".join(stderr_tracebacks)
+
+
+# --- lab 08: the server starts inside the kernel and the openai client gets answers -------------------
+SERVING_LAB = "08_serving_cost"
+# The lab's first cells: up to the first chat through the openai client (the server is started above it).
+SERVING_LAST_CELL_MARKER = "client.chat.completions.create("
+
+
+def first_cells_of(lab: str, marker: str) -> int:
+    """Index of the first cell of solutions/<lab>.ipynb whose source contains `marker`."""
+    import nbformat
+
+    nb = nbformat.read(REPO_ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    for index, cell in enumerate(nb.cells):
+        if marker in cell.source:
+            return index
+    pytest.fail(f"no cell of {lab} contains {marker!r}")
+
+
+def test_serving_lab_first_cells_answer_in_jupyterlab(jupyter_lab):
+    """Lab 08's first cells in a real browser: the model loads, serve_in_thread starts the OpenAI-compatible
+    server inside the kernel, /health answers, and the openai client's completion, chat and stream print."""
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not (REPO_ROOT / "solutions" / f"{SERVING_LAB}.ipynb").is_file():
+        pytest.skip(f"solutions/{SERVING_LAB}.ipynb not built yet")
+    base_url, token, _ = jupyter_lab
+    last = first_cells_of(SERVING_LAB, SERVING_LAST_CELL_MARKER)
+    screenshot = ARTIFACTS / f"browser_lab{SERVING_LAB[:2]}.png"
+    failure_screenshot = ARTIFACTS / f"browser_lab{SERVING_LAB[:2]}_failure.png"
+    ARTIFACTS.mkdir(exist_ok=True)
+    for stale in (screenshot, failure_screenshot):
+        stale.unlink(missing_ok=True)
+
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{base_url}/lab/tree/{SERVING_LAB}.ipynb?token={token}", timeout=120_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+            wait_for_kernel_idle(page, SERVER_START_TIMEOUT_S)
+
+            # Select the cell after the marked one, then Run > Run All Above Selected Cell.
+            page.locator(".jp-Notebook .jp-Cell").nth(last + 1).click()
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Above Selected Cell", exact=True).click()
+            started_s = time.monotonic()
+            prompts = wait_for_run_all(page, RUN_ALL_TIMEOUT_S)
+            run_s = time.monotonic() - started_s
+
+            code_cells = page.locator(".jp-Notebook .jp-Cell").nth(last).evaluate(
+                "el => [...el.parentElement.children].slice(0, [...el.parentElement.children].indexOf(el) + 1)"
+                ".filter(c => c.classList.contains('jp-CodeCell')).length")
+            outputs = "\n".join(page.locator(".jp-Notebook .jp-OutputArea-output").all_text_contents())
+            stderr_tracebacks = [
+                text
+                for text in page.locator(
+                    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+                ).all_text_contents()
+                if "Traceback" in text
+            ]
+            page.locator(".jp-Notebook .jp-Cell").nth(last).scroll_into_view_if_needed()
+            page.screenshot(path=str(screenshot))
+        except Exception:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(failure_screenshot))
+                print(f"screenshot of the failure: {failure_screenshot}")
+            raise
+        finally:
+            browser.close()
+
+    print(f"lab {SERVING_LAB}: first {code_cells} code cells in {run_s:.0f} s; screenshot {screenshot}\n{outputs[-1500:]}")
+    assert not stderr_tracebacks, f"error output in {SERVING_LAB}:\n" + "\n---\n".join(stderr_tracebacks)
+    ran = [p for p in prompts[:code_cells] if p[1:-2].strip().isdigit()]
+    assert len(ran) == code_cells, f"not every one of the first {code_cells} code cells ran: {prompts[:code_cells]}"
+    assert all(not p[1:-2].strip().isdigit() for p in prompts[code_cells:]), "cells below the marked one ran"
+    assert "ServerHandle(" in outputs and "running)" in outputs, "serve_in_thread did not print a running server"
+    assert "GET /health   -> 200" in outputs, "the server's /health did not answer 200"
+    for line in ("completion:", "chat:", "finish:", "streamed:"):
+        assert line in outputs, f"no {line!r} line: the openai client got no answer"
+    streamed = next(text for text in outputs.splitlines() if text.startswith("streamed:"))
+    assert streamed.count("|") >= 2, f"the stream printed fewer than two pieces: {streamed!r}"
