@@ -107,7 +107,9 @@ def test_solution_gets_full_marks_and_runs_without_errors(graded_lab):
     lab, rows = graded_lab
     row = rows["solution"]
     assert row["max_score"] > 0, f"{lab} has no points to grade"
-    assert row["score"] == row["max_score"], f"{lab} solution scored {row['score']}/{row['max_score']}: {row['failures']}"
+    autograded_max = row["max_score"] - row["manual_max_score"]  # a write-up's points wait for the instructor
+    assert autograded_max > 0, f"{lab} has no autograded points"
+    assert row["score"] == autograded_max, f"{lab} solution scored {row['score']}/{autograded_max}: {row['failures']}"
     assert not row["errors"], f"{lab} solution raised in cells: {row['errors']}"
 
 
@@ -115,6 +117,7 @@ def test_untouched_student_copy_gets_zero(graded_lab):
     lab, rows = graded_lab
     row = rows["untouched"]
     assert row["max_score"] == rows["solution"]["max_score"]
+    assert row["manual_max_score"] == rows["solution"]["manual_max_score"]
     assert row["score"] == 0, f"{lab}: an empty submission scored {row['score']} (a test passes without work)"
 
 

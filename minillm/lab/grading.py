@@ -93,6 +93,18 @@ def _errors(autograded_notebook: Path) -> tuple[dict[str, str], dict[str, str]]:
     return failures, errors
 
 
+def _manual_max_score(submission) -> float:
+    """Points of the cells an instructor grades by hand (a markdown answer, or a graded solution
+    cell): autograding gives them nothing until `nbgrader formgrader` does."""
+    manual = 0.0
+    for notebook in submission.notebooks:
+        solution_names = {cell.name for cell in notebook.notebook.solution_cells}
+        for grade in notebook.grades:
+            if grade.cell_type == "markdown" or grade.name in solution_names:
+                manual += float(grade.max_score)
+    return manual
+
+
 def _read_grades(course_root: Path, submissions: Mapping[str, Mapping[str, Path]]) -> list[dict]:
     from nbgrader.api import Gradebook
 
@@ -109,6 +121,7 @@ def _read_grades(course_root: Path, submissions: Mapping[str, Mapping[str, Path]
                         "lab": lab,
                         "score": float(submission.score),
                         "max_score": float(submission.max_score),
+                        "manual_max_score": _manual_max_score(submission),
                         "failures": failures,
                         "errors": errors,
                     }
@@ -125,7 +138,8 @@ def autograde(
     cell_timeout_s: int | None = None,
 ) -> list[dict]:
     """Autograde ``{student: {lab: notebook_path}}``; return rows sorted by student then lab:
-    ``{"student", "lab", "score", "max_score", "failures", "errors"}`` where ``failures`` maps
+    ``{"student", "lab", "score", "max_score", "manual_max_score", "failures", "errors"}`` where
+    ``manual_max_score`` is the part of ``max_score`` graded by hand (not in ``score`` yet), ``failures`` maps
     the graded test cells that raised to ``"ErrorName: message"`` and ``errors`` does the same
     for every code cell (a solution should have none: the graded run executes the whole
     notebook, hidden tests included, headless with nbclient).
@@ -175,7 +189,9 @@ def format_table(rows: list[dict]) -> str:
     """A plain-text table of the rows, with the failing graded cells of each."""
     header = ("student", "lab", "score", "failed cells")
     lines = [
-        (row["student"], row["lab"], f"{row['score']:g} / {row['max_score']:g}", ", ".join(sorted(row["failures"])) or "-")
+        (row["student"], row["lab"], f"{row['score']:g} / {row['max_score']:g}"
+         + (f" ({row['manual_max_score']:g} by hand)" if row.get("manual_max_score") else ""),
+         ", ".join(sorted(row["failures"])) or "-")
         for row in rows
     ]
     widths = [max(len(str(item)) for item in column) for column in zip(header, *lines)]
