@@ -27,10 +27,22 @@ from minillm.serve.cli import build_parser, config_from_argv, engine_fields, eng
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8
-PROMPTS = [f"Question {i}: in one short sentence, what is {i} plus {i % 7 + 1}?" if i % 2 else
-           f"Write the first words of a story about a {['cat', 'ship', 'river', 'robot'][i % 4]} number {i}."
-           for i in range(NUM_CLIENTS)]
+ANIMALS = ["cat", "fox", "whale", "robot", "owl", "horse", "bee", "dragon"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def build_prompts(llm) -> list[str]:
+    """Half chat-templated questions (the instruct model answers them), half text to continue."""
+    prompts = []
+    for i in range(NUM_CLIENTS):
+        if i % 2 == 0:
+            question = f"In one short sentence, what is {i} plus {i % 7 + 1}?"
+            prompts.append(llm.apply_chat_template([{"role": "user", "content": question}]))
+        else:
+            prompts.append(f"Once upon a time, a {ANIMALS[i % 8]} named {['Luna', 'Max', 'Kiki', 'Bo'][i % 4]} "
+                           f"found {i} shiny stones and")
+    return prompts
+
 
 SAMPLE_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '
                          r'(-?[0-9.eE+-]+|[+-]Inf|NaN)$')
@@ -65,9 +77,17 @@ def get_metrics(server) -> dict[str, float]:
 def offline(default_llm):
     """What the offline engine answers (computed before the server owns the engine)."""
     assert_engine_idle(default_llm)
-    outs = default_llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    prompts = build_prompts(default_llm)
+    t0 = time.perf_counter()
+    outs = default_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    offline_s = time.perf_counter() - t0
     chat = default_llm.chat(CHAT, SamplingParams(max_tokens=12))[0]
-    return {"completions": [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs],
+    completions = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]
+    # The comparison means something only if the answers are real text, and differ.
+    assert sum(len(ids) == MAX_TOKENS for _, ids in completions) >= NUM_CLIENTS // 2
+    assert len({text for text, _ in completions}) >= NUM_CLIENTS // 4
+    return {"prompts": prompts, "completions": completions, "finish": [o.outputs[0].finish_reason for o in outs],
+            "wall_s": offline_s,
             "chat": (chat.outputs[0].text, len(chat.prompt_token_ids))}
 
 
@@ -87,7 +107,7 @@ def tiny():
 def test_concurrent_streaming_clients_match_offline(server, offline):
     """64 streaming clients at once all finish, and each greedy answer equals llm.generate's."""
     async def one(client, i):
-        body = {"model": "smollm2", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "stream": True,
+        body = {"model": "smollm2", "prompt": offline["prompts"][i], "max_tokens": MAX_TOKENS, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         text, ids, finish, usage, done = [], [], None, None, False
         async with client.stream("POST", "/completions", json=body) as r:
@@ -124,9 +144,8 @@ def test_concurrent_streaming_clients_match_offline(server, offline):
                   if (res[0], res[1]) != (ref[0], ref[1])]
     assert not mismatched, (f"{len(mismatched)} of {NUM_CLIENTS} streamed answers differ from llm.generate, e.g. "
                             f"#{mismatched[0]}: {results[mismatched[0]][:2]} vs {offline['completions'][mismatched[0]]}")
-    for (text, ids, finish, usage, done), (_, ref_ids) in zip(results, offline["completions"]):
-        assert done and finish in ("stop", "length")
-        assert finish == ("length" if len(ids) == MAX_TOKENS else "stop")
+    for (text, ids, finish, usage, done), ref_finish in zip(results, offline["finish"]):
+        assert done and finish == ref_finish
         assert usage["completion_tokens"] == len(ids) and usage["total_tokens"] == usage["prompt_tokens"] + len(ids)
     after = get_metrics(server)
     generated = sum(len(r[1]) for r in results)
@@ -137,8 +156,8 @@ def test_concurrent_streaming_clients_match_offline(server, offline):
     ttft_count = metric(after, "minillm_time_to_first_token_seconds_count")
     assert ttft_count - metric(before, "minillm_time_to_first_token_seconds_count") == NUM_CLIENTS
     assert metric(after, "minillm_kv_blocks_used") == 0 and metric(after, "minillm_num_requests_running") == 0
-    print(f"\n{NUM_CLIENTS} streaming clients, {generated} tokens in {wall_s:.1f} s "
-          f"({generated / wall_s:.0f} tok/s over HTTP)")
+    print(f"\n{NUM_CLIENTS} streaming clients: {generated} tokens in {wall_s:.1f} s over HTTP vs "
+          f"{offline['wall_s']:.1f} s in llm.generate (HTTP / offline wall time: {wall_s / offline['wall_s']:.2f}x)")
 
 
 def test_disconnect_mid_stream_frees_kv_blocks(server):
@@ -172,6 +191,38 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
     assert metric(now, "minillm_request_success_total", finished_reason="length") == \
         metric(before, "minillm_request_success_total", finished_reason="length")
 
+    # A non-streaming client that gives up is noticed too (the handler polls for the disconnect).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", json={**body, "stream": False}, timeout=1.5)
+    deadline = time.monotonic() + 20
+    while True:
+        later = get_metrics(server)
+        aborted = (metric(later, "minillm_request_success_total", finished_reason="abort")
+                   - metric(now, "minillm_request_success_total", finished_reason="abort"))
+        if aborted == 1 and metric(later, "minillm_kv_blocks_used") == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert aborted == 1 and metric(later, "minillm_kv_blocks_used") == 0
+
+
+def test_stream_holds_back_text_that_may_become_a_stop_string(server, offline):
+    """Streamed pieces never show a stop string, even one split across tokens; the text ends before it."""
+    ref_text, _ = offline["completions"][5]
+    words = ref_text.split()
+    assert len(words) >= 3, ref_text
+    stop = " " + words[2]  # the third word, with its space: usually split across two or more tokens
+    expected = ref_text[:ref_text.find(stop)]
+    shown, finish = "", None
+    with httpx.stream("POST", server.base_url + "/completions", timeout=60,
+                      json={"prompt": offline["prompts"][5], "max_tokens": MAX_TOKENS, "stop": [stop, "@@@@"], "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                shown += choice["text"]
+                finish = choice["finish_reason"] or finish
+                assert stop not in shown, f"the stream showed the stop string {stop!r}: {shown!r}"
+    assert shown == expected and finish == "stop"
+
 
 BAD_REQUESTS = [
     # (endpoint, body, param, words the message must contain)
@@ -202,7 +253,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_malformed_requests_get_openai_style_400(server):
+def test_malformed_requests_get_openai_style_400(server, offline):
     rejected_before = metric(get_metrics(server), "minillm_requests_rejected_total")
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         for endpoint, body, param, words in BAD_REQUESTS:
@@ -217,8 +268,9 @@ def test_malformed_requests_get_openai_style_400(server):
             missing = [w for w in words if w not in error["message"]]
             assert not missing, f"{body!r}: the message {error['message']!r} lacks {missing}"
         # The server still serves, and nothing leaked.
-        r = client.post("/completions", json={"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS})
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        r = client.post("/completions", json={"model": "smollm2", "prompt": offline["prompts"][0],
+                                              "max_tokens": MAX_TOKENS})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline["completions"][0][0]
     m = get_metrics(server)
     assert metric(m, "minillm_kv_blocks_used") == 0 and metric(m, "minillm_num_requests_waiting") == 0
     # Only the engine thread can judge three of them (it tokenizes): max_tokens vs context, prompt length, ids.
@@ -231,7 +283,7 @@ def test_openai_client_completions_chat_and_streaming(server, offline):
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2"]
 
-    completion = client.completions.create(model="smollm2", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0)
+    completion = client.completions.create(model="smollm2", prompt=offline["prompts"][3], max_tokens=MAX_TOKENS, temperature=0)
     ref_text, ref_ids = offline["completions"][3]
     assert completion.choices[0].text == ref_text
     assert completion.usage.completion_tokens == len(ref_ids)
@@ -388,6 +440,19 @@ def test_serve_in_thread_closes_and_reopens(tiny):
     assert offline[0].outputs[0].token_ids == served
     with serve_in_thread(tiny, model_name="again") as handle:
         assert httpx.get(handle.base_url + "/models").json()["data"][0]["id"] == "again"
+
+
+def test_serve_in_thread_inside_a_running_event_loop(tiny):
+    """As in a Jupyter kernel: the caller's thread already runs an asyncio loop; uvicorn runs its own."""
+    async def notebook_cell():
+        with serve_in_thread(tiny) as handle:
+            async with httpx.AsyncClient(base_url=handle.base_url) as client:
+                r = await client.post("/completions", json={"prompt": [7, 8], "max_tokens": 4, "ignore_eos": True})
+            return r.status_code, r.json()["usage"]
+
+    status, usage = asyncio.run(notebook_cell())
+    assert status == 200 and usage == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert_engine_idle(tiny)
 
 
 # ------------------------------------------------------------------------------------------ CLI

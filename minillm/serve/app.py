@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamEvent
 
-DISCONNECT_POLL_S = 0.5   # how often a waiting handler checks whether its client is still there
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
 # Fields that would change the answer in a way this server does not implement: refused, not ignored.
 UNSUPPORTED = {
@@ -289,15 +289,13 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         except EngineStoppedError as exc:
             raise ApiError(str(exc), None, "engine_stopped", 503, "server_error") from None
 
-    async def next_event(request: Request, stream: RequestStream) -> StreamEvent | None:
-        """The next event, or None when the client has gone (the request is then aborted)."""
-        while True:
-            try:
-                return await stream.get(timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    stream.abort("the client disconnected")
-                    return None
+    async def watch_disconnect(request: Request, stream: RequestStream) -> None:
+        """Abort the request as soon as its client goes away (the engine then frees its KV blocks)."""
+        while not stream.finished:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                stream.abort("the client disconnected")
+                return
 
     async def run(request: Request, req: ParsedRequest):
         prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
@@ -310,18 +308,22 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             return StreamingResponse(stream_events(request, req, stream, base), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts, ids, event = [], [], None
+        watcher = asyncio.create_task(watch_disconnect(request, stream))
         try:
             while event is None or not event.finished:
-                event = await next_event(request, stream)
-                if event is None:
-                    return PlainTextResponse("", status_code=499)  # nobody reads it
+                event = await stream.get()
                 texts.append(event.text)
                 ids.extend(event.token_ids)
         finally:
+            watcher.cancel()
             stream.abort()  # no-op once finished; a cancelled handler frees its blocks
-        if event.finish_reason in ("error", "abort"):
+        if event.finish_reason == "abort" and await request.is_disconnected():
+            return PlainTextResponse("", status_code=499)  # nobody reads it
+        if event.finish_reason == "error":
             raise ApiError(f"the request failed inside the engine: {event.error}", None, "engine_error", 500,
                            "server_error")
+        if event.finish_reason == "abort":  # the server is shutting down
+            raise ApiError(f"the request was aborted: {event.error}", None, "aborted", 503, "server_error")
         text = "".join(texts)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -351,17 +353,18 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             return out
 
         first = True
+        # Starlette cancels this generator when the client disconnects; the watcher also catches it.
+        watcher = asyncio.create_task(watch_disconnect(request, stream))
         try:
             if req.kind == "chat":  # OpenAI opens a chat stream with the role
                 yield _sse(chunk("", [], None))
                 first = False
             while True:
-                event = await next_event(request, stream)
-                if event is None:
-                    return
+                event = await stream.get()
                 if event.finish_reason in ("error", "abort"):
-                    error = {"message": f"the request failed inside the engine: {event.error}",
-                             "type": "server_error", "param": None, "code": "engine_error"}
+                    what = "failed inside the engine" if event.finish_reason == "error" else "was aborted"
+                    error = {"message": f"the request {what}: {event.error}", "type": "server_error", "param": None,
+                             "code": "engine_error" if event.finish_reason == "error" else "aborted"}
                     yield _sse({"error": error})
                     break
                 if event.text or event.token_ids or event.finished:
@@ -375,6 +378,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (cancellation / GeneratorExit) or we are done
+            watcher.cancel()
             stream.abort("the client disconnected")
 
     @app.post("/v1/completions")
