@@ -248,6 +248,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.model_name = model_name
     created_at = int(time.time())
+    watchers: set[asyncio.Task] = set()
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -304,11 +305,14 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         stream = await admit(req, request_id)
         base = {"id": request_id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
                 "created": created, "model": model_name}
+        # Started here, not inside the SSE generator: a client that leaves before the first chunk is seen too.
+        watcher = asyncio.create_task(watch_disconnect(request, stream))
+        watchers.add(watcher)  # asyncio keeps only weak references to tasks
+        watcher.add_done_callback(watchers.discard)
         if req.stream:
-            return StreamingResponse(stream_events(request, req, stream, base), media_type="text/event-stream",
+            return StreamingResponse(stream_events(req, stream, base, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts, ids, event = [], [], None
-        watcher = asyncio.create_task(watch_disconnect(request, stream))
         try:
             while event is None or not event.finished:
                 event = await stream.get()
@@ -334,7 +338,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             choice["token_ids"] = ids
         return JSONResponse({**base, "choices": [choice], "usage": _usage(event)})
 
-    async def stream_events(request: Request, req: ParsedRequest, stream: RequestStream, base: dict):
+    async def stream_events(req: ParsedRequest, stream: RequestStream, base: dict, watcher: asyncio.Task):
         chunk_base = {**base, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion"}
 
         def chunk(piece: str | None, ids: list[int], finish: str | None) -> dict:
@@ -353,9 +357,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
             return out
 
         first = True
-        # Starlette cancels this generator when the client disconnects; the watcher also catches it.
-        watcher = asyncio.create_task(watch_disconnect(request, stream))
-        try:
+        try:  # Starlette cancels this generator when the client disconnects; the watcher catches it too
             if req.kind == "chat":  # OpenAI opens a chat stream with the role
                 yield _sse(chunk("", [], None))
                 first = False
@@ -397,7 +399,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health():
         if not async_engine.is_running:
-            return JSONResponse({"status": "stopped", "reason": async_engine._stopped_reason()}, status_code=503)
+            return JSONResponse({"status": "stopped", "reason": async_engine.stopped_reason()}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

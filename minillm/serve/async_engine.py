@@ -167,7 +167,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not self.is_running:
-            raise EngineStoppedError(self._stopped_reason())
+            raise EngineStoppedError(self.stopped_reason())
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(_ids)}"
         request = _Request(request_id, loop, asyncio.Queue(), loop.create_future(), params, prompt=prompt,
@@ -212,7 +212,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             raise RuntimeError(f"the engine thread did not stop within {timeout_s} s")
 
-    def _stopped_reason(self) -> str:
+    def stopped_reason(self) -> str:
         if self.crash is not None:
             return f"the engine thread crashed: {type(self.crash).__name__}: {self.crash}"
         return "the engine is shut down; start a new server"
@@ -232,7 +232,7 @@ class AsyncEngine:
             logger.exception("minillm engine thread crashed")
         finally:
             self._stopping = True
-            reason = self._stopped_reason() if self.crash else "the server is shutting down"
+            reason = self.stopped_reason() if self.crash else "the server is shutting down"
             for request in list(self._active.values()):
                 if request.seq is not None:
                     self.engine.abort(request.seq, "abort", reason)
@@ -344,7 +344,7 @@ class AsyncEngine:
                 metrics.e2e_s.observe(time.perf_counter() - request.arrival_s)
 
     def _update_gauges(self) -> None:
-        engine, sched, bm = self.engine, self.engine.scheduler, self.engine.block_manager
+        sched, bm = self.engine.scheduler, self.engine.block_manager
         self.gauges = EngineGauges(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_blocks_used=bm.num_used_blocks if bm is not None else 0,
