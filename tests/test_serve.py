@@ -455,6 +455,22 @@ def test_serve_in_thread_inside_a_running_event_loop(tiny):
     assert_engine_idle(tiny)
 
 
+def test_prefix_cache_hits_show_in_metrics():
+    llm = LLM("random:tiny-llama", max_model_len=128, prefix_caching=True, block_size=16)
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks to share
+    with serve_in_thread(llm) as handle:
+        outs = [httpx.post(handle.base_url + "/completions", json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True,
+                                                                    "return_token_ids": True}).json()
+                for _ in range(2)]
+        samples = get_metrics(handle)
+    assert outs[0]["choices"][0]["token_ids"] == outs[1]["choices"][0]["token_ids"]
+    hits, queries = metric(samples, "minillm_prefix_cache_hits_total"), metric(samples, "minillm_prefix_cache_queries_total")
+    sched = llm.engine.scheduler
+    assert (hits, queries) == (sched.prefix_hits, sched.prefix_queries) and hits >= 32
+    assert metric(samples, "minillm_prefix_cache_hit_rate") == pytest.approx(hits / queries)
+    assert metric(samples, "minillm_prompt_tokens_total") == 80
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_help_lists_every_engine_field(capsys):
     from minillm.serve.cli import main
