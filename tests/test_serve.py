@@ -440,6 +440,8 @@ def test_serve_in_thread_closes_and_reopens(tiny):
     assert offline[0].outputs[0].token_ids == served
     with serve_in_thread(tiny, model_name="again") as handle:
         assert httpx.get(handle.base_url + "/models").json()["data"][0]["id"] == "again"
+        with pytest.raises(RuntimeError, match="already served"):  # one engine thread per engine
+            serve_in_thread(tiny)
 
 
 def test_serve_in_thread_inside_a_running_event_loop(tiny):

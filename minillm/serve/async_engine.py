@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("minillm.serve")
 
+_owned_engines: set[int] = set()   # ids of engines an AsyncEngine thread owns right now
+_owned_lock = threading.Lock()
 MAX_KEPT_STEPS = 4096   # Engine.stats keeps one StepStats per step: reset it so a long-lived server stays small
 _ids = itertools.count()
 
@@ -131,6 +133,13 @@ class AsyncEngine:
     """Owns `llm.engine` in a background thread until shutdown(); `llm` must not be stepped elsewhere meanwhile."""
 
     def __init__(self, llm: "LLM", start: bool = True):
+        with _owned_lock:
+            if id(llm.engine) in _owned_engines:
+                raise RuntimeError("this LLM's engine is already served by another AsyncEngine (one server per "
+                                   "engine: close the other, or build a second engine with llm.with_levers())")
+            if llm.engine.has_unfinished():
+                raise RuntimeError("this LLM's engine has requests in flight; let them finish before serving it")
+            _owned_engines.add(id(llm.engine))
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
@@ -202,9 +211,11 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is in flight (each stream gets its last event), stop the thread, hand the engine back idle."""
-        if not self._thread.is_alive():
+        if not self._thread.is_alive():  # never started (start=False), or already stopped
             self._stopping = True
             self._stopped.set()
+            with _owned_lock:
+                _owned_engines.discard(id(self.engine))
             return
         self._stopping = True
         self._commands.put(("stop", None))
@@ -246,6 +257,8 @@ class AsyncEngine:
                 if kind == "add":
                     self._reply(payload, error=EngineStoppedError(reason))
             self._update_gauges()
+            with _owned_lock:
+                _owned_engines.discard(id(self.engine))
 
     def _drain(self, block: bool) -> None:
         try:
