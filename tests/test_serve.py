@@ -444,6 +444,27 @@ def test_serve_in_thread_closes_and_reopens(tiny):
             serve_in_thread(tiny)
 
 
+def test_sampling_fields_reach_the_engine(tiny):
+    """temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, max_tokens: the server's answer is the
+    offline engine's answer with the same SamplingParams (a seeded sample is reproducible)."""
+    prompt = [5, 17, 3, 99]
+    greedy = tiny.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=10, ignore_eos=True))
+    stop_id = greedy[0].outputs[0].token_ids[3]  # the 4th greedy token (or an earlier copy of it) ends the answer
+    cases = [dict(temperature=0.9, top_p=0.8, top_k=40, seed=3, max_tokens=9, ignore_eos=True),
+             dict(temperature=1.3, seed=11, max_tokens=12),
+             dict(temperature=0, max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)]
+    with serve_in_thread(tiny) as handle:
+        served = [httpx.post(handle.base_url + "/completions", timeout=60,
+                             json={"prompt": prompt, "return_token_ids": True, **case}).json()["choices"][0]
+                  for case in cases]
+    for case, choice in zip(cases, served):
+        ref = tiny.generate([{"prompt_token_ids": prompt}], SamplingParams(**case))[0].outputs[0]
+        assert (choice["token_ids"], choice["finish_reason"]) == (ref.token_ids, ref.finish_reason), case
+    assert served[0]["token_ids"] != served[1]["token_ids"]
+    assert served[2]["finish_reason"] == "stop" and served[2]["token_ids"][-1] == stop_id
+    assert len(served[2]["token_ids"]) <= 4
+
+
 def test_serve_in_thread_inside_a_running_event_loop(tiny):
     """As in a Jupyter kernel: the caller's thread already runs an asyncio loop; uvicorn runs its own."""
     async def notebook_cell():
