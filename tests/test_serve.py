@@ -496,10 +496,10 @@ def test_prefix_cache_hits_show_in_metrics():
 
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_help_lists_every_engine_field(capsys):
-    from minillm.serve.cli import main
+    from minillm.cli import main  # `minillm serve ...` delegates to minillm.serve.cli.main
 
     with pytest.raises(SystemExit) as info:
-        main(["--help"])
+        main(["serve", "--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
     missing = [f.name for f in engine_fields() if flag_name(f.name) not in text]
