@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model lab test test-all test-slow labs labs-check bench bench-batching doctor browser-deps clean
+.PHONY: setup model lab test test-all test-slow labs labs-check bench bench-batching bench-serve cost doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: model
 
 bench-batching: model   ## issue 3's comparison: transformers static batches, static vs continuous, contiguous vs paged
 	$(BIN)/minillm bench --workload mixed --num-requests 32 --scale 0.125 --set max_num_seqs=16 --compare-transformers
+
+bench-serve: setup     ## load-test a running OpenAI-compatible server (`minillm serve` listens on 127.0.0.1:8000)
+	$(BIN)/minillm bench serve --num-prompts 32 --max-concurrency 8 --goodput ttft:2000 tpot:200
+
+cost: model            ## $/Mtok as the levers stack: naive, continuous batching + paging, int8, n-gram speculation
+	$(BIN)/minillm cost --plot artifacts/cost.png --json artifacts/cost.json
 
 doctor: setup
 	$(BIN)/minillm doctor
