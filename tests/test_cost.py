@@ -80,7 +80,7 @@ def test_stack_rows_are_consistent(tiny_rows):
 
 def test_stack_plot_is_written(tiny_rows, tmp_path):
     llm, rows = tiny_rows
-    path = plot_cost_stack(rows, llm.device, str(tmp_path / "cost.png"), log=True)
+    path = plot_cost_stack(rows, llm.device, str(tmp_path / "new_dir" / "cost.png"), log=True)
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 

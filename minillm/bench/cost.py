@@ -251,6 +251,9 @@ def plot_cost_stack(rows: list[CostRow], device: str, path: str | None = None, a
     ax.set_title(f"cost stack on {device} at {rows[0].hourly_usd:.2f} USD/h")
     ax.tick_params(axis="x", rotation=15)
     if path is not None:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         (fig or ax.figure).tight_layout()
         (fig or ax.figure).savefig(path, dpi=110)
         if fig is not None:
@@ -301,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         print(f"plot: {plot_cost_stack(rows, llm.device, args.plot, log=args.log)}")
     if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows_to_json(rows, llm.device), f, indent=1)
     return 0
