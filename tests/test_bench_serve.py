@@ -26,13 +26,14 @@ class FakeServer:
     chunk. Returns HTTP 500 for every fail_every-th request. Records payloads and peak concurrency."""
 
     def __init__(self, first_delay_s=FIRST_DELAY_S, gap_s=GAP_S, fail_every=0, tokens_per_chunk=1,
-                 send_usage=True, slow_delay_s=None):
+                 send_usage=True, slow_delay_s=None, malformed=False):
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
 
         self.first_delay_s, self.gap_s, self.fail_every = first_delay_s, gap_s, fail_every
         self.tokens_per_chunk, self.send_usage, self.slow_delay_s = tokens_per_chunk, send_usage, slow_delay_s
+        self.malformed = malformed
         self.payloads: list[dict] = []
         self.in_flight = self.peak = 0
         self.arrivals: list[float] = []
@@ -63,6 +64,9 @@ class FakeServer:
                     if chat:   # a role-only first chunk carries no text: it must not count as the first token
                         yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
                     await asyncio.sleep(first)
+                    if self.malformed and n % 2 == 1:
+                        yield "data: {not json\n\n"
+                        return
                     for i in range(num_chunks):
                         if i:
                             await asyncio.sleep(self.gap_s)
@@ -168,6 +172,14 @@ def test_failed_requests_are_counted_with_their_error():
     assert all(e.startswith("HTTP 500") and "refused on purpose" in e for e in r.errors)
     assert r.total_output_tokens == 6 * 3
     assert "Failed requests:" in r.table() and "HTTP 500" in r.table()
+
+
+def test_malformed_stream_fails_only_that_request():
+    with FakeServer(malformed=True, gap_s=0.01) as fake:
+        r = bs.run_benchmark(fake.base_url, "m", num_prompts=4, max_tokens=2, dataset=DATASET, progress=False,
+                             max_concurrency=1)
+    assert (r.completed, r.failed) == (2, 2)
+    assert list(r.errors) == [next(iter(r.errors))] and next(iter(r.errors)).startswith("malformed stream")
 
 
 def test_connection_refused_does_not_crash():

@@ -404,6 +404,8 @@ async def _send(client, url: str, endpoint: str, body: dict, record: RequestReco
         record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     except (json.JSONDecodeError, AttributeError, TypeError) as exc:
         record.error = f"malformed stream: {type(exc).__name__}: {exc}"
+    except Exception as exc:   # anything else still fails this request only, never the run
+        record.error = f"{type(exc).__name__}: {exc}"
 
 
 async def _benchmark(base_url: str, model: str, endpoint: str, prompts: list[tuple[str, int | None]],
