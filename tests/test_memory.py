@@ -18,15 +18,16 @@ def test_smollm2_weight_bytes_by_hand():
     params = L * sum(n * k for n, k in matrices) + norms + V * H  # tied head: the embedding, once
     assert weight_bytes(SMOL, None, float_dtype="float32") == 4 * params == 4 * 134_515_008
     assert weight_bytes(SMOL, None, float_dtype="bfloat16") == 2 * params
-    # int8: one byte per weight + an fp32 scale per row; the head is an int8 copy beside the bf16 embedding.
-    int8 = L * sum(n * k + 4 * n for n, k in matrices) + 2 * norms + 2 * V * H + (V * H + 4 * V)
+    # int8: one byte per weight + an fp32 scale per row; the tied embedding is looked up in the
+    # int8 head, so the matrix is stored once.
+    int8 = L * sum(n * k + 4 * n for n, k in matrices) + 2 * norms + (V * H + 4 * V)
     assert weight_bytes(SMOL, "int8") == int8
     assert weight_bytes(SMOL, "fp8") == int8
     # int4 group 128: 576 inputs pad to 640 (5 groups), 1536 is 12 groups; 2-byte scale + 2-byte zero per group.
     int4 = L * (QKV * 320 + QKV * 5 * 4 + H * 320 + H * 5 * 4 + 2 * I * 320 + 2 * I * 5 * 4 + H * 768 + H * 12 * 4)
-    int4 += 2 * norms + 2 * V * H + (V * H + 4 * V)  # int8 head under int4 weights
-    assert weight_bytes(SMOL, "int4", 128) == int4
-    assert weight_bytes(SMOL, "int4", 128, head_dtype="model") == int4 - (V * H + 4 * V)  # tied: no copy
+    int4 += 2 * norms + (V * H + 4 * V)  # int8 head under int4 weights, also the embedding
+    assert weight_bytes(SMOL, "int4", 128, head_dtype="int8") == int4
+    assert weight_bytes(SMOL, "int4", 128, head_dtype="model") == int4 - (V * H + 4 * V) + 2 * V * H  # bf16 table
     assert weight_bytes(SMOL, "int4", 128, head_dtype="int4") == int4 - (V * H + 4 * V) + V * 320 + V * 5 * 4
     # int4 group 64: no padding (576 = 9 x 64).
     assert quantized_matrix_bytes(QKV, H, "int4", 64) == QKV * H // 2 + 4 * QKV * 9

@@ -126,7 +126,8 @@ def test_weight_bytes_int8_half_int4_under_30_percent_of_bf16():
 @pytest.mark.parametrize("kwargs, pattern", [
     ({"weight_dtype": "int3"}, r"weight_dtype='int3' is not one of \(None, 'int8', 'int4', 'fp8'\)"),
     ({"weight_dtype": "int4", "weight_group_size": 100}, r"weight_group_size=100 is not one of \(32, 64, 128\)"),
-    ({"weight_dtype": "int4", "weight_calibration": "gptq"}, r"weight_calibration='gptq' is not one of \(None, 'awq'\)"),
+    ({"weight_dtype": "int4", "weight_calibration": "smoothquant"},
+     r"weight_calibration='smoothquant' is not one of \(None, 'awq', 'gptq'\)"),
     ({"weight_calibration": "awq"}, r"weight_calibration='awq' needs a weight_dtype"),
 ])
 def test_bad_weight_options_are_refused_before_loading(kwargs, pattern):
@@ -153,11 +154,13 @@ def test_int8_engine_agrees_with_the_float_model_and_leaves_it_untouched(default
     got = [o.outputs[0].token_ids[0] for o in int8_llm.generate(PROMPTS, params)]
     agree = sum(a == b for a, b in zip(ref, got))
     assert agree >= 6, f"int8 top-1 agrees with fp32 on {agree}/{len(PROMPTS)} prompts"
-    # The donor keeps its float layers; the quantized engine shares its embedding.
+    # The donor keeps its float layers; the quantized engine looks its tied embedding up in the int8 head.
     model, qmodel = default_llm.engine.model, int8_llm.engine.model
     assert qmodel is not model and isinstance(model.layers[0].qkv_proj, Linear) and model.quantized_head is None
     assert isinstance(qmodel.layers[0].qkv_proj, QuantizedLinear) and qmodel.quantized_head is not None
-    assert qmodel.embed_tokens.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert qmodel.embed_tokens is None and model.embed_tokens is not None
+    ids = torch.tensor([0, 42, 49151])
+    assert torch.equal(qmodel.embed(ids), qmodel.quantized_head.dequantized_weight()[ids])
     assert int8_llm.weight_bytes < 0.5 * default_llm.weight_bytes
     again = [o.outputs[0].token_ids[0] for o in default_llm.generate(PROMPTS, params)]
     assert again == ref

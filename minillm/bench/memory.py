@@ -8,9 +8,11 @@ model and an 8B shape. The weight bytes follow exactly what the engine stores an
 - int8 / fp8: each decoder matrix [N, K] as N * K one-byte values + N fp32 scales;
 - int4, group g: K padded up to a multiple of g, N * K_pad / 2 bytes (two weights per byte)
   + a 16-bit scale and a 16-bit zero per group: 4 * N * K_pad / g bytes;
-- the lm_head in its own dtype (head_dtype_for: int8 under int4, else the weight dtype), a
-  quantized copy beside the embedding table, which stays in the float dtype with the norms and
-  any biases (the rotary tables are buffers computed at load time and are not counted).
+- the lm_head in its own dtype (head_dtype_for: int8 under int4, else the weight dtype). A tied
+  embedding (SmolLM2) is then looked up in the quantized head's storage and not kept apart:
+  the matrix is counted once. An untied model keeps its embedding table in the float dtype.
+  The norms and any biases stay in the float dtype too (the rotary tables are buffers computed
+  at load time and are not counted).
 
 KV bytes per token: 2 (K and V) * layers * kv_heads * head_dim * bytes in the model dtype; int8
 and fp8 KV store one byte per value plus one fp32 scale per token and KV head:
@@ -80,13 +82,12 @@ def weight_bytes(cfg: ModelConfig, weight_dtype: str | None = None, group_size: 
     per_layer = 2 * h * fb  # input and post-attention RMSNorm weights
     for n, k, bias in decoder_matrices(cfg):
         per_layer += quantized_matrix_bytes(n, k, weight_dtype, group_size) + bias * fb
-    total = cfg.num_layers * per_layer + h * fb + v * h * fb  # final norm, embedding table
+    total = cfg.num_layers * per_layer + h * fb  # + the final norm
+    embedding = 0 if cfg.tie_word_embeddings else v * h * fb  # tied: the head's storage serves the lookup
     head = head_dtype_for(weight_dtype, head_dtype)
     if head is None:
-        total += 0 if cfg.tie_word_embeddings else v * h * fb  # a float head: tied = the embedding itself
-    else:
-        total += quantized_matrix_bytes(v, h, head, group_size)
-    return total
+        return total + v * h * fb + embedding  # a float head (tied: the embedding table itself)
+    return total + quantized_matrix_bytes(v, h, head, group_size) + embedding
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "model", float_dtype: str = "bfloat16") -> int:

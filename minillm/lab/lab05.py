@@ -47,11 +47,12 @@ WEIGHT_SETTINGS: dict[str, dict] = {
 
 
 def decode_bytes(llm) -> int:
-    """Bytes one decode step reads from the weights: everything stored, except the embedding table when
-    a quantized head keeps its own copy (the table is then only looked up, one row per token)."""
+    """Bytes one decode step reads from the weights: everything stored, except an embedding table kept
+    beside a quantized head (an untied model's: only looked up, one row per token). A tied embedding
+    is looked up in the quantized head itself, which every step reads whole anyway."""
     model = llm.engine.model
     total = llm.weight_bytes
-    if getattr(model, "quantized_head", None) is not None:
+    if getattr(model, "quantized_head", None) is not None and model.embed_tokens is not None:
         embed = model.embed_tokens.weight
         total -= embed.numel() * embed.element_size()
     return total

@@ -78,8 +78,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        # weight_dtype lever: the head as a QuantizedLinear (set by models/quantize.py); the
-        # embedding table stays in the model dtype, also when the head is tied to it.
+        # weight_dtype lever: the head as a QuantizedLinear (set by models/quantize.py). A tied
+        # embedding is then dropped (embed_tokens None) and looked up in the head's storage.
         self.quantized_head = None
 
     @property
@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         num_layers: run only the first layers, then the final norm (an early exit: the "self"
         speculative proposer drafts with it; their K/V are the full model's for those layers)."""
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         if self.use_triton_ops:  # the residual stream is carried apart and added inside each norm
             delta = None
             for layer in layers:
@@ -116,6 +116,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             hidden = layer(positions, hidden, meta)
         return self.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: the embedding table's rows, or the quantized tied head's (dequantized)."""
+        if self.embed_tokens is None:
+            return self.quantized_head.rows(input_ids)
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

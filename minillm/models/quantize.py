@@ -24,6 +24,7 @@ from ..config import WEIGHT_HEAD_DTYPES as HEAD_DTYPES
 from ..layers.attention import AttentionMetadata, TorchAttentionBackend
 from ..quant import QuantizedLinear
 from ..quant.awq import search_clip, search_input_scale
+from ..quant.gptq import gptq_int4, input_hessian
 from .llama import LlamaForCausalLM
 
 LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -82,7 +83,9 @@ def clip_weight(w: torch.Tensor, input_scale: torch.Tensor | None, clip: torch.T
 @torch.no_grad()
 def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int = 128, fast: bool = True,
                    in_place: bool = True, input_scales: dict[str, torch.Tensor] | None = None,
-                   head_dtype: str | None = "same", clips: dict[str, torch.Tensor] | None = None) -> LlamaForCausalLM:
+                   head_dtype: str | None = "same", clips: dict[str, torch.Tensor] | None = None,
+                   quantized: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                   head_group_size: int | None = None) -> LlamaForCausalLM:
     """Replace the decoder Linears by QuantizedLinear(weight_dtype) and the head by QuantizedLinear(head_dtype).
 
     in_place=False quantizes a shallow copy and leaves `model` (e.g. another engine's fp32
@@ -91,10 +94,13 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
     clips: {"layers.3.qkv_proj": (low, high) of w * s per group [out_features, groups, 2]} from calibrate_awq.
     head_dtype: "same" (weight_dtype), None (keep the head in the model dtype) or a weight dtype
     (head_dtype_for turns the weight_head_dtype lever into this).
+    quantized: {"layers.3.qkv_proj": (q, scale, zero)} int4 matrices already on the grid (calibrate_gptq),
+    stored as given (of w * input_scale when input_scales has the key); "lm_head" for an int4 head.
+    head_group_size: an int4 head's group size (None: group_size).
     """
     if not in_place:
         model = shallow_copy(model)
-    input_scales, clips = input_scales or {}, clips or {}
+    input_scales, clips, quantized = input_scales or {}, clips or {}, quantized or {}
     for i, layer in enumerate(model.layers):
         for name in LAYER_LINEARS:
             linear, key = getattr(layer, name), f"layers.{i}.{name}"
@@ -103,12 +109,15 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
                 w = clip_weight(w, input_scales.get(key), clips[key], group_size)
             setattr(layer, name, QuantizedLinear(w, None if linear.bias is None else linear.bias.data,
                                                  weight_dtype, group_size, fast=fast,
-                                                 input_scale=input_scales.get(key)))
+                                                 input_scale=input_scales.get(key), quantized=quantized.get(key)))
     if head_dtype == "same":
         head_dtype = weight_dtype
     if head_dtype is not None:
-        model.quantized_head = QuantizedLinear(model.lm_head_weight, None, head_dtype, group_size, fast=fast)
-        model.lm_head = None  # an untied float head is dropped; a tied one is the embedding, which stays
+        model.quantized_head = QuantizedLinear(model.lm_head_weight, None, head_dtype, head_group_size or group_size,
+                                               fast=fast, quantized=quantized.get("lm_head"))
+        if model.lm_head is None:  # tied: the embedding is looked up in the quantized head (one copy)
+            model.embed_tokens = None
+        model.lm_head = None  # an untied float head is dropped; its separate embedding table stays
     return model
 
 
@@ -181,6 +190,100 @@ def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: s
     return scales, clips
 
 
+GPTQ_TOKENS = 1024  # calibration tokens for weight_calibration="gptq" (calibration.txt holds about 1,100)
+
+
+@torch.no_grad()
+def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: int = 128, awq: bool = True,
+                   act_order: bool = False, damp: float = 0.01, seq_len: int = 512, grid: int = 20,
+                   head_group_size: int | None = None, clip: bool = False, progress: bool = True
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """GPTQ int4 for every decoder Linear, layer by layer on the already quantized layers' activations.
+
+    token_ids are cut into sequences of seq_len (run together, no KV cache, torch attention). For
+    each layer in order, each of its four matrices in order (qkv, o, gate_up, down) sees the input
+    the model produces when every matrix before it (earlier layers, and earlier matrices of this
+    layer) is already int4: GPTQ then corrects the errors upstream of it too ("sequential").
+    awq=True first searches the matrix's AWQ input scale on those inputs (quant/awq.py), then runs
+    GPTQ on W * s with the Hessian of x / s. Returns ({"layers.<i>.<name>": input_scale} (awq only),
+    {"layers.<i>.<name>": (q, scale, zero)}), the input_scales= and quantized= arguments of
+    quantize_model. The model itself is left as it was (the quantized layers are temporary).
+    clip: each group's range from AWQ's two-sided clipping search (search_clip) instead of its min / max.
+    head_group_size: also GPTQ the lm_head to int4 with that group size (no input scale: a tied
+    embedding is looked up in its rows), on the final norm's output; its key is "lm_head".
+    """
+    from tqdm.auto import tqdm
+
+    from ..layers.activation import silu_and_mul
+    from ..quant.int4 import dequantize_int4
+
+    for i, layer in enumerate(model.layers):
+        for name in LAYER_LINEARS:
+            if isinstance(getattr(layer, name), QuantizedLinear):
+                raise ValueError(f"calibrate_gptq needs the float model: layers.{i}.{name} is already quantized")
+    if not token_ids:
+        raise ValueError("calibrate_gptq needs calibration tokens, got none")
+    device = model.embed_tokens.weight.device
+    chunks = [token_ids[j:j + seq_len] for j in range(0, len(token_ids), seq_len)]
+    ids = torch.tensor(token_ids, device=device)
+    positions = torch.cat([torch.arange(len(c), device=device) for c in chunks])
+    meta = AttentionMetadata(query_lens=[len(c) for c in chunks], num_cached=[0] * len(chunks),
+                             slot_mapping=None, use_cache=False)
+    scales: dict[str, torch.Tensor] = {}
+    parts: dict[str, tuple] = {}
+
+    def quantize(layer, i: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        """GPTQ one matrix on its inputs x; returns its (int4) output on x."""
+        key, linear = f"layers.{i}.{name}", getattr(layer, name)
+        w = linear.weight.data.float()
+        s = None
+        if awq:
+            s, _, _ = search_input_scale(w, x, "int4", group_size, grid)
+            scales[key] = s
+        xs = x.float() if s is None else x.float() / s
+        bounds = search_clip(w, x, group_size, s, grid, two_sided=True)[0] if clip else None
+        q, scale, zero = gptq_int4(w if s is None else w * s, input_hessian(xs), group_size, damp, act_order,
+                                   clip=bounds)
+        parts[key] = (q, scale, zero)
+        wq = dequantize_int4(q, scale, zero)[:, :w.shape[1]].to(device)
+        y = xs.to(device) @ wq.t()
+        if linear.bias is not None:
+            y = y + linear.bias.float()
+        return y.to(x.dtype)
+
+    attention = model.attention_layers()
+    saved = [(layer.backend, layer.k_cache, layer.v_cache) for layer in attention]
+    saved_triton = model.use_triton_ops
+    try:
+        model.use_triton_ops = False
+        for layer in attention:
+            layer.backend = TorchAttentionBackend()
+        hidden = model.embed_tokens(ids)
+        for i, layer in enumerate(tqdm(model.layers, desc="GPTQ calibration (int4)", unit="layer",
+                                       disable=not progress, leave=False)):
+            cfg = layer.cfg
+            x = layer.input_layernorm(hidden)
+            qkv = quantize(layer, i, "qkv_proj", x)
+            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+            t = x.shape[0]
+            q, k = layer.rotary(positions, q.reshape(t, cfg.num_heads, cfg.head_dim),
+                                k.reshape(t, cfg.num_kv_heads, cfg.head_dim))
+            attn = layer.attn(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta).reshape(t, layer.q_size)
+            hidden = hidden + quantize(layer, i, "o_proj", attn)
+            x = layer.post_attention_layernorm(hidden)
+            act = silu_and_mul(quantize(layer, i, "gate_up_proj", x))
+            hidden = hidden + quantize(layer, i, "down_proj", act)
+        if head_group_size is not None:
+            x = model.norm(hidden).float()
+            parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size, damp,
+                                         act_order)
+    finally:
+        model.use_triton_ops = saved_triton
+        for layer, (backend, k, v) in zip(attention, saved):
+            layer.backend, layer.k_cache, layer.v_cache = backend, k, v
+    return scales, parts
+
+
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration.txt"
 
 
@@ -198,9 +301,14 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
                         tokenizer, in_place: bool, head_dtype: str = "auto") -> LlamaForCausalLM:
     """What the engine does for weight_dtype / weight_group_size / weight_calibration (/ weight_head_dtype:
     head_dtype is that lever's value, resolved by head_dtype_for)."""
-    scales = clips = None
+    scales = clips = parts = None
     if calibration == "awq":
         ids = calibration_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
         scales, clips = calibrate_awq(model, ids, weight_dtype, group_size)
+    elif calibration == "gptq":
+        if weight_dtype != "int4":
+            raise ValueError(f"weight_calibration='gptq' needs weight_dtype='int4', got {weight_dtype!r}")
+        ids = calibration_token_ids(tokenizer, GPTQ_TOKENS, vocab_size=model.cfg.vocab_size)
+        scales, parts = calibrate_gptq(model, ids, group_size)
     return quantize_model(model, weight_dtype, group_size, in_place=in_place, input_scales=scales, clips=clips,
-                          head_dtype=head_dtype_for(weight_dtype, head_dtype))
+                          quantized=parts, head_dtype=head_dtype_for(weight_dtype, head_dtype))

@@ -55,11 +55,43 @@ def _int4pack_available() -> bool:
         hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
+# "int4pack" layout (aten._convert_weight_to_int4pack_for_cpu, innerKTiles=1): rows in blocks of 32;
+# a block's bytes are [K, 16], byte (k, j) holding row j's level in its low nibble and row j + 16's
+# in its high nibble. rows() gathers from it directly; _int4pack_layout_ok checks this build packs so.
+INT4PACK_BLOCK_N = 32
+_LAYOUT_OK: list[bool] = []
+
+
+def _int4pack_gather(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Levels q uint8 [T, k] of rows ids from an "int4pack" buffer [N, k/2] (N a multiple of 32)."""
+    half = INT4PACK_BLOCK_N // 2
+    blocks = packed.reshape(-1, k, half)                          # [N/32, K, 16]
+    j = ids % INT4PACK_BLOCK_N
+    byte = blocks[ids // INT4PACK_BLOCK_N, :, j % half]          # [T, K]
+    return (byte >> (4 * (j // half)).to(torch.uint8)[:, None]) & 0x0F
+
+
+def _int4pack_layout_ok() -> bool:
+    """Whether this torch build's int4 CPU packing is the layout _int4pack_gather reads (probed once)."""
+    if not _LAYOUT_OK:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (2 * INT4PACK_BLOCK_N, 64), generator=g, dtype=torch.int32)
+        ids = torch.arange(q.shape[0])
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            _LAYOUT_OK.append(tuple(packed.shape) == (q.shape[0], 32) and
+                              torch.equal(_int4pack_gather(packed, ids, 64).int(), q))
+        except (RuntimeError, AttributeError):
+            _LAYOUT_OK.append(False)
+    return _LAYOUT_OK[0]
+
+
 class QuantizedLinear(nn.Module):
     """Built from a float weight [out_features, in_features] (the weight is not kept)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_dtype: str = "int8",
-                 group_size: int = 128, fast: bool = True, input_scale: torch.Tensor | None = None):
+                 group_size: int = 128, fast: bool = True, input_scale: torch.Tensor | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={weight_dtype!r} is not one of {WEIGHT_DTYPES}")
@@ -75,6 +107,8 @@ class QuantizedLinear(nn.Module):
             s = input_scale.detach().float().to(w.device)
             w = w * s[None, :]
             self.inv_input_scale = (1.0 / s).to(weight.dtype)
+        if quantized is not None and weight_dtype != "int4":
+            raise ValueError(f"quantized= takes int4 (q, scale, zero); weight_dtype={weight_dtype!r} quantizes itself")
         on_cpu = weight.device.type == "cpu"
         on_gpu = fast and weight.device.type == "cuda"
         self.pad = 0
@@ -91,9 +125,12 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("scale", scale)
         elif weight_dtype == "int4":
             self.pad = (-self.in_features) % group_size  # zero columns meet zero activations
-            if self.pad:
-                w = F.pad(w, (0, self.pad))
-            q, scale, zero = quantize_int4(w, group_size)
+            if quantized is not None:  # already on the int4 grid (e.g. GPTQ): stored as given
+                q, scale, zero = (t.to(w.device) for t in self._check_quantized(quantized))
+            else:
+                if self.pad:
+                    w = F.pad(w, (0, self.pad))
+                q, scale, zero = quantize_int4(w, group_size)
             scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
             if fast and on_cpu and _int4pack_available() and self.out_features % 16 == 0:
                 self.path = "int4pack"
@@ -113,6 +150,19 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("q", q)
             self.register_buffer("scale", scale)
 
+    def _check_quantized(self, quantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K_pad] in 0..15, scale [N, K_pad/g], zero [N, K_pad/g]) given to the constructor,
+        checked against this layer's shape."""
+        q, scale, zero = quantized
+        n, kp = self.out_features, self.in_features + self.pad
+        want = (n, kp // self.group_size)
+        if tuple(q.shape) != (n, kp) or tuple(scale.shape) != want or tuple(zero.shape) != want:
+            raise ValueError(f"quantized= parts q {tuple(q.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
+                             f"do not match: expected q ({n}, {kp}) and scale, zero {want}")
+        if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+            raise ValueError(f"quantized= q holds values in [{int(q.min())}, {int(q.max())}], int4 levels are 0..15")
+        return q.to(torch.uint8), scale.float(), zero.float()
+
     # ------------------------------------------------------------ the matrix
     @torch.no_grad()
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -125,6 +175,35 @@ class QuantizedLinear(nn.Module):
             return dequantize_fp8(self.q, self.scale, dtype)
         packed, scale, zero = self.int4_parts()
         return dequantize_int4(unpack_int4(packed), scale, zero)[:, : self.in_features].to(dtype)
+
+    @torch.no_grad()
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `ids` of the matrix this layer multiplies by, [*ids.shape, in_features]: exactly
+        dequantized_weight()[ids], dequantizing only those rows. An embedding tied to this layer
+        (a quantized lm_head) is looked up here, so the model keeps one copy of the matrix.
+        Works on every path: int8 / fp8 rows are q[ids] * scale[ids]; int4 rows are gathered from
+        the plain layout ("dequant", "triton") or from the CPU kernel's own layout ("int4pack")."""
+        if self.inv_input_scale is not None:
+            raise ValueError("rows() needs a layer without input_scale: its stored matrix is W * input_scale")
+        dtype = dtype or self.act_dtype
+        flat = ids.reshape(-1)
+        if self.weight_dtype == "int8":
+            w = dequantize_int8(self.q[flat], self.scale[flat], dtype)
+        elif self.weight_dtype == "fp8":
+            w = dequantize_fp8(self.q[flat], self.scale[flat], dtype)
+        else:
+            if self.path != "int4pack":
+                q, scale, zero = unpack_int4(self.packed[flat]), self.scale[flat].float(), self.zero[flat].float()
+            elif self._int4_cache is None and _int4pack_layout_ok() and self.out_features % INT4PACK_BLOCK_N == 0:
+                q = _int4pack_gather(self.packed, flat, self.in_features + self.pad)
+                sz = self.scales_and_zeros[:, flat].float()  # [K/g, T, 2]
+                scale = sz[..., 0].t()
+                zero = sz[..., 1].t() - 8 * scale  # as _recover_int4 computes the plain zero
+            else:  # a layout this torch build does not document: the recovered plain layout
+                packed, scale, zero = self.int4_parts()
+                q, scale, zero = unpack_int4(packed[flat]), scale[flat], zero[flat]
+            w = dequantize_int4(q, scale, zero)[:, : self.in_features].to(dtype)
+        return w.reshape(*ids.shape, self.in_features)
 
     # ------------------------------------------------------------ plain layouts
     @torch.no_grad()
