@@ -29,7 +29,7 @@ def output_error(w_q: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> float:
     return float((x @ w_q.t() - x @ w.t()).pow(2).mean())
 
 
-@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("act_order", [False, True, "static"])
 def test_gptq_beats_round_to_nearest_on_the_layer_output_and_stays_on_the_int4_grid(act_order):
     g = torch.Generator().manual_seed(1)
     n, k, group = 96, 320, 128  # 320 inputs pad to 384 (3 groups), as QuantizedLinear pads
@@ -97,25 +97,28 @@ def tied_preset(monkeypatch) -> str:
     return "tiny-llama-tied"
 
 
-@pytest.mark.parametrize("wd, group", [("int8", 128), ("int4", 32), ("int4", 128)])
-def test_a_tied_quantized_model_keeps_one_copy_of_the_embedding(wd, group, monkeypatch):
+@pytest.mark.parametrize("wd, group, head", [("int8", 128, "auto"), ("int4", 32, "auto"), ("int4", 128, "auto"),
+                                             ("int4", 128, "int4")])
+def test_a_tied_quantized_model_keeps_one_copy_of_the_embedding(wd, group, head, monkeypatch):
     name = tied_preset(monkeypatch)
     cfg = preset_config(name)
     base = LLM(f"random:{name}", max_num_seqs=2)
-    q = base.with_levers(weight_dtype=wd, weight_group_size=group)
-    model, head = q.engine.model, q.engine.model.quantized_head
+    q = base.with_levers(weight_dtype=wd, weight_group_size=group, weight_head_dtype=head)
+    model, qhead = q.engine.model, q.engine.model.quantized_head
     assert model.embed_tokens is None and base.engine.model.embed_tokens is not None  # the donor keeps its table
     assert not any(p.shape == (cfg.vocab_size, cfg.hidden_size) for p in model.parameters())  # no float table left
     ids = torch.tensor([0, 7, 7, cfg.vocab_size - 1])
-    assert torch.equal(model.embed(ids), head.dequantized_weight()[ids])
+    assert torch.equal(model.embed(ids), qhead.dequantized_weight()[ids])
+    assert (qhead.weight_dtype, qhead.group_size if qhead.weight_dtype == "int4" else None) == \
+        (("int4", 32) if head == "int4" else ("int8", None))
     # Bytes: the decoder matrices, the head once, the norms in fp32 (the formula of bench/memory.py).
-    assert q.weight_bytes == formula_bytes(cfg, wd, group, float_dtype="float32")
+    assert q.weight_bytes == formula_bytes(cfg, wd, group, float_dtype="float32", head_dtype=head)
     v, h = cfg.vocab_size, cfg.hidden_size
-    hg = head.group_size
-    head_bytes = v * h + 4 * v if head.weight_dtype == "int8" else v * (h + (-h) % hg) // 2 + 4 * v * ((h + (-h) % hg) // hg)
+    hg = qhead.group_size
+    head_bytes = v * h + 4 * v if qhead.weight_dtype == "int8" else v * (h + (-h) % hg) // 2 + 4 * v * ((h + (-h) % hg) // hg)
     assert q.weight_bytes == sum(m.quantized_bytes() for m in model.modules() if isinstance(m, QuantizedLinear)) \
         + 4 * (2 * cfg.num_layers + 1) * h
-    assert head.quantized_bytes() == head_bytes
+    assert qhead.quantized_bytes() == head_bytes
     out = q.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -28,7 +28,12 @@ def test_smollm2_weight_bytes_by_hand():
     int4 += 2 * norms + (V * H + 4 * V)  # int8 head under int4 weights, also the embedding
     assert weight_bytes(SMOL, "int4", 128, head_dtype="int8") == int4
     assert weight_bytes(SMOL, "int4", 128, head_dtype="model") == int4 - (V * H + 4 * V) + 2 * V * H  # bf16 table
-    assert weight_bytes(SMOL, "int4", 128, head_dtype="int4") == int4 - (V * H + 4 * V) + V * 320 + V * 5 * 4
+    head4 = int4 - (V * H + 4 * V) + V * 288 + V * 18 * 4  # an int4 head: groups of 32 (576 = 18 x 32)
+    assert weight_bytes(SMOL, "int4", 128, head_dtype="int4") == head4
+    # Of bf16 (issue 4): int8 half (+ the fp32 scales and the norms), int4 with the int4 head under 30%.
+    assert weight_bytes(SMOL, "int8") / (2 * params) == pytest.approx(0.5032, abs=1e-4)
+    assert weight_bytes(SMOL, "int4", 128) / (2 * params) == pytest.approx(0.3333, abs=1e-4)  # int8 head
+    assert head4 / (2 * params) == pytest.approx(0.2932, abs=1e-4) and head4 < 0.30 * 2 * params
     # int4 group 64: no padding (576 = 9 x 64).
     assert quantized_matrix_bytes(QKV, H, "int4", 64) == QKV * H // 2 + 4 * QKV * 9
 

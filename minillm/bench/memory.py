@@ -8,7 +8,8 @@ model and an 8B shape. The weight bytes follow exactly what the engine stores an
 - int8 / fp8: each decoder matrix [N, K] as N * K one-byte values + N fp32 scales;
 - int4, group g: K padded up to a multiple of g, N * K_pad / 2 bytes (two weights per byte)
   + a 16-bit scale and a 16-bit zero per group: 4 * N * K_pad / g bytes;
-- the lm_head in its own dtype (head_dtype_for: int8 under int4, else the weight dtype). A tied
+- the lm_head in its own dtype (head_dtype_for: int8 under int4, else the weight dtype; an int4
+  head in groups of 32, HEAD_INT4_GROUP_SIZE). A tied
   embedding (SmolLM2) is then looked up in the quantized head's storage and not kept apart:
   the matrix is counted once. An untied model keeps its embedding table in the float dtype.
   The norms and any biases stay in the float dtype too (the rotary tables are buffers computed
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
-from ..models.quantize import head_dtype_for
+from ..models.quantize import HEAD_INT4_GROUP_SIZE, head_dtype_for
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # label -> (float dtype of the unquantized tensors or None for the base dtype, weight_dtype, group size)
@@ -87,7 +88,8 @@ def weight_bytes(cfg: ModelConfig, weight_dtype: str | None = None, group_size: 
     head = head_dtype_for(weight_dtype, head_dtype)
     if head is None:
         return total + v * h * fb + embedding  # a float head (tied: the embedding table itself)
-    return total + quantized_matrix_bytes(v, h, head, group_size) + embedding
+    head_group = HEAD_INT4_GROUP_SIZE if head == "int4" else group_size
+    return total + quantized_matrix_bytes(v, h, head, head_group) + embedding
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "model", float_dtype: str = "bfloat16") -> int:

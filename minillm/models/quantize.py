@@ -30,6 +30,11 @@ from .llama import LlamaForCausalLM
 LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+# An int4 head (weight_head_dtype="int4") uses groups of 32 whatever the body's group size: it is the
+# most sensitive matrix (every output is a logit), and with a tied embedding it is the embedding too.
+HEAD_INT4_GROUP_SIZE = 32
+
+
 def head_dtype_for(weight_dtype: str | None, weight_head_dtype: str = "auto") -> str | None:
     """The lm_head's storage under weight_dtype: None (the model dtype, not quantized) or a weight dtype.
 
@@ -37,7 +42,7 @@ def head_dtype_for(weight_dtype: str | None, weight_head_dtype: str = "auto") ->
     practice keeps it; int8 rather than float so decode still reads half the bytes), else the
     weight_dtype itself (int8 -> int8, fp8 -> fp8, no weight_dtype -> model dtype).
     "model": keep the head in the model dtype. "int8" / "int4" / "fp8": that dtype
-    (int4 with the body's group size).
+    (int4 in groups of HEAD_INT4_GROUP_SIZE = 32, whatever the body's group size).
     """
     if weight_head_dtype not in HEAD_DTYPES:
         raise ValueError(f"weight_head_dtype={weight_head_dtype!r} is not one of {HEAD_DTYPES}")
@@ -191,12 +196,13 @@ def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: s
 
 
 GPTQ_TOKENS = 1024  # calibration tokens for weight_calibration="gptq" (calibration.txt holds about 1,100)
+AWQ_SEARCH_TOKENS = 512  # calibrate_gptq(awq=True): tokens the input-scale search scores
 
 
 @torch.no_grad()
 def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: int = 128, awq: bool = True,
-                   act_order: bool = False, damp: float = 0.01, seq_len: int = 512, grid: int = 20,
-                   head_group_size: int | None = None, clip: bool = False, progress: bool = True
+                   act_order: bool | str = False, damp: float = 0.01, seq_len: int = 512, grid: int = 20,
+                   head_group_size: int | None = None, clip: bool = False, embed=None, progress: bool = True
                    ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """GPTQ int4 for every decoder Linear, layer by layer on the already quantized layers' activations.
 
@@ -208,6 +214,8 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
     GPTQ on W * s with the Hessian of x / s. Returns ({"layers.<i>.<name>": input_scale} (awq only),
     {"layers.<i>.<name>": (q, scale, zero)}), the input_scales= and quantized= arguments of
     quantize_model. The model itself is left as it was (the quantized layers are temporary).
+    embed: ids -> hidden for the first layer (default: the embedding table), e.g. the rows of an
+    already quantized tied head, which will serve the lookup.
     clip: each group's range from AWQ's two-sided clipping search (search_clip) instead of its min / max.
     head_group_size: also GPTQ the lm_head to int4 with that group size (no input scale: a tied
     embedding is looked up in its rows), on the final norm's output; its key is "lm_head".
@@ -237,8 +245,9 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
         key, linear = f"layers.{i}.{name}", getattr(layer, name)
         w = linear.weight.data.float()
         s = None
-        if awq:
-            s, _, _ = search_input_scale(w, x, "int4", group_size, grid)
+        if awq:  # the scale search on at most AWQ_SEARCH_TOKENS evenly spaced tokens (its cost grows with them)
+            pick = torch.linspace(0, x.shape[0] - 1, min(x.shape[0], AWQ_SEARCH_TOKENS)).long().to(x.device)
+            s, _, _ = search_input_scale(w, x[pick], "int4", group_size, grid)
             scales[key] = s
         xs = x.float() if s is None else x.float() / s
         bounds = search_clip(w, x, group_size, s, grid, two_sided=True)[0] if clip else None
@@ -258,7 +267,7 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
         model.use_triton_ops = False
         for layer in attention:
             layer.backend = TorchAttentionBackend()
-        hidden = model.embed_tokens(ids)
+        hidden = (embed or model.embed_tokens)(ids)
         for i, layer in enumerate(tqdm(model.layers, desc="GPTQ calibration (int4)", unit="layer",
                                        disable=not progress, leave=False)):
             cfg = layer.cfg
@@ -305,10 +314,12 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
     if calibration == "awq":
         ids = calibration_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
         scales, clips = calibrate_awq(model, ids, weight_dtype, group_size)
-    elif calibration == "gptq":
+    head = head_dtype_for(weight_dtype, head_dtype)
+    head_group = HEAD_INT4_GROUP_SIZE if head == "int4" else None
+    if calibration == "gptq":
         if weight_dtype != "int4":
             raise ValueError(f"weight_calibration='gptq' needs weight_dtype='int4', got {weight_dtype!r}")
         ids = calibration_token_ids(tokenizer, GPTQ_TOKENS, vocab_size=model.cfg.vocab_size)
-        scales, parts = calibrate_gptq(model, ids, group_size)
+        scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
     return quantize_model(model, weight_dtype, group_size, in_place=in_place, input_scales=scales, clips=clips,
-                          quantized=parts, head_dtype=head_dtype_for(weight_dtype, head_dtype))
+                          quantized=parts, head_dtype=head, head_group_size=head_group)

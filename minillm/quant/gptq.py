@@ -55,6 +55,10 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128, dam
     K is padded with zero columns (and zero Hessian rows) to a multiple of group_size, as
     QuantizedLinear pads. clip [N, K_pad/g, 2]: per group (low, high) bounds for the range.
     """
+    if act_order not in (False, True, "static"):
+        raise ValueError(f"act_order={act_order!r} must be False, True or 'static'")
+    if block % group_size:
+        raise ValueError(f"block={block} must be a multiple of group_size={group_size}")
     if not 0 <= damp < 1:
         raise ValueError(f"damp={damp!r} must be in [0, 1)")
     n, k = w.shape
@@ -81,10 +85,15 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128, dam
 
     scale = torch.empty(n, groups)
     zero = torch.empty(n, groups)
-    if act_order:  # static groups: every group's grid from the weights before any update
+    diag = torch.diagonal(H)
+    if act_order == "static":  # static groups: every group's grid from the weights before any update
         for g in range(groups):
             scale[:, g], zero[:, g] = group_grid(W[:, g * group_size:(g + 1) * group_size], g)
-        perm = torch.argsort(torch.diagonal(H), descending=True)
+        perm = torch.argsort(diag, descending=True)
+    elif act_order:  # groups stay contiguous: the most active group first, inside it the most active column
+        order = torch.argsort(diag.reshape(groups, group_size).sum(1), descending=True)
+        perm = torch.cat([g * group_size + torch.argsort(diag[g * group_size:(g + 1) * group_size], descending=True)
+                          for g in order.tolist()])
     else:
         perm = torch.arange(kp)
     W, H = W[:, perm], H[perm][:, perm]
@@ -97,7 +106,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128, dam
         for i in range(b1 - b0):
             col = int(perm[b0 + i])
             g = col // group_size
-            if not act_order and col % group_size == 0:  # the loop reaches a new group: its grid now
+            if act_order != "static" and (b0 + i) % group_size == 0:  # the loop reaches a new group: its grid now
                 rest = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :group_size]
                 scale[:, g], zero[:, g] = group_grid(rest, g)
             s, z = scale[:, g], zero[:, g]
