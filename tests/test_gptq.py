@@ -156,3 +156,20 @@ def test_gptq_lever_on_a_random_model_brings_the_output_closer_than_round_to_nea
     assert q.engine.model.layers[0].qkv_proj.inv_input_scale is not None
     out = q.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_gptq_lever_with_an_int4_head_calibrates_the_head_too(monkeypatch):
+    name = tied_preset(monkeypatch)
+    llm = LLM(f"random:{name}", max_num_seqs=2, weight_dtype="int4", weight_calibration="gptq",
+              weight_head_dtype="int4")
+    model = llm.engine.model
+    head = model.quantized_head
+    assert model.embed_tokens is None and head.weight_dtype == "int4" and head.group_size == 32
+    assert head.inv_input_scale is None  # the embedding is looked up in its rows
+    rtn = LLM(f"random:{name}", max_num_seqs=2, weight_dtype="int4", weight_head_dtype="int4").engine.model
+    # Same float weights (a random preset is seeded), other levels: the head was GPTQ'd, not rounded to nearest.
+    floats = [LLM(f"random:{name}", max_num_seqs=2).engine.model.embed_tokens.weight for _ in range(2)]
+    assert torch.equal(*floats)
+    assert not torch.equal(head.dequantized_weight(), rtn.quantized_head.dequantized_weight())
+    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
