@@ -354,7 +354,9 @@ def test_batch_sweep_through_the_server_and_the_floor(default_llm, solution, cap
     fig = lab08.batch_figure(rows, "cpu: test device", floor, chosen)
     assert list(fig.data[3].x) == [chosen] and list(fig.data[2].y) == [floor, floor]
     explorer = lab08.FloorExplorer(rows, solution["choose_batch_size"], "cpu: test device", floor)
-    assert explorer.chosen == chosen
+    assert explorer.slider.value == pytest.approx(floor, abs=0.05)   # the slider keeps one decimal
+    assert explorer.chosen == solution["choose_batch_size"](rows, explorer.slider.value)
+    assert list(explorer.figure.data[2].y) == [explorer.slider.value] * 2
     explorer.slider.value = explorer.slider.max   # faster than any measured batch
     assert explorer.chosen is None and "no measured batch" in explorer.label.value
     assert list(explorer.figure.data[3].x) == []
