@@ -1,5 +1,6 @@
 """Smoke test in a real browser: JupyterLab + headless Chromium run a lab's solution top to
-bottom, a slider moves, the plotly figure and the widgets render, nothing prints an error.
+bottom, a slider moves, the plotly figure and the widgets render, nothing prints an error; and
+lab 08's first cells start the OpenAI-compatible server inside the kernel and get answers.
 
 Chromium is Debian's (`bash scripts/install_browser.sh`, run by `make test`); playwright only
 drives it (never `playwright install`). Skipped with a reason when Chromium is missing.
