@@ -70,6 +70,7 @@ def test_stack_rows_are_consistent(tiny_rows):
     # Batching and speculation keep greedy output; int8 is measured, not asserted.
     assert rows[1].same_tokens == 4
     assert rows[3].outputs == rows[2].outputs   # speculation on int8 reproduces int8 greedy
+    assert rows[3].same_as_previous == 4 and rows[2].same_as_previous == rows[2].same_tokens
     assert rows[3].acceptance_rate is not None and 0 <= rows[3].acceptance_rate <= 1
     assert rows[0].acceptance_rate is None
     text = format_cost_stack(rows, llm.device)

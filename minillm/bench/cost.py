@@ -94,6 +94,7 @@ class CostRow:
     hourly_usd: float
     usd_per_mtok: float
     same_tokens: int                 # outputs identical to the first stage's, token for token
+    same_as_previous: int = 0        # outputs identical to the stage before's (e.g. speculation keeps int8's)
     peak_running: int = 1            # most sequences decoding at once
     acceptance_rate: float | None = None   # speculative stages: accepted / proposed
     outputs: list[list[int]] = field(default_factory=list, repr=False)
@@ -200,6 +201,7 @@ def cost_stack(llm, *, stages: list[CostStage] | None = None, requests: list[Req
                 tokens_per_s=tok_s, ratio_vs_naive=tok_s / ref.tokens_per_s if ref else 1.0, hourly_usd=hourly,
                 usd_per_mtok=cost_per_million(tok_s, hourly),
                 same_tokens=sum(a == b for a, b in zip(outputs, ref.outputs)) if ref else len(outputs),
+                same_as_previous=sum(a == b for a, b in zip(outputs, rows[-1].outputs)) if rows else len(outputs),
                 peak_running=peak, acceptance_rate=accepted / proposed if proposed else None, outputs=outputs))
     return rows
 
@@ -210,17 +212,20 @@ def format_cost_stack(rows: list[CostRow], device: str) -> str:
              f"{first.output_tokens} output tokens per stage (greedy, ignore_eos; tok/s include prefill)"]
     width = max(len(r.stage) for r in rows) + 2
     head = (f"{'stage':<{width}}{'out tok/s':>10}{'vs naive':>10}{'$/Mtok':>10}{'batch':>7}"
-            f"{'same tokens':>13}  levers")
+            f"{'same tokens':>19}  levers")
     lines += [head, "-" * len(head)]
     for r in rows:
         same = "ref" if r is first else f"{r.same_tokens}/{r.num_requests}"
+        if r is not first and r is not rows[1] and r.same_as_previous != r.same_tokens:
+            same += f" ({r.same_as_previous} prev)"
         extra = f"; acceptance {r.acceptance_rate:.0%}" if r.acceptance_rate is not None else ""
         lines.append(f"{r.stage:<{width}}{r.tokens_per_s:>10.1f}{r.ratio_vs_naive:>9.2f}x{r.usd_per_mtok:>10.3f}"
-                     f"{r.peak_running:>7}{same:>13}  {r.levers_text}{extra}")
+                     f"{r.peak_running:>7}{same:>19}  {r.levers_text}{extra}")
     for prev, r in zip(rows, rows[1:]):
         if r.tokens_per_s < prev.tokens_per_s:
             lines.append(f"note: '{r.stage}' is slower here than the stage before it "
                          f"({r.tokens_per_s / prev.tokens_per_s:.2f}x): it costs more per token on {device}")
+    lines.append("same tokens: greedy outputs equal to naive's (and to the stage before's, when that differs)")
     lines.append(f"$/Mtok = {first.hourly_usd:.2f} / 3600 / (tok/s) * 1e6; change the price with --hourly-usd")
     return "\n".join(lines)
 
