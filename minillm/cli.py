@@ -210,8 +210,9 @@ def cmd_memory(args) -> int:
         cfg = preset_config(name)
         tables[name] = (cfg, memory_table(cfg, budget, args.seq_len, args.base_dtype))
         print(format_memory(name, cfg, tables[name][1], budget, args.seq_len) + "\n")
-    print(f"quantized settings keep the embedding, norms (and a float head) in {args.base_dtype}; under int4 the "
-          "lm_head is int8 per-channel. seqs = floor((budget - weights) / (seq_len x KV bytes per token)): "
+    print(f"quantized settings keep the norms (and an untied embedding) in {args.base_dtype}; a tied embedding is "
+          "looked up in the quantized head (one copy). Under int4 the lm_head is int8 per-channel (int4-head4: int4, "
+          "groups of 32). seqs = floor((budget - weights) / (seq_len x KV bytes per token)): "
           "activations and pool rounding not counted. GB = 1e9 bytes.")
     if args.plot:
         print(f"plot: {plot_memory(tables, args.plot, budget, args.seq_len, args.base_dtype)}")

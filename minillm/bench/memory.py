@@ -40,8 +40,10 @@ WEIGHT_SETTINGS: dict[str, tuple[str | None, str | None, int]] = {
     "int4-g32": (None, "int4", 32),
     "int4-g64": (None, "int4", 64),
     "int4-g128": (None, "int4", 128),
+    "int4-head4": (None, "int4", 128),   # group 128, the lm_head int4 too (groups of 32)
     "fp8": (None, "fp8", 128),
 }
+SETTING_HEADS = {"int4-head4": "int4"}  # label -> weight_head_dtype (others: "auto")
 KV_DTYPES = ("model", "int8", "fp8")   # "model": the setting's float dtype
 KV_SCALE_BYTES = 4                      # one fp32 scale per token and KV head (K and V each)
 
@@ -135,8 +137,9 @@ def memory_table(cfg: ModelConfig, budget_bytes: float, seq_len: int, base_dtype
             raise ValueError(f"setting {label!r} is not one of {tuple(WEIGHT_SETTINGS)}")
         float_dtype, wd, group = WEIGHT_SETTINGS[label]
         float_dtype = float_dtype or base_dtype
-        wb = weight_bytes(cfg, wd, group, float_dtype)
-        head = head_dtype_for(wd) or float_dtype
+        head_choice = SETTING_HEADS.get(label, "auto")
+        wb = weight_bytes(cfg, wd, group, float_dtype, head_choice)
+        head = head_dtype_for(wd, head_choice) or float_dtype
         kv = {k: kv_bytes_per_token(cfg, k, float_dtype) for k in KV_DTYPES}
         rows.append(MemoryRow(label, float_dtype, wd, group if wd == "int4" else None, head, wb, kv,
                               {k: sequences_that_fit(budget_bytes, wb, kv[k], seq_len) for k in KV_DTYPES}))
