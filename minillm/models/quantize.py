@@ -3,12 +3,15 @@
 Quantized: every Linear of the decoder layers (qkv_proj, o_proj, gate_up_proj, down_proj) in
 weight_dtype, and the lm_head in its own head dtype (the weight_head_dtype lever, see
 head_dtype_for): by default int8 per-channel under int4 weights, the weight_dtype itself under
-int8 / fp8. Kept in the model dtype: the embedding table (a lookup reads one row per token, so
-its bytes do not bound decode), the norms and the rotary tables. For a tied head (SmolLM2) a
-quantized head is its own copy of the embedding matrix, so the float embedding stays too.
+int8 / fp8. Kept in the model dtype: the norms, the rotary tables and an untied embedding table
+(a lookup reads one row per token, so its bytes do not bound decode). A tied embedding (SmolLM2)
+is dropped: the model looks its rows up in the quantized head (QuantizedLinear.rows), so the
+matrix is stored once.
 
 Why the head is not 4-bit by default: it is the one matrix whose every output row is a logit,
 and 4-bit groups of 128 along its 576 inputs cost SmolLM2-135M about +60% perplexity on their own.
+weight_head_dtype="int4" uses groups of 32 (HEAD_INT4_GROUP_SIZE), and GPTQ under
+weight_calibration="gptq": +24.3% against +20.6% with the int8 head (docs/PERFORMANCE.md).
 AWQ and GPTQ (llm-awq, AutoAWQ, AutoGPTQ) leave lm_head unquantized; int8 per-channel keeps it
 within a fraction of a percent while it still reads half the bytes of bf16 per decode step.
 """

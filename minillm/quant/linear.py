@@ -31,6 +31,10 @@ scale fp32 [N]). `set_matmul(fn)` makes forward compute y = fn(x2d, layer) (x2d 
 activation dtype, after the input_scale division; bias added after); `set_matmul(None)` restores
 the path.
 
+Rows: `rows(ids)` -> dequantized_weight()[ids], dequantizing only those rows (int4 rows gathered
+straight from the "int4pack" layout); a tied embedding is looked up there. `quantized=(q, scale,
+zero)` stores int4 levels computed elsewhere (GPTQ, minillm/quant/gptq.py) as given.
+
 Activation-aware hook: `input_scale` [K] (e.g. from an AWQ-style search on calibration text)
 quantizes W * input_scale and multiplies x by 1 / input_scale first, so y is unchanged in exact
 arithmetic while salient input channels get finer quantization levels.
