@@ -14,8 +14,9 @@ Each stage reports output tokens / wall time (prefill included: what a user pays
 $/Mtok = cost_per_million(tokens/s, hourly price). The workload mixes chat questions with
 requests that ask for a paragraph back (so n-gram speculation finds its proposals in the
 prompt); every request makes exactly --max-tokens greedy tokens (ignore_eos), so every stage
-does the same work. Batching and speculation keep greedy output token for token; quantized
-weights need not, so each stage prints how many outputs equal the naive stage's.
+does the same work. Batching and speculation keep greedy output token for token in the model
+dtype; quantized weights need not (nor, as measured on the default model, speculation on int8
+weights), so each stage prints how many outputs equal the naive stage's and the stage before's.
 """
 
 from __future__ import annotations
