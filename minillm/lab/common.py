@@ -188,6 +188,17 @@ class CheckFailed(AssertionError):
     """A check_* function's verdict: the message says what is wrong and why it probably is."""
 
 
+def call_learner(fn: Callable, args: tuple, call: str, hint: str = ""):
+    """Call the learner's function; an exception (other than the stub's NotImplementedError or a
+    CheckFailed from inside) becomes a CheckFailed naming the call, plus an optional hint."""
+    try:
+        return fn(*args)
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the message names the learner's error
+        raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}" + (f": {hint}" if hint else "")) from exc
+
+
 def is_close(actual, expected: float, rel: float = 1e-6, abs_tol: float = 1e-12) -> bool:
     try:
         return math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_tol)

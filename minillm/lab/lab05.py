@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
 from ..sampling import SamplingParams
-from .common import REFERENCE_DEVICES, CheckFailed, Stopwatch, as_widget, format_seconds, new_figure, passed
+from .common import REFERENCE_DEVICES, CheckFailed, Stopwatch, as_widget, call_learner, format_seconds, new_figure, passed
 
 MB = 1e6
 GiB = 1 << 30
@@ -108,13 +108,7 @@ def _random_weight(n: int, k: int, seed: int, dtype=torch.float32) -> torch.Tens
     return w.to(dtype)
 
 
-def _call(fn: Callable, args: tuple, call: str):
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the message names the learner's error
-        raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}") from exc
+_call = call_learner   # lab/common.py
 
 
 def _expect_tensor(value, shape: tuple, call: str, what: str, dtypes: tuple = ()) -> torch.Tensor:

@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 
 from ..sampling import SamplingParams
-from .common import CheckFailed, expect_number, format_seconds, new_figure, passed
+from .common import CheckFailed, call_learner, expect_number, format_seconds, new_figure, passed
 
 # What the sources measured on a laptop: ten questions about one long document, total reading
 # (prefill) time without and with a kept prefix; and the re-read cost after changing one word at
@@ -33,15 +33,7 @@ CACHE_WRITE, CACHE_READ = 1.25, 0.1
 
 
 # =================================================================== A. the hash chain
-def _call(fn: Callable, args: tuple, call: str):
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except CheckFailed:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the message names the learner's error
-        raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}") from exc
+_call = call_learner   # lab/common.py
 
 
 def _keys_of(block_hashes: Callable, token_ids: Sequence[int], block_size: int, salt: str | None) -> list:

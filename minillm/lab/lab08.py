@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from .common import CheckFailed, new_figure, passed
+from .common import CheckFailed, call_learner, new_figure, passed
 
 # The sources' cost ladder: one H100 at 2.50 USD per hour, output tokens per second as the levers
 # stack. The naive engine makes one token every 30 ms (33.3 tok/s): 20.83 USD per million tokens.
@@ -41,16 +41,7 @@ SOURCE_USD_PER_MTOK = (20.83, 1.49, 0.93, 0.52)
 SLO_KEYS = ("ttft_s", "tpot_s", "e2el_s")
 
 
-def _call(fn: Callable, args: tuple, call: str, hint: str = ""):
-    """Call the learner's function; an exception becomes a CheckFailed naming the call."""
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise
-    except CheckFailed:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the message names the learner's error
-        raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}" + (f": {hint}" if hint else "")) from exc
+_call = call_learner   # lab/common.py
 
 
 def _number(value) -> bool:
