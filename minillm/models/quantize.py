@@ -19,6 +19,7 @@ within a fraction of a percent while it still reads half the bytes of bf16 per d
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -142,6 +143,24 @@ def set_quantized_matmul(model: LlamaForCausalLM, fn, weight_dtype: str = "int4"
     return count
 
 
+@contextmanager
+def torch_attention(model: LlamaForCausalLM):
+    """Run the model's attention through the torch backend without a KV cache (calibration passes
+    over whole sequences), and give each layer back its backend, cache and Triton ops afterwards."""
+    attention = model.attention_layers()
+    saved = [(layer.backend, layer.k_cache, layer.v_cache) for layer in attention]
+    saved_triton = model.use_triton_ops
+    try:
+        model.use_triton_ops = False
+        for layer in attention:
+            layer.backend = TorchAttentionBackend()
+        yield
+    finally:
+        model.use_triton_ops = saved_triton
+        for layer, (backend, k, v) in zip(attention, saved):
+            layer.backend, layer.k_cache, layer.v_cache = backend, k, v
+
+
 @torch.no_grad()
 def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: str = "int4", group_size: int = 128,
                   grid: int = 20, clip: bool = True, two_sided: bool = True, progress: bool = True
@@ -168,23 +187,15 @@ def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: s
             key = f"layers.{i}.{name}"
             hooks.append(module.register_forward_hook(
                 lambda mod, args, out, key=key: inputs.__setitem__(key, args[0].detach().float())))
-    attention = model.attention_layers()
-    saved = [(layer.backend, layer.k_cache, layer.v_cache) for layer in attention]
-    saved_triton = model.use_triton_ops
     try:
-        model.use_triton_ops = False
-        for layer in attention:
-            layer.backend = TorchAttentionBackend()
-        device = model.embed_tokens.weight.device
-        n = len(token_ids)
-        meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
-        model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)
+        with torch_attention(model):
+            device = model.embed_tokens.weight.device
+            n = len(token_ids)
+            meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
+            model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), meta)
     finally:
         for hook in hooks:
             hook.remove()
-        model.use_triton_ops = saved_triton
-        for layer, (backend, k, v) in zip(attention, saved):
-            layer.backend, layer.k_cache, layer.v_cache = backend, k, v
     scales, clips = {}, {}
     keys = [(i, name) for i in range(len(model.layers)) for name in LAYER_LINEARS]
     for i, name in tqdm(keys, desc=f"AWQ calibration ({weight_dtype})", unit="matrix", disable=not progress,
@@ -263,13 +274,7 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
             y = y + linear.bias.float()
         return y.to(x.dtype)
 
-    attention = model.attention_layers()
-    saved = [(layer.backend, layer.k_cache, layer.v_cache) for layer in attention]
-    saved_triton = model.use_triton_ops
-    try:
-        model.use_triton_ops = False
-        for layer in attention:
-            layer.backend = TorchAttentionBackend()
+    with torch_attention(model):
         hidden = (embed or model.embed_tokens)(ids)
         for i, layer in enumerate(tqdm(model.layers, desc="GPTQ calibration (int4)", unit="layer",
                                        disable=not progress, leave=False)):
@@ -289,10 +294,6 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
             x = model.norm(hidden).float()
             parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size, damp,
                                          act_order)
-    finally:
-        model.use_triton_ops = saved_triton
-        for layer, (backend, k, v) in zip(attention, saved):
-            layer.backend, layer.k_cache, layer.v_cache = backend, k, v
     return scales, parts
 
 
