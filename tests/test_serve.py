@@ -160,6 +160,19 @@ def test_concurrent_streaming_clients_match_offline(server, offline):
           f"{offline['wall_s']:.1f} s in llm.generate (HTTP / offline wall time: {wall_s / offline['wall_s']:.2f}x)")
 
 
+def wait_for_one_abort(server, since: dict[str, float], timeout_s: float = 20.0) -> tuple[dict[str, float], float]:
+    """Poll /metrics until one more request finished with reason "abort" than in `since` and no KV
+    block is in use (or the timeout passes); returns (the last metrics, aborts since)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = get_metrics(server)
+        aborted = (metric(now, "minillm_request_success_total", finished_reason="abort")
+                   - metric(since, "minillm_request_success_total", finished_reason="abort"))
+        if aborted == 1 and metric(now, "minillm_kv_blocks_used") == 0 or time.monotonic() > deadline:
+            return now, aborted
+        time.sleep(0.1)
+
+
 def test_disconnect_mid_stream_frees_kv_blocks(server):
     before = get_metrics(server)
     body = {"model": "smollm2", "prompt": "Count slowly from one to one thousand:", "max_tokens": 400,
@@ -175,14 +188,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
                     during = get_metrics(server)
                     break  # leaving the block closes the connection mid-stream
     assert metric(during, "minillm_kv_blocks_used") > 0 and metric(during, "minillm_num_requests_running") == 1
-    deadline = time.monotonic() + 20
-    while True:
-        now = get_metrics(server)
-        aborted = (metric(now, "minillm_request_success_total", finished_reason="abort")
-                   - metric(before, "minillm_request_success_total", finished_reason="abort"))
-        if aborted == 1 and metric(now, "minillm_kv_blocks_used") == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    now, aborted = wait_for_one_abort(server, before)
     assert aborted == 1, "the disconnected request was not aborted"
     assert metric(now, "minillm_kv_blocks_used") == 0, "the disconnected request's KV blocks were not freed"
     assert metric(now, "minillm_num_requests_running") == 0
@@ -194,14 +200,7 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
     # A non-streaming client that gives up is noticed too (the handler polls for the disconnect).
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", json={**body, "stream": False}, timeout=1.5)
-    deadline = time.monotonic() + 20
-    while True:
-        later = get_metrics(server)
-        aborted = (metric(later, "minillm_request_success_total", finished_reason="abort")
-                   - metric(now, "minillm_request_success_total", finished_reason="abort"))
-        if aborted == 1 and metric(later, "minillm_kv_blocks_used") == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    later, aborted = wait_for_one_abort(server, now)
     assert aborted == 1 and metric(later, "minillm_kv_blocks_used") == 0
 
 
