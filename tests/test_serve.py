@@ -441,6 +441,15 @@ def test_serve_in_thread_closes_and_reopens(tiny):
         assert httpx.get(handle.base_url + "/models").json()["data"][0]["id"] == "again"
         with pytest.raises(RuntimeError, match="already served"):  # one engine thread per engine
             serve_in_thread(tiny)
+        # the notebook's own thread may not step the served engine: a clear refusal, and the server goes on
+        with pytest.raises(RuntimeError, match=r"generate\(\)|add_request\(\).*being served by thread 'minillm-engine'"):
+            tiny.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match=r"step\(\) from thread .*being served"):
+            tiny.engine.step()
+        r = httpx.post(handle.base_url + "/completions",
+                       json={"prompt": [3, 4, 5], "max_tokens": 6, "ignore_eos": True, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == served
+    assert tiny.engine.owner_thread is None
 
 
 def test_sampling_fields_reach_the_engine(tiny):

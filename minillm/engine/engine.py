@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -30,6 +31,7 @@ def validate_cache_salt(cache_salt) -> None:
 class Engine:
     def __init__(self, config: EngineConfig, share_weights_with: "Engine | None" = None):
         self.config = config
+        self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.cuda_graphs and self.device.type != "cuda":
@@ -155,6 +157,7 @@ class Engine:
         """Validate and queue one request. A bad request raises here and changes nothing.
 
         `cache_salt`: requests with different salts never share prefix-cached blocks."""
+        self._check_owner("add_request")
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params)
         validate_cache_salt(cache_salt)
@@ -172,6 +175,14 @@ class Engine:
             self.scheduler.finish(seq, reason, error)
         if self.speculator is not None:
             self.speculator.release_finished([seq])
+
+    def _check_owner(self, what: str) -> None:
+        """An engine that a server thread owns (minillm.serve sets owner_thread) is stepped by that thread only."""
+        owner = self.owner_thread
+        if owner is not None and owner is not threading.current_thread():
+            raise RuntimeError(f"{what}() from thread {threading.current_thread().name!r}: this engine is being served "
+                               f"by thread {owner.name!r} (minillm serve / serve_in_thread). Send requests to the "
+                               "server, stop it first, or build a second engine with llm.with_levers()")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -204,6 +215,7 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones included)."""
+        self._check_owner("step")
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs and self.scheduler.has_unfinished():
             # Preemption may have just emptied the running set; admission gets a second try.

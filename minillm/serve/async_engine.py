@@ -38,8 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("minillm.serve")
 
-_owned_engines: set[int] = set()   # ids of engines an AsyncEngine thread owns right now
-_owned_lock = threading.Lock()
+_owned_lock = threading.Lock()   # guards Engine.owner_thread: one AsyncEngine thread owns an engine at a time
 MAX_KEPT_STEPS = 4096   # Engine.stats keeps one StepStats per step: reset it so a long-lived server stays small
 _ids = itertools.count()
 
@@ -133,13 +132,15 @@ class AsyncEngine:
     """Owns `llm.engine` in a background thread until shutdown(); `llm` must not be stepped elsewhere meanwhile."""
 
     def __init__(self, llm: "LLM", start: bool = True):
+        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         with _owned_lock:
-            if id(llm.engine) in _owned_engines:
+            if llm.engine.owner_thread is not None:
                 raise RuntimeError("this LLM's engine is already served by another AsyncEngine (one server per "
                                    "engine: close the other, or build a second engine with llm.with_levers())")
             if llm.engine.has_unfinished():
                 raise RuntimeError("this LLM's engine has requests in flight; let them finish before serving it")
-            _owned_engines.add(id(llm.engine))
+            # from now on only self._thread may step it: llm.generate() meanwhile raises (Engine._check_owner)
+            llm.engine.owner_thread = self._thread
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
@@ -151,7 +152,6 @@ class AsyncEngine:
         self._stopping = False
         self._stopped = threading.Event()
         self.crash: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._update_gauges()
         if start:
             self._thread.start()
@@ -215,7 +215,7 @@ class AsyncEngine:
             self._stopping = True
             self._stopped.set()
             with _owned_lock:
-                _owned_engines.discard(id(self.engine))
+                self.engine.owner_thread = None
             return
         self._stopping = True
         self._commands.put(("stop", None))
@@ -258,7 +258,7 @@ class AsyncEngine:
                     self._reply(payload, error=EngineStoppedError(reason))
             self._update_gauges()
             with _owned_lock:
-                _owned_engines.discard(id(self.engine))
+                self.engine.owner_thread = None
 
     def _drain(self, block: bool) -> None:
         try:
