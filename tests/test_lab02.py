@@ -11,6 +11,8 @@ import nbformat
 import pytest
 import torch
 
+from lab_utils import nbgrader_cells
+
 from minillm.lab import lab02
 from minillm.lab.build import SOURCE_DIR
 from minillm.lab.common import CheckFailed
@@ -43,7 +45,7 @@ kv_cache_bytes = SOLUTION["kv_cache_bytes"]
 # --------------------------------------------------------------------- the master itself
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in ("append_kv", "attend_with_cache", "kv_cache_bytes_per_token", "kv_cache_bytes"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}

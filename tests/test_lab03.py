@@ -7,6 +7,8 @@ from __future__ import annotations
 import nbformat
 import pytest
 
+from lab_utils import nbgrader_cells, run_solution_cells
+
 from minillm.lab import lab03
 from minillm.lab.build import SOURCE_DIR
 from minillm.lab.common import CheckFailed
@@ -14,16 +16,7 @@ from minillm.lab.common import CheckFailed
 MASTER = SOURCE_DIR / "03_batching" / "03_batching.ipynb"
 
 
-def _master_namespace() -> dict:
-    nb = nbformat.read(MASTER, as_version=4)
-    namespace: dict = {}
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
-            exec(compile(cell.source, f"<master:{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
-    return namespace
-
-
-SOLUTION = _master_namespace()
+SOLUTION = run_solution_cells(MASTER, {})
 simulate = SOLUTION["simulate_batching"]
 num_steps = SOLUTION["num_steps"]
 utilisation = SOLUTION["utilisation"]
@@ -33,7 +26,7 @@ LENGTHS = list(lab03.EXAMPLE_OUTPUT_LENGTHS)
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in ("num_steps", "utilisation", "simulate_batching", "largest_batch_meeting_floor"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}

@@ -5,7 +5,6 @@ engine's own tokens, the waste measurement shows paging's gain, and the budget s
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,8 @@ from kernel_utils import DEVICE  # first: picks the interpreter before triton is
 import nbformat
 import pytest
 import torch
+
+from lab_utils import import_file, nbgrader_cells, solution_module_fixture, solution_source
 
 from minillm.lab import lab04
 from minillm.lab.build import REPO_ROOT, SOURCE_DIR
@@ -31,31 +32,13 @@ BLOCK_SIZE = 16
 """
 
 
-def _solution_source() -> str:
-    """The master's solution cells and the kernel launcher, as one module's source (Triton reads a
-    kernel's source from its file, so the code must live in a real file, not in exec'd strings)."""
-    nb = nbformat.read(MASTER, as_version=4)
-    parts = [MODULE_HEADER]
-    for cell in nb.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and (meta.get("solution") or cell.source.startswith("def paged_decode(")):
-            parts.append(cell.source)
-    return "\n\n".join(parts) + "\n"
-
-
-@pytest.fixture(scope="module")
-def solution(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lab04") / "lab04_solution.py"
-    path.write_text(_solution_source())
-    spec = importlib.util.spec_from_file_location("lab04_solution", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+LAUNCHER = "def paged_decode("  # the code cell that launches the kernel, kept with the solution cells
+solution = solution_module_fixture(MASTER, MODULE_HEADER, LAUNCHER, "lab04_solution")
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in ("BlockAllocator", "max_concurrent", "paged_decode_kernel"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
@@ -118,14 +101,12 @@ def test_solution_kernel_agrees_with_the_engine_kernel_and_spec(solution):
 
 
 def test_stub_kernel_raises_not_implemented(tmp_path):
-    source = _solution_source()
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
     start, end = source.index("    ### BEGIN SOLUTION\n    row_max"), source.index("    ### END SOLUTION\n", source.index("row_max"))
     stubbed = source[:start] + "    # YOUR CODE HERE\n    raise NotImplementedError()\n" + source[end + len("    ### END SOLUTION\n"):]
     path = tmp_path / "lab04_stub.py"
     path.write_text(stubbed)
-    spec = importlib.util.spec_from_file_location("lab04_stub", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_file(path, "lab04_stub")
     with pytest.raises(NotImplementedError):
         module.paged_decode(*lab04.make_paged_inputs([3], 1, 1, 64, 16), 0.125, 16)
 
@@ -133,7 +114,7 @@ def test_stub_kernel_raises_not_implemented(tmp_path):
 def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
     """What the interpreter forgives (types of loop-carried values, shapes) fails here, without a GPU."""
     path = tmp_path / "lab04_aot.py"
-    path.write_text(_solution_source())
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
     script = textwrap.dedent(f"""
         import importlib.util
         from triton.backends.compiler import GPUTarget

@@ -6,13 +6,13 @@ variants, and the setting widget updates."""
 
 from __future__ import annotations
 
-import importlib.util
-
 from kernel_utils import DEVICE  # first: picks the interpreter before triton is imported
 
 import nbformat
 import pytest
 import torch
+
+from lab_utils import import_file, nbgrader_cells, solution_module_fixture, solution_source
 
 from minillm.lab import lab05
 from minillm.lab.build import REPO_ROOT, SOURCE_DIR
@@ -32,35 +32,13 @@ GRADED = {"test_int8": 2, "test_int4": 2, "test_pack": 1, "test_int4_matmul_rows
           "test_salient": 2, "test_kv_bytes": 2, "test_sequences_fit": 1}
 
 
-def _solution_source() -> str:
-    """The master's solution cells and the kernel launcher as one module (Triton reads a kernel's source
-    from its file, so the code must live in a real file)."""
-    nb = nbformat.read(MASTER, as_version=4)
-    parts = [MODULE_HEADER]
-    for cell in nb.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and (meta.get("solution") or cell.source.startswith("def int4_matmul(")):
-            parts.append(cell.source)
-    return "\n\n".join(parts) + "\n"
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def solution(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lab05") / "lab05_solution.py"
-    path.write_text(_solution_source())
-    return _load(path, "lab05_solution")
+LAUNCHER = "def int4_matmul("  # the code cell that launches the kernel, kept with the solution cells
+solution = solution_module_fixture(MASTER, MODULE_HEADER, LAUNCHER, "lab05_solution")
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in ("quantize_int8", "quantize_int4", "pack_int4", "int4_matmul_kernel", "salient_channels",
                  "kv_bytes_per_token"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
@@ -131,12 +109,12 @@ def test_solution_kernel_compiles_for_sm80_and_sm90(solution):
 
 
 def test_stub_kernel_raises_not_implemented(tmp_path):
-    source = _solution_source()
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
     start = source.index("    ### BEGIN SOLUTION\n    acc = tl.zeros")
     end = source.index("    ### END SOLUTION\n", start) + len("    ### END SOLUTION\n")
     path = tmp_path / "lab05_stub.py"
     path.write_text(source[:start] + "    # YOUR CODE HERE\n    raise NotImplementedError()\n" + source[end:])
-    module = _load(path, "lab05_stub")
+    module = import_file(path, "lab05_stub")
     with pytest.raises(NotImplementedError):
         module.int4_matmul(*lab05.make_int4_inputs(1, 8, 32, 32), 32)
     with pytest.raises(NotImplementedError):

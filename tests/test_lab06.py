@@ -9,6 +9,8 @@ from __future__ import annotations
 import nbformat
 import pytest
 
+from lab_utils import nbgrader_cells, solution_fixture
+
 from minillm.lab import lab06
 from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
@@ -16,20 +18,12 @@ from minillm.lab.common import CheckFailed, figure_subtitle
 MASTER = SOURCE_DIR / "06_prefix_caching" / "06_prefix_caching.ipynb"
 
 
-@pytest.fixture(scope="module")
-def solution():
-    """The master's solution cells, run in one namespace."""
-    nb = nbformat.read(MASTER, as_version=4)
-    namespace: dict = {"lab06": lab06}
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
-            exec(compile(cell.source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
-    return namespace
+solution = solution_fixture(MASTER, {"lab06": lab06})  # the master's solution cells, run in one namespace
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in ("block_hashes", "lookup", "reusable_blocks", "cached_cost"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}

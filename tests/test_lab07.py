@@ -13,6 +13,8 @@ import nbformat
 import pytest
 import torch
 
+from lab_utils import nbgrader_cells, solution_fixture
+
 from minillm.lab import lab07
 from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
@@ -21,15 +23,7 @@ MASTER = SOURCE_DIR / "07_speculative_decoding" / "07_speculative_decoding.ipynb
 EXERCISES = {"greedy_verify", "ngram_propose", "rejection_sample", "expected_tokens_per_pass"}
 
 
-@pytest.fixture(scope="module")
-def solution():
-    """The master's solution cells, run in one namespace."""
-    nb = nbformat.read(MASTER, as_version=4)
-    namespace: dict = {"lab07": lab07}
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
-            exec(compile(cell.source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
-    return namespace
+solution = solution_fixture(MASTER, {"lab07": lab07})  # the master's solution cells, run in one namespace
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +35,7 @@ def llm():
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in EXERCISES:
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}

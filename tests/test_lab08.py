@@ -13,6 +13,8 @@ import json
 import nbformat
 import pytest
 
+from lab_utils import nbgrader_cells, solution_fixture
+
 from minillm.lab import lab08
 from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
@@ -25,21 +27,13 @@ AUTOGRADED = {"test_parse_sse": 2, "test_parse_sse_edges": 1, "test_stream_metri
 WRITEUP_POINTS = 4
 
 
-@pytest.fixture(scope="module")
-def solution():
-    """The master's solution code cells, run in one namespace."""
-    nb = nbformat.read(MASTER, as_version=4)
-    namespace: dict = {"lab08": lab08}
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
-            exec(compile(cell.source, f"<{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
-    return namespace
+solution = solution_fixture(MASTER, {"lab08": lab08})  # the master's solution code cells, run in one namespace
 
 
 # --------------------------------------------------------------------- the master
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
-    meta = {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+    meta = nbgrader_cells(nb)
     for name in EXERCISES:
         cell, m = meta[name]
         assert cell.cell_type == "code" and m["solution"] and not m["locked"] and "### BEGIN SOLUTION" in cell.source

@@ -1,0 +1,75 @@
+"""Shared helpers of the lab tests: a master notebook's nbgrader cells by grade_id, and its solution cells
+run in one namespace or imported from a file, also as the module-scoped `solution` fixture a test file assigns
+(`solution = solution_fixture(...)`).
+
+pytest puts tests/ on sys.path (rootdir conftest), so the plain `from lab_utils import ...` works from
+every test file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import nbformat
+import pytest
+
+
+def nbgrader_cells(nb) -> dict:
+    """{grade_id: (cell, its nbgrader metadata)} for every cell of nb that has nbgrader metadata."""
+    return {c.metadata["nbgrader"]["grade_id"]: (c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata}
+
+
+def run_solution_cells(master: Path, namespace: dict) -> dict:
+    """Exec the master's solution code cells, in order, into namespace (the lab module seeded there); returns it."""
+    nb = nbformat.read(master, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
+            exec(compile(cell.source, f"<master:{cell.metadata['nbgrader']['grade_id']}>", "exec"), namespace)
+    return namespace
+
+
+def solution_fixture(master: Path, namespace: dict):
+    """The module-scoped fixture `solution`: run_solution_cells(master, a copy of namespace)."""
+
+    @pytest.fixture(scope="module")
+    def solution() -> dict:
+        """The master's solution cells, run in one namespace."""
+        return run_solution_cells(master, dict(namespace))
+
+    return solution
+
+
+def solution_source(master: Path, header: str, launcher_prefix: str) -> str:
+    """header, the master's solution code cells and the code cell starting with launcher_prefix, as one module's
+    source (Triton reads a kernel's source from its file, so the code must live in a real file, not in exec'd
+    strings)."""
+    nb = nbformat.read(master, as_version=4)
+    parts = [header]
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and (meta.get("solution") or cell.source.startswith(launcher_prefix)):
+            parts.append(cell.source)
+    return "\n\n".join(parts) + "\n"
+
+
+def import_file(path: Path, name: str) -> ModuleType:
+    """The Python file at path, imported as a module called name (not added to sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def solution_module_fixture(master: Path, header: str, launcher_prefix: str, name: str):
+    """The module-scoped fixture `solution`: solution_source(...) written to a temporary name.py, imported as name."""
+
+    @pytest.fixture(scope="module")
+    def solution(tmp_path_factory) -> ModuleType:
+        """The master's solution cells and kernel launcher, imported from a file."""
+        path = tmp_path_factory.mktemp(name) / f"{name}.py"
+        path.write_text(solution_source(master, header, launcher_prefix))
+        return import_file(path, name)
+
+    return solution
