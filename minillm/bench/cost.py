@@ -16,7 +16,11 @@ requests that ask for a paragraph back (so n-gram speculation finds its proposal
 prompt); every request makes exactly --max-tokens greedy tokens (ignore_eos), so every stage
 does the same work. Batching and speculation keep greedy output token for token in the model
 dtype; quantized weights need not (nor, as measured on the default model, speculation on int8
-weights), so each stage prints how many outputs equal the naive stage's and the stage before's.
+weights: the int8 matmul returns bfloat16, so two logits are often exactly tied, and a verify pass
+over k+1 positions carries hidden states that differ from a one-token decode's in the last fp32
+bits, enough to break such a tie the other way; the int8 matmul itself gives each row the same bits
+whatever the row count), so each stage prints how many outputs equal the naive stage's and the
+stage before's.
 """
 
 from __future__ import annotations
