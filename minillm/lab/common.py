@@ -133,6 +133,21 @@ def as_widget(fig: go.Figure) -> go.FigureWidget:
     return go.FigureWidget(data=fig.data, layout=fig.layout)
 
 
+def control_panel(owner, controls: list, figure: go.Figure, row: bool = False) -> None:
+    """The widgets' common wiring: owner.figure = as_widget(figure), owner.label (an HTML line the
+    update writes), owner.widget = the controls (side by side with row=True), the label and the
+    figure stacked; a change of any control's value calls owner.update(), and one update() runs now."""
+    import ipywidgets as widgets
+
+    owner.label = widgets.HTML()
+    owner.figure = as_widget(figure)
+    for control in controls:
+        control.observe(lambda _: owner.update(), names="value")
+    top = [widgets.HBox(controls)] if row else list(controls)
+    owner.widget = widgets.VBox([*top, owner.label, owner.figure])
+    owner.update()
+
+
 def figure_subtitle(fig: go.Figure) -> str:
     """The subtitle text of a figure from :func:`new_figure` ('' if none)."""
     subtitle = fig.layout.title.subtitle

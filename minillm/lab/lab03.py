@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..sampling import SamplingParams
-from .common import CheckFailed, as_widget, device_label, new_figure, passed
+from .common import CheckFailed, control_panel, device_label, new_figure, passed
 
 POLICIES = ("static", "continuous")
 
@@ -274,15 +274,10 @@ class ScheduleExplorer:
         self.slider = widgets.IntSlider(value=num_slots, min=1, max=len(self.output_lengths), description="slots",
                                         continuous_update=False)
         self.dropdown = widgets.Dropdown(options=list(POLICIES), value=policy, description="policy")
-        self.label = widgets.HTML()
         base = new_figure("", "step", "", height=420)
         base.add_trace(_heatmap([[None] * num_slots], self.output_lengths))
         base.update_yaxes(autorange="reversed")
-        self.figure = as_widget(base)
-        self.slider.observe(lambda _: self.update(), names="value")
-        self.dropdown.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.VBox([widgets.HBox([self.slider, self.dropdown]), self.label, self.figure])
-        self.update()
+        control_panel(self, [self.slider, self.dropdown], base, row=True)
 
     def update(self) -> None:
         try:
@@ -414,16 +409,12 @@ class FloorExplorer:
         self.slider = widgets.FloatSlider(value=start, min=0.0, max=round(top * 1.2, 1), step=max(round(top / 100, 1), 0.1),
                                           description="floor tok/s", continuous_update=False,
                                           style={"description_width": "initial"})
-        self.label = widgets.HTML()
         base = batch_sweep_figure(self.rows, device)
         base.update_layout(title_text="per-user floor -> the largest batch that meets it")
         base.add_scatter(x=[min(self.sizes), max(self.sizes)], y=[start, start], mode="lines", name="floor",
                          line=dict(dash="dash", color="gray"))
         base.add_scatter(x=[], y=[], mode="markers", name="chosen batch", marker=dict(size=16, symbol="star", color="black"))
-        self.figure = as_widget(base)
-        self.slider.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.VBox([self.slider, self.label, self.figure])
-        self.update()
+        control_panel(self, [self.slider], base)
 
     def update(self) -> None:
         floor = self.slider.value

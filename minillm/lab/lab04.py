@@ -30,7 +30,7 @@ import torch
 
 from ..engine.block_manager import BlockManager, BlockUsage
 from ..sampling import SamplingParams
-from .common import CheckFailed, Stopwatch, as_widget, format_seconds, new_figure, passed
+from .common import CheckFailed, Stopwatch, control_panel, format_seconds, new_figure, passed
 
 # The vLLM paper (Kwon et al., SOSP 2023, Fig. 2): in systems that reserve a contiguous region per
 # request, only 20.4% - 38.2% of the KV cache memory held the tokens' states.
@@ -578,14 +578,10 @@ class ConcurrencyExplorer:
                                 marker=dict(size=12, symbol="x", color="#1f77b4" if r["paged"] else "#d62728"))
         fig.add_scatter(x=[self.budgets[0]] * 2, y=[0, len(self.lengths)], mode="lines", name="your budget",
                         line=dict(color="gray", dash="dot"))
-        self.figure = as_widget(fig)
         self.slider = widgets.IntSlider(value=min(4 * max_model_len, top), min=self.budgets[0], max=self.budgets[-1],
                                         step=step, description="KV tokens", continuous_update=False,
                                         layout=widgets.Layout(width="520px"))
-        self.label = widgets.HTML()
-        self.slider.observe(lambda change: self.update(), names="value")
-        self.widget = widgets.VBox([self.slider, self.label, self.figure])
-        self.update()
+        control_panel(self, [self.slider], fig)
 
     def update(self) -> None:
         budget = self.slider.value

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
 from ..sampling import SamplingParams
-from .common import REFERENCE_DEVICES, CheckFailed, Stopwatch, as_widget, call_learner, format_seconds, new_figure, passed
+from .common import REFERENCE_DEVICES, CheckFailed, Stopwatch, call_learner, control_panel, format_seconds, new_figure, passed
 
 MB = 1e6
 GiB = 1 << 30
@@ -700,12 +700,8 @@ class SettingExplorer:
         fig.update_layout(height=620, template="plotly_white",
                           title={"text": "Quality vs memory vs speed", "subtitle": {"text": f"measured on {result['device']}"}},
                           margin=dict(t=100, l=60, r=30, b=60))
-        self.figure = as_widget(fig)
         self.buttons = widgets.ToggleButtons(options=self.labels, value=self.labels[-1], description="setting")
-        self.label = widgets.HTML()
-        self.buttons.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.VBox([self.buttons, self.label, self.figure])
-        self.update()
+        control_panel(self, [self.buttons], fig)
 
     def update(self) -> None:
         chosen = self.buttons.value

@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from .common import CheckFailed, call_learner, new_figure, passed
+from .common import CheckFailed, call_learner, control_panel, new_figure, passed
 
 # The sources' cost ladder: one H100 at 2.50 USD per hour, output tokens per second as the levers
 # stack. The naive engine makes one token every 30 ms (33.3 tok/s): 20.83 USD per million tokens.
@@ -717,18 +717,13 @@ class FloorExplorer:
     def __init__(self, rows: Sequence[dict], choose: Callable, device: str, floor: float):
         import ipywidgets as widgets
 
-        from .common import as_widget
 
         self.rows, self.choose = [dict(r) for r in rows], choose
         top = max(r["per_user_tps"] for r in self.rows)
         self.slider = widgets.FloatSlider(value=round(floor, 1), min=0.0, max=round(top * 1.2, 1),
                                           step=max(round(top / 100, 1), 0.1), description="floor tok/s per user",
                                           continuous_update=False, style={"description_width": "initial"})
-        self.label = widgets.HTML()
-        self.figure = as_widget(batch_figure(self.rows, device, floor))
-        self.slider.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.VBox([self.slider, self.label, self.figure])
-        self.update()
+        control_panel(self, [self.slider], batch_figure(self.rows, device, floor))
 
     def update(self) -> None:
         floor = self.slider.value
