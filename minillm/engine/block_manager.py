@@ -77,7 +77,35 @@ class BlockUsage:
         return self.real_tokens / self.reserved_slots if self.reserved_slots else 1.0
 
 
-class BlockManager:
+class PoolSizes:
+    """Sizes derived from num_blocks, block_size and num_free_blocks (the engine's BlockManager and
+    any stand-in with those three attributes, e.g. lab 04's adapter over a learner's allocator)."""
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return self.num_used_blocks * self.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def usage(self, real_tokens: int) -> BlockUsage:
+        """Statistics, given how many tokens the sequences holding blocks really have."""
+        return BlockUsage(self.num_blocks, self.num_used_blocks, self.block_size, real_tokens)
+
+
+class BlockManager(PoolSizes):
     def __init__(self, num_blocks: int, block_size: int, contiguous: bool = True,
                  hash_fn: Callable[[Hashable | None, tuple[int, ...], str | None], Hashable] | None = None):
         if num_blocks < 1:
@@ -103,26 +131,6 @@ class BlockManager:
         self.block_parent: list[tuple[int, int] | None] = [None] * num_blocks  # (parent block, its generation)
         self.block_gen = [0] * num_blocks                     # bumped at every registration
         self.num_evictions = 0
-
-    # ------------------------------------------------------------------ sizes
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_reserved_tokens(self) -> int:
-        return self.num_used_blocks * self.block_size
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def usage(self, real_tokens: int) -> BlockUsage:
-        """Statistics, given how many tokens the sequences holding blocks really have."""
-        return BlockUsage(self.num_blocks, self.num_used_blocks, self.block_size, real_tokens)
 
     # ------------------------------------------------------------------ allocate
     def _find_run(self, count: int) -> int | None:

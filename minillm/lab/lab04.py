@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..engine.block_manager import BlockManager, BlockUsage
+from ..engine.block_manager import BlockManager, PoolSizes
 from ..sampling import SamplingParams
 from .common import CheckFailed, Stopwatch, control_panel, format_seconds, new_figure, passed
 
@@ -325,7 +325,7 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
 
 
 # ------------------------------------------------------------------ the engine on your allocator
-class AllocatorBlockManager:
+class AllocatorBlockManager(PoolSizes):
     """The engine's BlockManager interface (paged) over a learner's BlockAllocator."""
 
     contiguous = False
@@ -340,24 +340,6 @@ class AllocatorBlockManager:
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_reserved_tokens(self) -> int:
-        return self.num_used_blocks * self.block_size
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def usage(self, real_tokens: int) -> BlockUsage:
-        return BlockUsage(self.num_blocks, self.num_used_blocks, self.block_size, real_tokens)
 
     def _track(self) -> None:
         self.num_calls += 1
