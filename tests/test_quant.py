@@ -205,6 +205,46 @@ def test_awq_scale_search_beats_round_to_nearest_on_salient_channels():
         assert err_awq < 0.8 * err_rtn
 
 
+def test_awq_module_objective_scores_the_block_each_matrix_feeds():
+    """objective="module": QKV's scale is scored on attention + o_proj, gate/up's on the MLP (llm-awq);
+    on that block output it never does worse than the per-matrix objective (same alpha grid), and
+    the module functions reproduce the layer's own float computation."""
+    from minillm.layers.attention import AttentionMetadata
+    from minillm.models.quantize import awq_module, calibrate_awq, torch_attention
+    from minillm.quant.awq import fake_quantize
+
+    llm = LLM("random:tiny-llama", max_num_seqs=2)
+    model = llm.engine.model
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # a few large input channels, as in LLM activations
+        model.embed_tokens.weight[:, :3] *= 8
+    calib = torch.randint(0, model.cfg.vocab_size, (96,), generator=g).tolist()
+    with pytest.raises(ValueError, match=r"objective='block' must be 'module' or 'linear'"):
+        calibrate_awq(model, calib, "int4", 32, objective="block", progress=False)
+    results = {obj: calibrate_awq(model, calib, "int4", 32, objective=obj, progress=False)[0]
+               for obj in ("module", "linear")}
+    n = len(calib)
+    positions = torch.arange(n)
+    meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
+    layer = model.layers[1]
+    with torch_attention(model), torch.inference_mode():
+        hidden = model.embed_tokens(torch.tensor(calib))
+        hidden = model.layers[0](positions, hidden, meta)
+        x_attn = layer.input_layernorm(hidden)
+        attn_ref = layer.attention(positions, x_attn, meta)
+        x_mlp = layer.post_attention_layernorm(hidden + attn_ref)
+        for name, x, ref in (("qkv_proj", x_attn, attn_ref), ("gate_up_proj", x_mlp, layer.mlp(x_mlp))):
+            module = awq_module(layer, name, positions, meta)
+            w = getattr(layer, name).weight.float()
+            torch.testing.assert_close(module(x.float(), w), ref.float(), rtol=1e-4, atol=1e-5)
+            errors = {}
+            for obj, scales in results.items():
+                s = scales[f"layers.1.{name}"]
+                errors[obj] = float((module(x.float() / s, fake_quantize(w * s, "int4", 32)) - ref.float()).pow(2).mean())
+            assert errors["module"] <= errors["linear"] * (1 + 1e-5), (name, errors)
+        assert awq_module(layer, "o_proj", positions, meta) is None and awq_module(layer, "down_proj", positions, meta) is None
+
+
 def test_awq_lever_on_a_random_model_quantizes_with_input_scales():
     llm = LLM("random:tiny-llama", weight_dtype="int4", weight_group_size=32, weight_calibration="awq")
     layer = llm.engine.model.layers[1].gate_up_proj

@@ -39,20 +39,24 @@ def fake_quantize(w: torch.Tensor, weight_dtype: str, group_size: int = 128) -> 
 
 @torch.no_grad()
 def search_input_scale(w: torch.Tensor, x: torch.Tensor, weight_dtype: str = "int4", group_size: int = 128,
-                       grid: int = 20) -> tuple[torch.Tensor, float, list[float]]:
+                       grid: int = 20, module=None) -> tuple[torch.Tensor, float, list[float]]:
     """w [N, K], calibration inputs x [T, K] -> (input_scale [K], best alpha, output error per alpha).
 
-    The error is the mean squared difference between x W^T and (x / s) Q(W s)^T.
+    The error is the mean squared difference between x W^T and (x / s) Q(W s)^T, or, given
+    `module(x, w) -> output` (the block the matrix feeds, e.g. attention and o_proj after a QKV
+    matrix, with the rest of the block in float), between module(x, W) and module(x / s, Q(W s)):
+    what llm-awq scores, since an error that the block's nonlinearity or softmax damps costs less.
     """
     w, x = w.float(), x.float().reshape(-1, w.shape[1])
-    ref = x @ w.t()
+    module = module or (lambda inp, weight: inp @ weight.t())
+    ref = module(x, w)
     mean_abs = x.abs().mean(dim=0).clamp_min(1e-8)
     best, best_alpha, errors = None, 0.0, []
     for i in range(grid):
         alpha = i / grid
         s = mean_abs.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
-        out = (x / s) @ fake_quantize(w * s, weight_dtype, group_size).t()
+        out = module(x / s, fake_quantize(w * s, weight_dtype, group_size))
         err = float((out - ref).pow(2).mean())
         errors.append(err)
         if best is None or err < min(errors[:-1]):
