@@ -717,7 +717,6 @@ class FloorExplorer:
     def __init__(self, rows: Sequence[dict], choose: Callable, device: str, floor: float):
         import ipywidgets as widgets
 
-
         self.rows, self.choose = [dict(r) for r in rows], choose
         top = max(r["per_user_tps"] for r in self.rows)
         self.slider = widgets.FloatSlider(value=round(floor, 1), min=0.0, max=round(top * 1.2, 1),
