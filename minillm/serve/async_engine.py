@@ -214,14 +214,18 @@ class AsyncEngine:
         if not self._thread.is_alive():  # never started (start=False), or already stopped
             self._stopping = True
             self._stopped.set()
-            with _owned_lock:
-                self.engine.owner_thread = None
+            self._release_engine()
             return
         self._stopping = True
         self._commands.put(("stop", None))
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"the engine thread did not stop within {timeout_s} s")
+
+    def _release_engine(self) -> None:
+        """Hand the engine back: any thread may step it again (Engine.owner_thread cleared)."""
+        with _owned_lock:
+            self.engine.owner_thread = None
 
     def stopped_reason(self) -> str:
         if self.crash is not None:
@@ -257,8 +261,7 @@ class AsyncEngine:
                 if kind == "add":
                     self._reply(payload, error=EngineStoppedError(reason))
             self._update_gauges()
-            with _owned_lock:
-                self.engine.owner_thread = None
+            self._release_engine()
 
     def _drain(self, block: bool) -> None:
         try:
