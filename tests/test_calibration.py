@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from minillm.models.quantize import (CALIBRATION_TEXT, HEAD_DTYPES, clip_weight, head_dtype_for, quantize_model)
+from minillm.models.quantize import (CALIBRATION_TEXT, GENERATED_CALIBRATION_TEXT, HEAD_DTYPES, clip_weight,
+                                    head_dtype_for, quantize_model)
 from minillm.quant import QuantizedLinear
 from minillm.quant.awq import fake_quantize, search_clip
 
@@ -91,9 +92,10 @@ def test_quantize_model_head_options():
     assert llm.with_levers(weight_dtype="int4").engine.model.quantized_head.weight_dtype == "int8"
 
 
-def test_calibration_text_is_not_the_scored_corpus():
+@pytest.mark.parametrize("text", [CALIBRATION_TEXT, GENERATED_CALIBRATION_TEXT], ids=lambda p: p.name)
+def test_calibration_text_is_not_the_scored_corpus(text):
     corpus = (CALIBRATION_TEXT.parent / "corpus.txt").read_text()
-    calibration = CALIBRATION_TEXT.read_text()
+    calibration = text.read_text()
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", calibration) if len(s.strip()) > 40]
     assert len(sentences) > 20
     shared = [s for s in sentences if s in corpus]

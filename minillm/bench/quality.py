@@ -46,6 +46,7 @@ KNOWN_SETTINGS: dict[str, dict] = {
     "int4": {"weight_dtype": "int4"},                       # group 128, round-to-nearest
     "int4-awq": {"weight_dtype": "int4", "weight_calibration": "awq"},  # group 128, AWQ scales + clipping
     "int4-gptq": {"weight_dtype": "int4", "weight_calibration": "gptq"},  # group 128, AWQ scales + GPTQ
+    "int4-autoround": {"weight_dtype": "int4", "weight_calibration": "autoround"},  # group 128, AWQ + learned rounding
     "int4-g64": {"weight_dtype": "int4", "weight_group_size": 64},
     "int4-g32": {"weight_dtype": "int4", "weight_group_size": 32},  # aligned to the GGUF's Q4_1 blocks
     "int4-head4": {"weight_dtype": "int4", "weight_head_dtype": "int4"},  # group 128 RTN, the head int4 g32 too

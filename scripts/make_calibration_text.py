@@ -1,0 +1,45 @@
+"""Write minillm/data/calibration_generated.txt: essays the default model writes itself, the
+calibration text of weight_calibration="autoround" (with data/calibration.txt before it).
+
+Learned rounding needs more calibration tokens than the ~1,100 of calibration.txt: with so few
+it fits them and generalises worse than AWQ (docs/PERFORMANCE.md). No dataset can be downloaded
+here, so the model writes its own, as data-free quantization does (LLM-QAT, Liu et al. 2023): one
+essay per topic, sampled at temperature 0.8 with a seed each. The topics stay clear of
+data/corpus.txt's (lighthouses, bread, the water cycle, bicycle gears, night trains, libraries,
+memory hierarchies, vegetable gardens, a harbour market), which the quality harness scores.
+
+    .venv/bin/python scripts/make_calibration_text.py      # a few minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+TOPICS = [
+    "how bees make honey", "the physics of sailing", "why the sky changes colour at dusk", "the first telescopes",
+    "the science of sleep", "mountain weather", "how volcanoes form", "the life cycle of a star",
+    "how a violin is made", "the migration of birds", "life on a coral reef", "the chemistry of soap",
+    "the history of chess", "how glass is blown", "the rules of cricket", "how maps were drawn before satellites",
+]
+MAX_TOKENS = 512
+OUT = Path(__file__).resolve().parent.parent / "minillm" / "data" / "calibration_generated.txt"
+
+
+def main() -> int:
+    sys.path.insert(0, str(OUT.parents[2]))
+    from minillm import LLM, SamplingParams
+
+    llm = LLM(max_num_seqs=len(TOPICS))
+    prompts = [{"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": f"Write a long, detailed essay about {t}."}])}
+               for t in TOPICS]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=i) for i in range(len(TOPICS))]
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    text = "\n\n".join(o.outputs[0].text.strip() for o in outs) + "\n"
+    OUT.write_text(text)
+    print(f"wrote {OUT} ({len(llm.tokenizer.encode(text, add_special_tokens=False))} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Learned int4 rounding (minillm/quant/autoround.py, weight_calibration="autoround") and its
+on-disk calibration cache."""
+
+import pytest
+import torch
+from test_gptq import correlated_inputs, output_error
+
+from minillm import LLM, EngineConfig
+from minillm.layers.attention import AttentionMetadata, TorchAttentionBackend
+from minillm.models import quantize as quantize_module
+from minillm.models.quantize import calibrate_autoround, calibrate_awq, quantize_model
+from minillm.quant import QuantizedLinear, dequantize_int4
+from minillm.quant.awq import fake_quantize
+from minillm.quant.autoround import RANGE_LIMITS, SHIFT_LIMIT, LearnableInt4
+from minillm.sampling import SamplingParams
+
+
+def test_learnable_int4_starts_at_round_to_nearest_and_exports_what_quantized_linear_stores():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 72, generator=g)              # 72 inputs: groups of 32 pad to 96
+    learner = LearnableInt4(w, 32)
+    assert torch.allclose(learner.weight(), fake_quantize(w, "int4", 32), atol=1e-5)
+    s = torch.rand(72, generator=g) + 0.5
+    learner = LearnableInt4(w, 32, input_scale=s)
+    q, scale, zero = learner.export()
+    assert q.dtype == torch.uint8 and q.shape == (24, 96) and int(q.max()) <= 15
+    assert scale.shape == zero.shape == (24, 3)
+    assert torch.equal(scale, scale.to(torch.bfloat16).float()) and torch.equal(zero, zero.to(torch.bfloat16).float())
+    layer = QuantizedLinear(w, None, "int4", 32, input_scale=s, quantized=(q, scale, zero))
+    stored = dequantize_int4(q, scale, zero)[:, :72]   # the levels of w * s; the layer multiplies x / s by them
+    assert torch.allclose(layer.dequantized_weight().float(), stored, rtol=1e-2, atol=1e-2)
+    # The exported grid is the learner's own, up to bf16 rounding of scale and zero (a weight at a
+    # rounding boundary may land one level over).
+    diff = (learner.weight().detach() - stored / s).abs()
+    assert float(diff.mean()) < 0.03 * float(w.abs().mean()), float(diff.mean())
+
+
+def test_sign_steps_lower_a_matrix_output_error_and_stay_in_range():
+    x = correlated_inputs(512, 128, seed=3)
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(4))
+    learner = LearnableInt4(w, 64)
+    start = learner.state()
+    steps = 100
+    for step in range(steps):
+        loss = (x @ learner.weight().t() - x @ w.t()).pow(2).mean()
+        loss.backward()
+        learner.sign_step(0.1 * (1 - step / steps) / steps)
+    learned, rtn = learner.weight().detach(), fake_quantize(w, "int4", 64)
+    assert output_error(learned, w, x) < 0.95 * output_error(rtn, w, x)
+    assert 0 < float(learner.v.detach().abs().max()) <= 0.5
+    assert RANGE_LIMITS[0] <= float(learner.a.detach().min()) and float(learner.a.detach().max()) <= RANGE_LIMITS[1]
+    assert float(learner.b.detach().abs().max()) <= SHIFT_LIMIT
+    assert all(p.grad is None for p in learner.parameters())
+    learner.load_state(start)                         # back to round-to-nearest
+    assert torch.allclose(learner.weight(), rtn, atol=1e-5)
+
+
+def llm_like_tiny_model():
+    llm = LLM("random:tiny-llama", max_num_seqs=2)
+    model = llm.engine.model
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # correlated channels, a few large ones (as test_gptq does)
+        e = model.embed_tokens.weight
+        e.copy_(e @ (torch.randn(64, 64, generator=g) / 8))
+        e[:, :4] *= 6
+    return llm, model
+
+
+def model_output(model, ids):
+    meta = AttentionMetadata(query_lens=[len(ids)], num_cached=[0], slot_mapping=None, use_cache=False)
+    for layer in model.attention_layers():
+        layer.backend = TorchAttentionBackend()
+    with torch.inference_mode():
+        return model(ids, torch.arange(len(ids)), meta)
+
+
+def test_autoround_brings_a_random_model_closer_than_awq_and_leaves_it_as_it_was():
+    llm, model = llm_like_tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(6)
+    calib = torch.randint(0, model.cfg.vocab_size, (2048,), generator=g).tolist()
+    scales, parts = calibrate_autoround(model, calib, 32, steps=40, batch_tokens=512, seq_len=256, progress=False)
+    keys = {f"layers.{i}.{n}" for i in range(model.cfg.num_layers) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert set(parts) == set(scales) == keys
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not any(p.requires_grad and p.grad is not None for p in model.parameters())
+    awq_scales, awq_clips = calibrate_awq(model, calib[:512], "int4", 32, progress=False)
+    learned = quantize_model(model, "int4", 32, in_place=False, input_scales=scales, quantized=parts, head_dtype=None)
+    awq = quantize_model(model, "int4", 32, in_place=False, input_scales=awq_scales, clips=awq_clips, head_dtype=None)
+    ids = torch.randint(0, model.cfg.vocab_size, (256,), generator=g)   # tokens the calibration did not see
+    ref, got, base = (model_output(m, ids) for m in (model, learned, awq))
+    err_learned, err_awq = float((got - ref).pow(2).mean()), float((base - ref).pow(2).mean())
+    assert err_learned < 0.85 * err_awq   # 0.75 when written, (err_learned, err_awq)
+
+
+def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, monkeypatch):
+    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 4)
+    levers = dict(weight_dtype="int4", weight_group_size=32, weight_calibration="autoround")
+    llm = LLM("random:tiny-llama", max_num_seqs=2, **levers)
+    files = list(tmp_path.glob("autoround-*.pt"))
+    assert len(files) == 1
+    first = llm.engine.model.layers[0].qkv_proj
+    assert first.inv_input_scale is not None
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the cached calibration should have been read")
+
+    monkeypatch.setattr(quantize_module, "calibrate_autoround", must_not_run)
+    again = LLM("random:tiny-llama", max_num_seqs=2, **levers).engine.model.layers[0].qkv_proj
+    assert torch.equal(again.dequantized_weight(), first.dequantized_weight())
+    # Another recipe (more steps) is another cache entry, not a stale read.
+    monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 5)
+    with pytest.raises(AssertionError, match="cached calibration"):
+        LLM("random:tiny-llama", max_num_seqs=2, **levers)
+    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_autoround_checks_its_inputs():
+    with pytest.raises(ValueError, match=r"weight_calibration='autoround' needs weight_dtype='int4' \(got 'int8'\)"):
+        EngineConfig(weight_dtype="int8", weight_calibration="autoround")
+    model = LLM("random:tiny-llama", max_num_seqs=2).engine.model
+    with pytest.raises(ValueError, match=r"steps=0, batch_tokens=1024 and seq_len=512 must each be >= 1"):
+        calibrate_autoround(model, [1, 2, 3], steps=0)
+    with pytest.raises(ValueError, match=r"at least 2 calibration tokens, got 1"):
+        calibrate_autoround(model, [1])
+    with pytest.raises(ValueError, match=r"clip has shape \(2, 1, 2\), expected \(2, 2, 2\)"):
+        LearnableInt4(torch.randn(2, 64), 32, clip=torch.zeros(2, 1, 2))
