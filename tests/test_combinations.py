@@ -1,6 +1,7 @@
 """Issue 3's acceptance: every combination of {static, continuous} x {paged, contiguous} x
 {chunked prefill on, off} x {torch, triton in the interpreter} gives, on a mixed batch of 32
-prompts, the single-request engine's greedy tokens exactly, and hands every block back."""
+prompts, the single-request engine's greedy tokens exactly, and hands every block back. (Four of
+the eight Triton combinations run with -m slow; see _TRITON_IN_CI.)"""
 
 import itertools
 import random
