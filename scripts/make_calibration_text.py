@@ -21,7 +21,13 @@ TOPICS = [
     "the science of sleep", "mountain weather", "how volcanoes form", "the life cycle of a star",
     "how a violin is made", "the migration of birds", "life on a coral reef", "the chemistry of soap",
     "the history of chess", "how glass is blown", "the rules of cricket", "how maps were drawn before satellites",
+    "how clocks keep time", "the anatomy of a spider web", "the history of coffee", "how submarines dive",
+    "the building of the pyramids", "how vaccines teach the immune system", "the geography of deserts",
+    "how a piano makes its sound", "the history of the Olympic games", "the life of an octopus",
+    "how paper is made", "the origins of counting and numbers", "the art of origami", "the story of the Silk Road",
+    "how earthquakes are measured", "the invention of photography",
 ]
+BATCH = 16  # essays generated together (the engine's max_num_seqs); seed = the topic's index
 MAX_TOKENS = 512
 OUT = Path(__file__).resolve().parent.parent / "minillm" / "data" / "calibration_generated.txt"
 
@@ -30,12 +36,16 @@ def main() -> int:
     sys.path.insert(0, str(OUT.parents[2]))
     from minillm import LLM, SamplingParams
 
-    llm = LLM(max_num_seqs=len(TOPICS))
-    prompts = [{"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": f"Write a long, detailed essay about {t}."}])}
-               for t in TOPICS]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=i) for i in range(len(TOPICS))]
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    text = "\n\n".join(o.outputs[0].text.strip() for o in outs) + "\n"
+    llm = LLM(max_num_seqs=BATCH)
+    blocks = []
+    for start in range(0, len(TOPICS), BATCH):  # one block of essays per batch, blocks apart by a blank line
+        topics = TOPICS[start:start + BATCH]
+        prompts = [{"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": f"Write a long, detailed essay about {t}."}])}
+                   for t in topics]
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=start + i) for i in range(len(topics))]
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        blocks.append("\n\n".join(o.outputs[0].text.strip() for o in outs) + "\n")
+    text = "\n\n".join(blocks)
     OUT.write_text(text)
     print(f"wrote {OUT} ({len(llm.tokenizer.encode(text, add_special_tokens=False))} tokens)")
     return 0

@@ -455,7 +455,7 @@ GENERATED_CALIBRATION_TEXT = CALIBRATION_TEXT.with_name("calibration_generated.t
 def autoround_token_ids(tokenizer, vocab_size: int | None = None) -> list[int]:
     """weight_calibration="autoround"'s calibration tokens: data/calibration.txt, then
     data/calibration_generated.txt (essays the default model wrote, scripts/make_calibration_text.py;
-    about 9,000 tokens together). Learned rounding fits ~1,100 tokens too closely. (2,048 fixed
+    about 17,000 tokens together). Learned rounding fits ~1,100 tokens too closely. (2,048 fixed
     pseudo-random ids for random-weight presets.)"""
     if tokenizer is None:
         return calibration_token_ids(None, 2048, vocab_size)
@@ -475,7 +475,7 @@ def calibration_cache_dir() -> Path:
 def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int], recipe: dict, compute):
     """compute() -> (input_scales, int4 parts), kept on disk under calibration_cache_dir() and keyed by
     the model's float weights, the calibration tokens and the recipe: a calibration that takes
-    minutes (AutoRound: about 12 on 2 CPU cores) runs once per model and setting. Parts are
+    minutes (AutoRound: about 15 on 2 CPU cores) runs once per model and setting. Parts are
     stored packed, two weights per byte."""
     import hashlib
 
