@@ -91,7 +91,7 @@ class LearnableInt4:
                 p.grad = None
 
     def state(self) -> tuple[torch.Tensor, ...]:
-        """A copy of the parameters (calibrate_autoround keeps the best step's, as AutoRound does)."""
+        """A copy of the parameters (calibrate_autoround goes back to the start's when training ends worse)."""
         return tuple(p.detach().clone() for p in self.parameters())
 
     @torch.no_grad()
