@@ -486,7 +486,7 @@ def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int],
     digest.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
     for key, tensor in sorted(model.state_dict().items()):
         digest.update(key.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     path = calibration_cache_dir() / f"{name}-{digest.hexdigest()}.pt"
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True)
