@@ -29,6 +29,7 @@ def test_learnable_int4_starts_at_round_to_nearest_and_exports_what_quantized_li
     layer = QuantizedLinear(w, None, "int4", 32, input_scale=s, quantized=(q, scale, zero))
     stored = dequantize_int4(q, scale, zero)[:, :72]   # the levels of w * s; the layer multiplies x / s by them
     assert torch.allclose(layer.dequantized_weight().float(), stored, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(learner.stored_weight(), stored / s)   # what calibrate_autoround feeds the next layer
     # The exported grid is the learner's own, up to bf16 rounding of scale and zero (a weight at a
     # rounding boundary may land one level over).
     diff = (learner.weight().detach() - stored / s).abs()

@@ -51,6 +51,7 @@ KNOWN_SETTINGS: dict[str, dict] = {
     "int4-g32": {"weight_dtype": "int4", "weight_group_size": 32},  # aligned to the GGUF's Q4_1 blocks
     "int4-head4": {"weight_dtype": "int4", "weight_head_dtype": "int4"},  # group 128 RTN, the head int4 g32 too
     "int4-gptq-head4": {"weight_dtype": "int4", "weight_calibration": "gptq", "weight_head_dtype": "int4"},
+    "int4-autoround-head4": {"weight_dtype": "int4", "weight_calibration": "autoround", "weight_head_dtype": "int4"},
     "fp8": {"weight_dtype": "fp8"},                         # head fp8 too
     # KV cache settings (weights untouched): one byte per K/V value plus an fp32 scale per token and head.
     "kv-int8": {"kv_dtype": "int8"},

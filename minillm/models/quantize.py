@@ -352,8 +352,8 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
        random batches of about `batch_tokens` tokens, so that the int4 layer's output matches
        the float layer's output on the float model's activations. The int4 layer's input is the
        output of the int4 layers before it ("sequential"), so each layer also learns to absorb
-       the error upstream of it. A layer whose error on all the calibration tokens ends higher
-       than at the start keeps AWQ's rounding.
+       the error upstream of it. A layer whose error on all the calibration tokens (with its
+       weights as they will be stored) ends higher than at the start keeps AWQ's rounding.
     Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": (q, scale, zero)}), the
     input_scales= and quantized= arguments of quantize_model; the model is left as it was.
     """
@@ -403,13 +403,15 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
                 def run(x, pos, m, weights):
                     return functional_call(layer, {f"{name}.weight": w.to(dtype) for name, w in weights.items()}, (pos, x, m))
 
-                def error() -> float:  # on every calibration token
+                def stored_output():  # on every calibration token, with the weights as they will be stored
                     with torch.no_grad():
-                        out = run(q_in, positions, meta, {n: lrn.weight() for n, lrn in learners.items()})
-                        return float((out.float() - fp_out.float()).pow(2).mean())
+                        return run(q_in, positions, meta, {n: lrn.stored_weight() for n, lrn in learners.items()})
+
+                def error(out) -> float:
+                    return float((out.float() - fp_out.float()).pow(2).mean())
 
                 start = {name: learner.state() for name, learner in learners.items()}
-                start_error = error()
+                start_error = error(stored_output())
                 for step in range(steps):
                     pick = torch.randperm(num_seqs, generator=gen)[:per_step]
                     rows = (pick[:, None] * seq_len + torch.arange(seq_len)).reshape(-1).to(device)
@@ -418,17 +420,14 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
                     loss.backward()
                     for learner in learners.values():
                         learner.sign_step(lr * (1 - step / steps))
-                if error() > start_error:  # never worse than AWQ's starting point on the calibration text
+                out = stored_output()
+                if error(out) > start_error:  # never worse than AWQ's starting point on the calibration text
                     for name, learner in learners.items():
                         learner.load_state(start[name])
-                with torch.no_grad():
-                    stored = {}
-                    for name, learner in learners.items():
-                        key = f"layers.{i}.{name}"
-                        parts[key] = learner.export()
-                        w = dequantize_int4(*parts[key])[:, :learner.k].to(device) / scales[key].to(device)
-                        stored[name] = w
-                    q_in = run(q_in, positions, meta, stored)
+                    out = stored_output()
+                for name, learner in learners.items():
+                    parts[f"layers.{i}.{name}"] = learner.export()
+                q_in = out
                 fp_in = fp_out
     finally:
         for p, flag in zip(params, trainable):
@@ -454,8 +453,10 @@ GENERATED_CALIBRATION_TEXT = CALIBRATION_TEXT.with_name("calibration_generated.t
 
 def autoround_token_ids(tokenizer, vocab_size: int | None = None) -> list[int]:
     """weight_calibration="autoround"'s calibration tokens: data/calibration.txt, then
-    data/calibration_generated.txt (essays the default model wrote, scripts/make_calibration_text.py;
-    about 17,000 tokens together). Learned rounding fits ~1,100 tokens too closely. (2,048 fixed
+    data/calibration_generated.txt (128 essays the default model wrote at temperature 1,
+    scripts/make_calibration_text.py; about 63,600 tokens together). Learned rounding fits ~1,100
+    tokens too closely, and the model's own text at temperature 0.8 was too easy for it (perplexity
+    2-3) to stand for real text. (2,048 fixed
     pseudo-random ids for random-weight presets.)"""
     if tokenizer is None:
         return calibration_token_ids(None, 2048, vocab_size)
@@ -463,7 +464,7 @@ def autoround_token_ids(tokenizer, vocab_size: int | None = None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-CALIBRATION_CACHE_VERSION = 1
+CALIBRATION_CACHE_VERSION = 2  # bumped whenever a calibration's algorithm changes: the key does not cover the code
 
 
 def calibration_cache_dir() -> Path:
@@ -475,7 +476,7 @@ def calibration_cache_dir() -> Path:
 def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int], recipe: dict, compute):
     """compute() -> (input_scales, int4 parts), kept on disk under calibration_cache_dir() and keyed by
     the model's float weights, the calibration tokens and the recipe: a calibration that takes
-    minutes (AutoRound: about 15 on 2 CPU cores) runs once per model and setting. Parts are
+    minutes (AutoRound: about 20 on 2 CPU cores) runs once per model and setting. Parts are
     stored packed, two weights per byte."""
     import hashlib
 
@@ -503,7 +504,8 @@ def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int],
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,
                         tokenizer, in_place: bool, head_dtype: str = "auto") -> LlamaForCausalLM:
     """What the engine does for weight_dtype / weight_group_size / weight_calibration (/ weight_head_dtype:
-    head_dtype is that lever's value, resolved by head_dtype_for)."""
+    head_dtype is that lever's value, resolved by head_dtype_for). EngineConfig has checked the
+    combination (gptq and autoround need int4)."""
     scales = clips = parts = None
     if calibration == "awq":
         ids = calibration_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
@@ -511,13 +513,9 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
     head = head_dtype_for(weight_dtype, head_dtype)
     head_group = HEAD_INT4_GROUP_SIZE if head == "int4" else None
     if calibration == "gptq":
-        if weight_dtype != "int4":
-            raise ValueError(f"weight_calibration='gptq' needs weight_dtype='int4', got {weight_dtype!r}")
         ids = calibration_token_ids(tokenizer, GPTQ_TOKENS, vocab_size=model.cfg.vocab_size)
         scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
     if calibration == "autoround":
-        if weight_dtype != "int4":
-            raise ValueError(f"weight_calibration='autoround' needs weight_dtype='int4', got {weight_dtype!r}")
         ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
         recipe = dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS)
         scales, parts = cached_calibration("autoround", model, ids, recipe,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .int4 import QMAX, _check
+from .int4 import QMAX, _check, dequantize_int4
 
 RANGE_LIMITS = (0.5, 1.2)   # a: a group's grid may shrink to half its range or widen by 20%
 SHIFT_LIMIT = 0.3           # b: its centre may move by 30% of the half-range
@@ -108,3 +108,9 @@ class LearnableInt4:
         scale, lo = scale.to(torch.bfloat16).float(), lo.to(torch.bfloat16).float()
         q = torch.clamp(torch.round((self.ws - lo[..., None]) / scale[..., None] + self.v), 0, QMAX)
         return q.to(torch.uint8).reshape(self.ws.shape[0], -1).cpu(), scale.cpu(), lo.cpu()
+
+    @torch.no_grad()
+    def stored_weight(self) -> torch.Tensor:
+        """The [N, K] matrix QuantizedLinear will multiply by once export()ed (bf16 grid, input_scale divided out)."""
+        w = dequantize_int4(*self.export())[:, :self.k].to(self.ws.device)
+        return w if self.input_scale is None else w / self.input_scale
