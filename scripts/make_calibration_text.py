@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-round", type=int, default=0,
                         help="keep the file's text (rounds before this one) and append the later rounds")
     args = parser.parse_args(argv)
+    if not 0 <= args.from_round < ROUNDS:
+        parser.error(f"--from-round {args.from_round} is not in 0..{ROUNDS - 1}")
     sys.path.insert(0, str(OUT.parents[2]))
     from minillm import LLM, SamplingParams
 
