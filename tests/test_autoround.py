@@ -10,6 +10,7 @@ from minillm.layers.attention import AttentionMetadata, TorchAttentionBackend
 from minillm.models import quantize as quantize_module
 from minillm.models.quantize import calibrate_autoround, calibrate_awq, quantize_model
 from minillm.quant import QuantizedLinear, dequantize_int4
+from minillm.quant.int4 import unpack_int4
 from minillm.quant.awq import fake_quantize
 from minillm.quant.autoround import RANGE_LIMITS, SHIFT_LIMIT, LearnableInt4
 from minillm.sampling import SamplingParams
@@ -80,9 +81,10 @@ def test_autoround_brings_a_random_model_closer_than_awq_and_leaves_it_as_it_was
     before = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(6)
     calib = torch.randint(0, model.cfg.vocab_size, (2048,), generator=g).tolist()
-    scales, parts = calibrate_autoround(model, calib, 32, steps=40, batch_tokens=512, seq_len=256, progress=False)
+    scales, parts = calibrate_autoround(model, calib, 32, steps=40, batch_tokens=512, seq_len=256, head_group_size=32,
+                                        progress=False)
     keys = {f"layers.{i}.{n}" for i in range(model.cfg.num_layers) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    assert set(parts) == set(scales) == keys
+    assert set(parts) == set(scales) | {"lm_head"} and set(scales) == keys
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not any(p.requires_grad and p.grad is not None for p in model.parameters())
     awq_scales, awq_clips = calibrate_awq(model, calib[:512], "int4", 32, progress=False)
@@ -92,15 +94,27 @@ def test_autoround_brings_a_random_model_closer_than_awq_and_leaves_it_as_it_was
     ref, got, base = (model_output(m, ids) for m in (model, learned, awq))
     err_learned, err_awq = float((got - ref).pow(2).mean()), float((base - ref).pow(2).mean())
     assert err_learned < 0.85 * err_awq, (err_learned, err_awq)   # 0.75 when written
+    # The head's GPTQ (on the int4 layers' final stream) beats rounding it to nearest, on the logits.
+    body = {k: v for k, v in parts.items() if k != "lm_head"}
+    heads = [quantize_model(model, "int4", 32, in_place=False, input_scales=scales, quantized=q, head_group_size=32)
+             for q in (parts, body)]
+    with torch.inference_mode():
+        ref_logits = model.compute_logits(ref)
+        gptq_err, rtn_err = (float((m.compute_logits(model_output(m, ids)) - ref_logits).pow(2).mean()) for m in heads)
+    assert gptq_err < 0.75 * rtn_err, (gptq_err, rtn_err)   # 0.51 when written
 
 
 def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, monkeypatch):
     monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 4)
     levers = dict(weight_dtype="int4", weight_group_size=32, weight_calibration="autoround")
+    float_model = LLM("random:tiny-llama", max_num_seqs=2).engine.model
+    assert not quantize_module.autoround_is_cached(float_model, None, 32)
     llm = LLM("random:tiny-llama", max_num_seqs=2, **levers)
     files = list(tmp_path.glob("autoround-*.pt"))
     assert len(files) == 1
+    assert quantize_module.autoround_is_cached(float_model, None, 32)
+    assert not quantize_module.autoround_is_cached(float_model, None, 64)
     first = llm.engine.model.layers[0].qkv_proj
     assert first.inv_input_scale is not None
 
@@ -110,6 +124,11 @@ def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, mon
     monkeypatch.setattr(quantize_module, "calibrate_autoround", must_not_run)
     again = LLM("random:tiny-llama", max_num_seqs=2, **levers).engine.model.layers[0].qkv_proj
     assert torch.equal(again.dequantized_weight(), first.dequantized_weight())
+    # The same entry serves the int4 head: its GPTQ'd matrix was stored beside the layers (int8 head above).
+    saved = torch.load(files[0], weights_only=True)["parts"]["lm_head"]
+    head4 = LLM("random:tiny-llama", max_num_seqs=2, weight_head_dtype="int4", **levers).engine.model.quantized_head
+    assert head4.weight_dtype == "int4" and llm.engine.model.quantized_head.weight_dtype == "int8"
+    assert torch.equal(head4.dequantized_weight(), dequantize_int4(unpack_int4(saved[0]), *saved[1:])[:, :64].to(torch.float32))
     # Another recipe (more steps) is another cache entry, not a stale read.
     monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 5)
     with pytest.raises(AssertionError, match="cached calibration"):

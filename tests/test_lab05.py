@@ -284,3 +284,26 @@ def test_weight_table_and_sweep_widget(default_llm):
     explorer.buttons.value = "int8"
     assert explorer.current["weight_bytes"] < 0.5 * result["rows"][0].weight_bytes
     assert list(explorer.figure.data[0].marker.color).count("#ef553b") == 1
+
+
+def test_learned_rounding_runs_only_from_the_cache_or_when_asked(default_llm, tmp_path, monkeypatch, capsys):
+    from minillm.models import quantize as quantize_module
+
+    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
+    calls = []
+    monkeypatch.setattr(lab05, "sweep", lambda llm, labels, **kwargs: calls.append(tuple(labels)) or {"rows": []})
+    assert lab05.learned_rounding(default_llm, run=True, quick=True) is None
+    assert "Quick mode" in capsys.readouterr().out
+    assert lab05.learned_rounding(default_llm) is None   # not cached, not asked: nothing runs
+    out = capsys.readouterr().out
+    assert str(tmp_path) in out and "RUN_AUTOROUND = True" in out and "minillm quality" in out
+    assert calls == []
+    assert lab05.learned_rounding(default_llm, run=True) == {"rows": []}
+    model, tokenizer = default_llm.engine.model, default_llm.tokenizer
+    ids = quantize_module.autoround_token_ids(tokenizer)
+    path = quantize_module.calibration_cache_path("autoround", model, ids, quantize_module.autoround_recipe(128))
+    assert path.parent == tmp_path
+    path.write_bytes(b"")   # the entry the setting would read: now it runs without being asked
+    assert lab05.learned_rounding(default_llm) == {"rows": []}
+    assert calls == [lab05.ROUNDING_SWEEP] * 2
+    assert all(label in lab05.SWEEP_SETTINGS for label in lab05.ROUNDING_SWEEP + lab05.FULL_SWEEP)

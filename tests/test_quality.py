@@ -52,6 +52,7 @@ def test_identical_settings_agree_fully(default_llm):
                       max_windows=1, num_prompts=24, decode_tokens=0, num_generations=0, progress=False)
     ref, copy = result["rows"]
     assert (copy.top1_agree, copy.top1_of) == (24, 24)
+    assert (copy.gen_same, copy.gen_of, copy.gen_prefix) == (24, 24, 32)
     assert copy.perplexity == ref.perplexity and copy.corpus_top1 == 1.0
     assert copy.weight_bytes == ref.weight_bytes and copy.kv_bytes_per_token == ref.kv_bytes_per_token > 0
 
@@ -80,6 +81,7 @@ def test_damaged_model_is_caught(default_llm, damaged_llm):
     assert bad.perplexity > 1.2 * ref.perplexity, (bad.perplexity, ref.perplexity)
     assert bad.top1_agree < 8 and bad.corpus_top1 < 0.9
     assert ref.top1_agree == 8 and ref.corpus_top1 == 1.0
+    assert ref.gen_prefix == 32 and bad.gen_prefix < 16, bad.gen_prefix
     text = format_quality(result)
     assert "damaged" in text and "greedy generations side by side" in text
 
@@ -108,7 +110,7 @@ def test_cli_prints_the_table(default_llm, tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert code == 0, text
     for needle in ("perplexity", "top-1", "corpus top-1", "decode tok/s", "weights MB", "KV B/tok", "baseline",
-                   "kv_cache=false", "2/2", "head"):
+                   "kv_cache=false", "2/2", "same for", "head"):
         assert needle in text, f"{needle!r} missing from:\n{text}"
     assert any(line.startswith("max_num_seqs=3") and NOT_AVAILABLE in line for line in text.splitlines()), text
     rows = json.loads(out_json.read_text())["rows"]
@@ -123,6 +125,15 @@ def test_cli_rejects_an_unknown_setting(capsys):
 
     assert main(["quality", "--settings", "baseline", "int3"]) == 2
     assert "int3" in capsys.readouterr().err
+
+
+def test_common_prefix_counts_tokens_before_the_first_difference():
+    from minillm.bench.quality import common_prefix
+
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([5, 2], [1, 2]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
 
 
 def test_int4_settings_name_their_head():

@@ -12,7 +12,8 @@ For every setting, in one run and against the first (reference) setting:
   engine itself (greedy, one token): x/24, the number the course's sources quote;
 - greedy generations through the engine (its KV cache included, so kv_dtype shows here and in
   the next-token agreement, not in perplexity): "gen same" x/24, the prompts whose `gen_same_tokens`
-  (32) greedy tokens all equal the reference's;
+  (32) greedy tokens all equal the reference's, and "same for", how many tokens they stay equal
+  on average (one early divergence sets a prompt apart in the first count but not in this one);
 - weight bytes, KV bytes per token, and decode tokens/s at batch 1, measured side by side
   (settings interleaved, median of repeats);
 - greedy generations side by side for a few prompts.
@@ -178,6 +179,11 @@ def greedy_tokens(llm, prompts: list[dict], max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b share before the first that differs."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def decode_rate_once(llm, prompt: dict, new_tokens: int) -> float:
     """Batch-1 decode tokens/s of one request: 1 / its mean time per output token after the first."""
     out = llm.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))[0]
@@ -201,6 +207,7 @@ class QualityRow:
     top1_of: int = 0
     gen_same: int = 0               # prompts whose gen_same_tokens greedy tokens equal the reference's
     gen_of: int = 0
+    gen_prefix: float = float("nan")  # greedy tokens equal to the reference's before the first that differs, mean
     decode_tok_per_s: float = float("nan")
 
     @property
@@ -286,6 +293,7 @@ def evaluate(settings: dict[str, Any], base=None, model: str | None = None, wind
         if gen_same_tokens > 0:
             row.gen_same = sum(a == b for a, b in zip(long_tokens[label], long_tokens[ref_label]))
             row.gen_of = len(prompts)
+            row.gen_prefix = statistics.mean(common_prefix(a, b) for a, b in zip(long_tokens[label], long_tokens[ref_label]))
 
     if decode_tokens > 1:
         from tqdm.auto import tqdm
@@ -341,9 +349,11 @@ def format_quality(result: dict, generations: bool = True, width: int = 100) -> 
     gen = bool(result.get("gen_same_tokens"))
     if gen:
         lines.append(f"gen same: prompts whose {result['gen_same_tokens']} greedy tokens through the engine (KV cache "
-                     "included) all equal the reference's")
+                     "included) all equal the reference's; same for: the greedy tokens equal to the reference's "
+                     "before the first that differs, mean over the prompts")
     head = (f"{'setting':<18}{'head':>9}{'weights MB':>11}{'KV B/tok':>10}{'perplexity':>12}{'vs ref':>9}"
-            f"{'top-1':>8}{'corpus top-1':>14}" + (f"{'gen same':>10}" if gen else "") + f"{'decode tok/s':>14}")
+            f"{'top-1':>8}{'corpus top-1':>14}" + (f"{'gen same':>10}{'same for':>10}" if gen else "")
+            + f"{'decode tok/s':>14}")
     lines += [head, "-" * len(head)]
     for r in rows:
         if not r.ok:
@@ -353,7 +363,8 @@ def format_quality(result: dict, generations: bool = True, width: int = 100) -> 
         lines.append(
             f"{r.label:<18}{r.head:>9}{r.weight_bytes / 1e6:>11.1f}{r.kv_bytes_per_token:>10d}{_cell(r.perplexity, '.3f'):>12}"
             f"{delta:>+8.2f}%{f'{r.top1_agree}/{r.top1_of}':>8}{_cell(100 * r.corpus_top1, '.1f') + '%':>14}"
-            + (f"{f'{r.gen_same}/{r.gen_of}':>10}" if gen else "") + f"{_cell(r.decode_tok_per_s, '.1f'):>14}")
+            + (f"{f'{r.gen_same}/{r.gen_of}':>10}{_cell(r.gen_prefix, '.1f'):>10}" if gen else "")
+            + f"{_cell(r.decode_tok_per_s, '.1f'):>14}")
     if generations and result["generations"]:
         lines.append("")
         lines.append(f"greedy generations side by side (first tokens, ignore_eos):")

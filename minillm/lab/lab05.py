@@ -655,21 +655,42 @@ SWEEP_SETTINGS: dict[str, dict] = {
     "int4 g32 AWQ": {"weight_dtype": "int4", "weight_group_size": 32, "weight_calibration": "awq"},
     "int4 g64 AWQ": {"weight_dtype": "int4", "weight_group_size": 64, "weight_calibration": "awq"},
     "int4 g128 AWQ": {"weight_dtype": "int4", "weight_group_size": 128, "weight_calibration": "awq"},
+    "int4 g128 AutoRound": {"weight_dtype": "int4", "weight_group_size": 128, "weight_calibration": "autoround"},
 }
+FULL_SWEEP = ("fp32", "int8", "int4 g32", "int4 g64", "int4 g128", "int4 g32 AWQ", "int4 g64 AWQ", "int4 g128 AWQ")
 QUICK_SWEEP = ("fp32", "int8", "int4 g32", "int4 g128")
+ROUNDING_SWEEP = ("fp32", "int4 g128", "int4 g128 AWQ", "int4 g128 AutoRound")   # section 7's last table
 
 
 def sweep(llm, labels: Sequence[str] | None = None, quick: bool = False, **overrides) -> dict:
     """minillm.bench.quality.evaluate over the chosen settings (the first is the reference)."""
     from ..bench import quality
 
-    labels = list(labels or (QUICK_SWEEP if quick else SWEEP_SETTINGS))
+    labels = list(labels or (QUICK_SWEEP if quick else FULL_SWEEP))
     kwargs = (dict(window=256, stride=256, max_windows=1, num_prompts=4, decode_tokens=4, decode_repeats=1,
                    num_generations=1, generation_tokens=6) if quick else
               dict(window=512, stride=256, max_windows=8, num_prompts=24, decode_tokens=32, decode_repeats=3,
                    num_generations=2, generation_tokens=24))
     kwargs.update(overrides)
     return quality.evaluate({label: SWEEP_SETTINGS[label] for label in labels}, base=llm, **kwargs)
+
+
+def learned_rounding(llm, run: bool = False, quick: bool = False) -> dict | None:
+    """Section 7's last table: int4 g128 rounded to nearest, with AWQ, and with AutoRound's learned
+    rounding, against fp32 (sweep over ROUNDING_SWEEP). AutoRound's calibration takes about 20 min
+    on 2 CPU cores the first time, then is read from minillm's cache: without the cache this runs
+    only when run=True, and never in quick mode. Returns None (with the reason printed) when skipped."""
+    from ..models.quantize import autoround_is_cached, calibration_cache_dir
+
+    if quick:
+        print("Quick mode: learned rounding skipped (its calibration alone takes minutes).")
+        return None
+    if not (run or autoround_is_cached(llm.engine.model, llm.tokenizer, 128)):
+        print(f"AutoRound's calibration is not in {calibration_cache_dir()} yet. Set RUN_AUTOROUND = True and run "
+              "this cell again (about 20 min on 2 CPU cores, once), or run in a terminal:\n"
+              "    minillm quality --settings baseline int4-awq int4-autoround --decode-tokens 0")
+        return None
+    return sweep(llm, ROUNDING_SWEEP, decode_tokens=0, num_generations=0)
 
 
 class SettingExplorer:

@@ -341,7 +341,8 @@ AUTOROUND_BATCH_TOKENS = 1024  # calibration tokens per step (whole sequences of
 def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_size: int = 128,
                         steps: int = AUTOROUND_STEPS, batch_tokens: int = AUTOROUND_BATCH_TOKENS, seq_len: int = 512,
                         lr: float | None = None, awq_tokens: int = AWQ_SEARCH_TOKENS, seed: int = 0,
-                        progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+                        head_group_size: int | None = None, relative: bool = True, progress: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """Learned int4 rounding (quant/autoround.py, SignRound), layer by layer, on top of AWQ.
 
     1. AWQ's input scales and clipping ranges (calibrate_awq on the first `awq_tokens` tokens) are
@@ -354,6 +355,12 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
        output of the int4 layers before it ("sequential"), so each layer also learns to absorb
        the error upstream of it. A layer whose error on all the calibration tokens (with its
        weights as they will be stored) ends higher than at the start keeps AWQ's rounding.
+    relative: each token's squared error is divided by its float output's mean square, the scale the
+       next RMSNorm divides out. SmolLM2's first token of a sequence (the attention sink) carries a
+       residual stream ~150x larger than the others from layer 11 to 27; in a plain mean squared error
+       the 2 such tokens of a 1,024-token step make up 75-98% of the loss, and the others teach little.
+    3. head_group_size: also GPTQ the lm_head to int4 with that group size (as calibrate_gptq does),
+       on the final norm of the int4 layers' output over all the calibration tokens; key "lm_head".
     Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": (q, scale, zero)}), the
     input_scales= and quantized= arguments of quantize_model; the model is left as it was.
     """
@@ -399,6 +406,8 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
                             for name in LAYER_LINEARS}
                 with torch.no_grad():
                     fp_out = layer(positions, fp_in, meta)
+                    weight = (1 / fp_out.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12) if relative
+                              else torch.ones_like(fp_out[:, :1], dtype=torch.float32))
 
                 def run(x, pos, m, weights):
                     return functional_call(layer, {f"{name}.weight": w.to(dtype) for name, w in weights.items()}, (pos, x, m))
@@ -407,21 +416,20 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
                     with torch.no_grad():
                         return run(q_in, positions, meta, {n: lrn.stored_weight() for n, lrn in learners.items()})
 
-                def error(out) -> float:
-                    return float((out.float() - fp_out.float()).pow(2).mean())
+                def error(out, rows=slice(None)):
+                    return ((out.float() - fp_out[rows].float()).pow(2) * weight[rows]).mean()
 
                 start = {name: learner.state() for name, learner in learners.items()}
-                start_error = error(stored_output())
+                start_error = float(error(stored_output()))
                 for step in range(steps):
                     pick = torch.randperm(num_seqs, generator=gen)[:per_step]
                     rows = (pick[:, None] * seq_len + torch.arange(seq_len)).reshape(-1).to(device)
                     out = run(q_in[rows], step_positions, step_meta, {n: lrn.weight() for n, lrn in learners.items()})
-                    loss = (out.float() - fp_out[rows].float()).pow(2).mean()
-                    loss.backward()
+                    error(out, rows).backward()
                     for learner in learners.values():
                         learner.sign_step(lr * (1 - step / steps))
                 out = stored_output()
-                if error(out) > start_error:  # never worse than AWQ's starting point on the calibration text
+                if float(error(out)) > start_error:  # never worse than AWQ's starting point on the calibration text
                     for name, learner in learners.items():
                         learner.load_state(start[name])
                     out = stored_output()
@@ -429,6 +437,11 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
                     parts[f"layers.{i}.{name}"] = learner.export()
                 q_in = out
                 fp_in = fp_out
+            if head_group_size is not None:
+                with torch.no_grad():
+                    x = model.norm(q_in).float()
+                parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size,
+                                             act_order="static")
     finally:
         for p, flag in zip(params, trainable):
             p.requires_grad_(flag)
@@ -473,14 +486,10 @@ def calibration_cache_dir() -> Path:
     return cache_root() / "calibration"
 
 
-def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int], recipe: dict, compute):
-    """compute() -> (input_scales, int4 parts), kept on disk under calibration_cache_dir() and keyed by
-    the model's float weights, the calibration tokens and the recipe: a calibration that takes
-    minutes (AutoRound: about 20 on 2 CPU cores) runs once per model and setting. Parts are
-    stored packed, two weights per byte."""
+def calibration_cache_path(name: str, model: LlamaForCausalLM, token_ids: list[int], recipe: dict) -> Path:
+    """Where cached_calibration keeps (or will keep) this calibration: the file name is keyed by the
+    model's float weights, the calibration tokens and the recipe."""
     import hashlib
-
-    from ..quant.int4 import pack_int4, unpack_int4
 
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr((CALIBRATION_CACHE_VERSION, name, sorted(recipe.items()))).encode())
@@ -488,7 +497,16 @@ def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int],
     for key, tensor in sorted(model.state_dict().items()):
         digest.update(key.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    path = calibration_cache_dir() / f"{name}-{digest.hexdigest()}.pt"
+    return calibration_cache_dir() / f"{name}-{digest.hexdigest()}.pt"
+
+
+def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int], recipe: dict, compute):
+    """compute() -> (input_scales, int4 parts), kept on disk at calibration_cache_path(): a
+    calibration that takes minutes (AutoRound: about 20 on 2 CPU cores) runs once per model and
+    setting. Parts are stored packed, two weights per byte."""
+    from ..quant.int4 import pack_int4, unpack_int4
+
+    path = calibration_cache_path(name, model, token_ids, recipe)
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True)
         return saved["scales"], {k: (unpack_int4(q), scale, zero) for k, (q, scale, zero) in saved["parts"].items()}
@@ -499,6 +517,20 @@ def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int],
                 "parts": {k: (pack_int4(q), scale.cpu(), zero.cpu()) for k, (q, scale, zero) in parts.items()}}, tmp)
     os.replace(tmp, path)
     return scales, parts
+
+
+def autoround_recipe(group_size: int) -> dict:
+    """weight_calibration="autoround"'s cache recipe. One entry serves both heads: the int4 head's
+    GPTQ (HEAD_INT4_GROUP_SIZE) is always computed, in seconds, and dropped under an int8 head."""
+    return dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS,
+                head_group_size=HEAD_INT4_GROUP_SIZE, relative=True)
+
+
+def autoround_is_cached(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> bool:
+    """Whether weight_calibration="autoround" at group_size would read its calibration from the cache
+    (False: building it runs calibrate_autoround, about 20 min for SmolLM2-135M on 2 CPU cores)."""
+    ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
+    return calibration_cache_path("autoround", model, ids, autoround_recipe(group_size)).is_file()
 
 
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,
@@ -517,9 +549,11 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
         scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
     if calibration == "autoround":
         ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
-        recipe = dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS)
-        scales, parts = cached_calibration("autoround", model, ids, recipe,
+        scales, parts = cached_calibration("autoround", model, ids, autoround_recipe(group_size),
                                            lambda: calibrate_autoround(model, ids, group_size, steps=AUTOROUND_STEPS,
-                                                                       batch_tokens=AUTOROUND_BATCH_TOKENS))
+                                                                       batch_tokens=AUTOROUND_BATCH_TOKENS,
+                                                                       head_group_size=HEAD_INT4_GROUP_SIZE))
+        if head != "int4":
+            parts = {key: value for key, value in parts.items() if key != "lm_head"}
     return quantize_model(model, weight_dtype, group_size, in_place=in_place, input_scales=scales, clips=clips,
                           quantized=parts, head_dtype=head, head_group_size=head_group)
