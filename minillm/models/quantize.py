@@ -11,7 +11,8 @@ matrix is stored once.
 Why the head is not 4-bit by default: it is the one matrix whose every output row is a logit,
 and 4-bit groups of 128 along its 576 inputs cost SmolLM2-135M about +60% perplexity on their own.
 weight_head_dtype="int4" uses groups of 32 (HEAD_INT4_GROUP_SIZE), and GPTQ under
-weight_calibration="gptq": +24.3% against +20.6% with the int8 head (docs/PERFORMANCE.md).
+weight_calibration="gptq" or "autoround": +24.3% against +20.6% with the int8 head under gptq,
++14.0% against +11.3% under autoround (docs/PERFORMANCE.md).
 AWQ and GPTQ (llm-awq, AutoAWQ, AutoGPTQ) leave lm_head unquantized; int8 per-channel keeps it
 within a fraction of a percent while it still reads half the bytes of bf16 per decode step.
 """
@@ -357,8 +358,9 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
        weights as they will be stored) ends higher than at the start keeps AWQ's rounding.
     relative: each token's squared error is divided by its float output's mean square, the scale the
        next RMSNorm divides out. SmolLM2's first token of a sequence (the attention sink) carries a
-       residual stream ~150x larger than the others from layer 11 to 27; in a plain mean squared error
-       the 2 such tokens of a 1,024-token step make up 75-98% of the loss, and the others teach little.
+       residual stream ~150x larger than the others from layer 11 to 27 (scripts/residual_norms.py);
+       in a plain mean squared error the 2 such tokens of a 1,024-token step would make up 75-98% of
+       the loss, and the others teach little (docs/PERFORMANCE.md: +11.29% against +11.64%).
     3. head_group_size: also GPTQ the lm_head to int4 with that group size (as calibrate_gptq does),
        on the final norm of the int4 layers' output over all the calibration tokens; key "lm_head".
     Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": (q, scale, zero)}), the
