@@ -688,7 +688,7 @@ def learned_rounding(llm, run: bool = False, quick: bool = False) -> dict | None
     if not (run or autoround_is_cached(llm.engine.model, llm.tokenizer, 128)):
         print(f"AutoRound's calibration is not in {calibration_cache_dir()} yet. Set RUN_AUTOROUND = True and run "
               "this cell again (about 20 min on 2 CPU cores, once), or run in a terminal:\n"
-              "    minillm quality --settings baseline int4-awq int4-autoround --decode-tokens 0")
+              "    .venv/bin/minillm quality --settings baseline int4-awq int4-autoround --decode-tokens 0")
         return None
     return sweep(llm, ROUNDING_SWEEP, decode_tokens=0, num_generations=0)
 

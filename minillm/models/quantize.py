@@ -356,13 +356,14 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
        output of the int4 layers before it ("sequential"), so each layer also learns to absorb
        the error upstream of it. A layer whose error on all the calibration tokens (with its
        weights as they will be stored) ends higher than at the start keeps AWQ's rounding.
-    relative: each token's squared error is divided by its float output's mean square, the scale the
-       next RMSNorm divides out. SmolLM2's first token of a sequence (the attention sink) carries a
-       residual stream ~150x larger than the others from layer 11 to 27 (scripts/residual_norms.py);
-       in a plain mean squared error the 2 such tokens of a 1,024-token step would make up 75-98% of
-       the loss, and the others teach little (docs/PERFORMANCE.md: +11.29% against +11.64%).
     3. head_group_size: also GPTQ the lm_head to int4 with that group size (as calibrate_gptq does),
        on the final norm of the int4 layers' output over all the calibration tokens; key "lm_head".
+    relative: each token's squared error is divided by its float output's mean square, the scale the
+    next RMSNorm divides out (False: the plain mean squared error). SmolLM2's first token of a
+    sequence (the attention sink) carries a residual stream ~150x larger than the others from layer
+    11 to 27 (scripts/residual_norms.py); in a plain mean squared error the 2 such tokens of a
+    1,024-token step would make up 75-98% of the loss, and the others teach little
+    (docs/PERFORMANCE.md: +11.29% against +11.64%).
     Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": (q, scale, zero)}), the
     input_scales= and quantized= arguments of quantize_model; the model is left as it was.
     """
