@@ -12,7 +12,7 @@ Why the head is not 4-bit by default: it is the one matrix whose every output ro
 and 4-bit groups of 128 along its 576 inputs cost SmolLM2-135M about +60% perplexity on their own.
 weight_head_dtype="int4" uses groups of 32 (HEAD_INT4_GROUP_SIZE), and GPTQ under
 weight_calibration="gptq" or "autoround": +24.3% against +20.6% with the int8 head under gptq,
-+14.0% against +11.3% under autoround (docs/PERFORMANCE.md).
++13.3% against +11.0% under autoround (docs/PERFORMANCE.md).
 AWQ and GPTQ (llm-awq, AutoAWQ, AutoGPTQ) leave lm_head unquantized; int8 per-channel keeps it
 within a fraction of a percent while it still reads half the bytes of bf16 per decode step.
 """
@@ -358,12 +358,13 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
        weights as they will be stored) ends higher than at the start keeps AWQ's rounding.
     3. head_group_size: also GPTQ the lm_head to int4 with that group size (as calibrate_gptq does),
        on the final norm of the int4 layers' output over all the calibration tokens; key "lm_head".
-    relative: each token's squared error is divided by its float output's mean square, the scale the
-    next RMSNorm divides out (False: the plain mean squared error). SmolLM2's first token of a
-    sequence (the attention sink) carries a residual stream ~150x larger than the others from layer
-    11 to 27 (scripts/residual_norms.py); in a plain mean squared error the 2 such tokens of a
-    1,024-token step would make up 75-98% of the loss, and the others teach little
-    (docs/PERFORMANCE.md: +11.29% against +11.64%).
+    relative: a token whose float output's mean square is above the median token's has its squared
+    error divided by that excess (the scale the next RMSNorm divides out); the others keep the
+    plain error (False: the plain mean squared error for all). SmolLM2's first token of a sequence
+    (the attention sink) carries a residual stream ~150x larger than the others from layer 11 to 27
+    (scripts/residual_norms.py); in a plain mean squared error the 2 such tokens of a 1,024-token
+    step would make up 75-98% of the loss, and the others teach little. docs/PERFORMANCE.md:
+    +10.99% against +11.64% plain, and +11.29% with every token divided by its own mean square.
     Returns ({"layers.<i>.<name>": input_scale}, {"layers.<i>.<name>": (q, scale, zero)}), the
     input_scales= and quantized= arguments of quantize_model; the model is left as it was.
     """
@@ -409,8 +410,8 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
                             for name in LAYER_LINEARS}
                 with torch.no_grad():
                     fp_out = layer(positions, fp_in, meta)
-                    weight = (1 / fp_out.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12) if relative
-                              else torch.ones_like(fp_out[:, :1], dtype=torch.float32))
+                    ms = fp_out.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)   # each token's mean square [T, 1]
+                    weight = ms.median() / ms.clamp_min(ms.median()) if relative else torch.ones_like(ms)
 
                 def run(x, pos, m, weights):
                     return functional_call(layer, {f"{name}.weight": w.to(dtype) for name, w in weights.items()}, (pos, x, m))
@@ -526,7 +527,7 @@ def autoround_recipe(group_size: int) -> dict:
     """weight_calibration="autoround"'s cache recipe. One entry serves both heads: the int4 head's
     GPTQ (HEAD_INT4_GROUP_SIZE) is always computed, in seconds, and dropped under an int8 head."""
     return dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS,
-                head_group_size=HEAD_INT4_GROUP_SIZE, relative=True)
+                head_group_size=HEAD_INT4_GROUP_SIZE, relative="above-median")   # the cache key's name for relative=True
 
 
 def autoround_is_cached(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> bool:
