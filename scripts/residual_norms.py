@@ -1,4 +1,4 @@
-"""The attention sink in the residual stream: why AutoRound weighs each token's error by its size.
+"""The attention sink in the residual stream: why AutoRound scales down the error of the largest tokens.
 
 Runs the default model (fp32) on the first two 512-token sequences of the AutoRound calibration
 text and prints, after every decoder layer, the rms of each sequence's first token (the

@@ -291,9 +291,10 @@ def evaluate(settings: dict[str, Any], base=None, model: str | None = None, wind
         row.top1_agree = sum(a == b for a, b in zip(first_tokens[label], first_tokens[ref_label]))
         row.top1_of = len(prompts)
         if gen_same_tokens > 0:
-            row.gen_same = sum(a == b for a, b in zip(long_tokens[label], long_tokens[ref_label]))
+            pairs = list(zip(long_tokens[label], long_tokens[ref_label]))
+            row.gen_same = sum(a == b for a, b in pairs)
             row.gen_of = len(prompts)
-            row.gen_prefix = statistics.mean(common_prefix(a, b) for a, b in zip(long_tokens[label], long_tokens[ref_label]))
+            row.gen_prefix = statistics.mean(common_prefix(a, b) for a, b in pairs)
 
     if decode_tokens > 1:
         from tqdm.auto import tqdm

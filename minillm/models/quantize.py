@@ -553,10 +553,12 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
         scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
     if calibration == "autoround":
         ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
-        scales, parts = cached_calibration("autoround", model, ids, autoround_recipe(group_size),
-                                           lambda: calibrate_autoround(model, ids, group_size, steps=AUTOROUND_STEPS,
-                                                                       batch_tokens=AUTOROUND_BATCH_TOKENS,
-                                                                       head_group_size=HEAD_INT4_GROUP_SIZE))
+        recipe = autoround_recipe(group_size)   # the call below reads the key's values: they cannot drift apart
+        scales, parts = cached_calibration("autoround", model, ids, recipe,
+                                           lambda: calibrate_autoround(model, ids, recipe["group_size"],
+                                                                       steps=recipe["steps"],
+                                                                       batch_tokens=recipe["batch_tokens"],
+                                                                       head_group_size=recipe["head_group_size"]))
         if head != "int4":
             parts = {key: value for key, value in parts.items() if key != "lm_head"}
     return quantize_model(model, weight_dtype, group_size, in_place=in_place, input_scales=scales, clips=clips,
