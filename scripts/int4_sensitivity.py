@@ -8,8 +8,7 @@ layer restored to float, then with only one type in int4:
     .venv/bin/python scripts/int4_sensitivity.py
 
 (Simulated in fp32 with the fp32 head, so about 1 point under the lever's own int4 kernels with
-the int8 head. 2026-11-30: all int4 +9.88%; down_proj alone
-+8.37%, restoring it -4.43 points; restoring qkv_proj or o_proj alone makes it worse, as the
+the int8 head. 2026-11-30: all int4 +9.88%; down_proj alone +8.37%, restoring it -4.43 points; restoring qkv_proj or o_proj alone makes it worse, as the
 layers' rounding was learned together; no layer above 1.5 points, the last the largest.
 docs/PERFORMANCE.md.)
 """
@@ -20,8 +19,7 @@ import torch
 
 from minillm import LLM
 from minillm.bench.quality import corpus_token_ids, perplexity
-from minillm.models.quantize import (LAYER_LINEARS, autoround_recipe, autoround_token_ids, cached_calibration,
-                                     calibrate_autoround)
+from minillm.models.quantize import LAYER_LINEARS, autoround_calibration
 from minillm.quant.int4 import dequantize_int4
 
 WINDOWS = 8
@@ -30,13 +28,10 @@ WINDOWS = 8
 def main() -> None:
     llm = LLM()
     model = llm.engine.model
-    ids = autoround_token_ids(llm.tokenizer, vocab_size=model.cfg.vocab_size)
-    recipe = autoround_recipe(128)
-    args = {k: v for k, v in recipe.items() if k in ("steps", "batch_tokens", "head_group_size")}
-    scales, parts = cached_calibration("autoround", model, ids, recipe, lambda: calibrate_autoround(model, ids, 128, **args))
+    scales, parts = autoround_calibration(model, llm.tokenizer, 128)   # the lever's own, cached
     corpus = corpus_token_ids(llm.tokenizer)
-    keys = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in LAYER_LINEARS]
-    linear = {key: getattr(model.layers[int(key.split(".")[1])], key.split(".")[2]) for key in keys}
+    linear = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(model.layers) for name in LAYER_LINEARS}
+    keys = list(linear)
     float_w = {key: linear[key].weight.detach().clone() for key in keys}
     int4_w = {key: (dequantize_int4(*parts[key])[:, :float_w[key].shape[1]] / scales[key].float()).to(float_w[key].dtype)
               for key in keys}

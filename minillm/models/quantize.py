@@ -537,6 +537,17 @@ def autoround_is_cached(model: LlamaForCausalLM, tokenizer, group_size: int = 12
     return calibration_cache_path("autoround", model, ids, autoround_recipe(group_size)).is_file()
 
 
+def autoround_calibration(model: LlamaForCausalLM, tokenizer, group_size: int = 128
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """weight_calibration="autoround"'s (input_scales, parts), from the cache or computed (and cached)."""
+    ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
+    recipe = autoround_recipe(group_size)   # the call below reads the key's values: they cannot drift apart
+    return cached_calibration("autoround", model, ids, recipe,
+                              lambda: calibrate_autoround(model, ids, recipe["group_size"], steps=recipe["steps"],
+                                                          batch_tokens=recipe["batch_tokens"],
+                                                          head_group_size=recipe["head_group_size"]))
+
+
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,
                         tokenizer, in_place: bool, head_dtype: str = "auto") -> LlamaForCausalLM:
     """What the engine does for weight_dtype / weight_group_size / weight_calibration (/ weight_head_dtype:
@@ -552,13 +563,7 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
         ids = calibration_token_ids(tokenizer, GPTQ_TOKENS, vocab_size=model.cfg.vocab_size)
         scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
     if calibration == "autoround":
-        ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
-        recipe = autoround_recipe(group_size)   # the call below reads the key's values: they cannot drift apart
-        scales, parts = cached_calibration("autoround", model, ids, recipe,
-                                           lambda: calibrate_autoround(model, ids, recipe["group_size"],
-                                                                       steps=recipe["steps"],
-                                                                       batch_tokens=recipe["batch_tokens"],
-                                                                       head_group_size=recipe["head_group_size"]))
+        scales, parts = autoround_calibration(model, tokenizer, group_size)
         if head != "int4":
             parts = {key: value for key, value in parts.items() if key != "lm_head"}
     return quantize_model(model, weight_dtype, group_size, in_place=in_place, input_scales=scales, clips=clips,
