@@ -8,9 +8,10 @@ layer restored to float, then with only one type in int4:
     .venv/bin/python scripts/int4_sensitivity.py
 
 (Simulated in fp32 with the fp32 head, so about 1 point under the lever's own int4 kernels with
-the int8 head. 2026-11-30: all int4 +9.88%; down_proj alone +8.37%, restoring it -4.43 points; restoring qkv_proj or o_proj alone makes it worse, as the
-layers' rounding was learned together; no layer above 1.5 points, the last the largest.
-docs/PERFORMANCE.md.)
+the int8 head. 2026-11-30: all int4 +9.88%; down_proj alone +8.37%, restoring it -4.43 points;
+restoring qkv_proj or o_proj alone makes it worse, as the layers' rounding was learned together;
+no layer above 1.5 points, the last the largest. That is one calibration: two builds of one
+recipe differed by about 2 points. docs/PERFORMANCE.md.)
 """
 
 from __future__ import annotations
