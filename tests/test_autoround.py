@@ -112,12 +112,13 @@ def test_autoround_brings_a_random_model_closer_than_awq_and_leaves_it_as_it_was
 def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, monkeypatch):
     monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 4)
+    monkeypatch.setattr(quantize_module, "E2E_STEPS", 2)
     levers = dict(weight_dtype="int4", weight_group_size=32, weight_calibration="autoround")
     float_model = LLM("random:tiny-llama", max_num_seqs=2).engine.model
     assert not quantize_module.autoround_is_cached(float_model, None, 32)
     llm = LLM("random:tiny-llama", max_num_seqs=2, **levers)
-    files = list(tmp_path.glob("autoround-*.pt"))
-    assert len(files) == 1
+    files = list(tmp_path.glob("autoround-tuned-*.pt"))   # the lever's entry; AutoRound's own stage beside it
+    assert len(files) == 1 and len(list(tmp_path.glob("autoround-*.pt"))) == 2
     assert quantize_module.autoround_is_cached(float_model, None, 32)
     assert not quantize_module.autoround_is_cached(float_model, None, 64)
     first = llm.engine.model.layers[0].qkv_proj
@@ -127,6 +128,7 @@ def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, mon
         raise AssertionError("the cached calibration should have been read")
 
     monkeypatch.setattr(quantize_module, "calibrate_autoround", must_not_run)
+    monkeypatch.setattr(quantize_module, "tune_int4_grids", must_not_run)
     again = LLM("random:tiny-llama", max_num_seqs=2, **levers).engine.model.layers[0].qkv_proj
     assert torch.equal(again.dequantized_weight(), first.dequantized_weight())
     # The same entry serves the int4 head: its GPTQ'd matrix was stored beside the layers (int8 head above).
@@ -152,3 +154,40 @@ def test_autoround_checks_its_inputs():
         calibrate_autoround(model, [1])
     with pytest.raises(ValueError, match=r"clip has shape \(2, 1, 2\), expected \(2, 2, 2\)"):
         LearnableInt4(torch.randn(2, 64), 32, clip=torch.zeros(2, 1, 2))
+
+
+def next_token_kl(model, quantized, ids):
+    """Mean KL(float || quantized) of the next-token distributions over ids (one sequence)."""
+    with torch.inference_mode():
+        ref = torch.log_softmax(model.compute_logits(model_output(model, ids)), -1)
+        got = torch.log_softmax(quantized.compute_logits(model_output(quantized, ids)), -1)
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+def test_tuning_the_grids_end_to_end_lowers_the_kl_on_unseen_tokens_and_keeps_the_levels():
+    llm, model = llm_like_tiny_model()
+    with torch.no_grad():
+        model.norm.weight.mul_(8)   # sharper next-token distributions than a random model's near-uniform ones
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    calib = torch.randint(0, model.cfg.vocab_size, (8192,), generator=g).tolist()   # 2,048 are fitted too closely
+    scales, parts = calibrate_autoround(model, calib, 32, steps=10, batch_tokens=512, seq_len=256, progress=False)
+    tuned = quantize_module.tune_int4_grids(model, calib, scales, parts, steps=40, lr=1e-2, batch_tokens=512,
+                                            seq_len=256, progress=False)
+    assert set(tuned) == set(parts)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not any(p.grad is not None for p in model.parameters())
+    changed = 0
+    for key, (q, scale, zero) in tuned.items():
+        assert torch.equal(q, parts[key][0])                       # the levels stay; only the grids move
+        assert torch.equal(scale, scale.to(torch.bfloat16).float()) and torch.equal(zero, zero.to(torch.bfloat16).float())
+        changed += int((scale != parts[key][1]).sum() + (zero != parts[key][2]).sum())
+    assert changed > 0
+    ids = torch.randint(0, model.cfg.vocab_size, (256,), generator=g)   # tokens neither step saw
+    kl = [next_token_kl(model, quantize_model(model, "int4", 32, in_place=False, input_scales=scales, quantized=p,
+                                              head_dtype=None), ids) for p in (parts, tuned)]
+    assert kl[1] < 0.9 * kl[0], kl   # 0.87 when written (the calibration tokens themselves: 0.70)
+    with pytest.raises(ValueError, match=r"int4 parts for every decoder matrix; missing \['layers.0.qkv_proj'"):
+        quantize_module.tune_int4_grids(model, calib, scales, {}, progress=False)
+    with pytest.raises(ValueError, match=r"steps=0, batch_tokens=2048 and seq_len=512 must each be >= 1"):
+        quantize_module.tune_int4_grids(model, calib, scales, parts, steps=0, progress=False)

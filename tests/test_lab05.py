@@ -300,8 +300,7 @@ def test_learned_rounding_runs_only_from_the_cache_or_when_asked(default_llm, tm
     assert calls == []
     assert lab05.learned_rounding(default_llm, run=True) == {"rows": []}
     model, tokenizer = default_llm.engine.model, default_llm.tokenizer
-    ids = quantize_module.autoround_token_ids(tokenizer)
-    path = quantize_module.calibration_cache_path("autoround", model, ids, quantize_module.autoround_recipe(128))
+    path = quantize_module.autoround_cache_path(model, tokenizer, 128)
     assert path.parent == tmp_path
     path.write_bytes(b"")   # the entry the setting would read: now it runs without being asked
     assert lab05.learned_rounding(default_llm) == {"rows": []}

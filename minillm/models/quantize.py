@@ -12,7 +12,7 @@ Why the head is not 4-bit by default: it is the one matrix whose every output ro
 and 4-bit groups of 128 along its 576 inputs cost SmolLM2-135M about +60% perplexity on their own.
 weight_head_dtype="int4" uses groups of 32 (HEAD_INT4_GROUP_SIZE), and GPTQ under
 weight_calibration="gptq" or "autoround": +24.3% against +20.6% with the int8 head under gptq,
-+13.3% against +11.0% under autoround (docs/PERFORMANCE.md).
++12.1% against +9.7% under autoround (docs/PERFORMANCE.md).
 AWQ and GPTQ (llm-awq, AutoAWQ, AutoGPTQ) leave lm_head unquantized; int8 per-channel keeps it
 within a fraction of a percent while it still reads half the bytes of bf16 per decode step.
 """
@@ -452,6 +452,109 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
     return scales, parts
 
 
+E2E_STEPS = 80            # Adam steps of tune_int4_grids on top of AutoRound
+E2E_LR = 5e-4             # peak learning rate (cosine to 0) for the relative changes of scale and zero
+E2E_BATCH_TOKENS = 2048   # calibration tokens per step (whole sequences of seq_len)
+
+
+def _bf16_ste(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 (as QuantizedLinear stores scale and zero) forward, identity backward."""
+    return x + (x.to(torch.bfloat16).float() - x).detach()
+
+
+def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales: dict[str, torch.Tensor],
+                    parts: dict[str, tuple], steps: int = E2E_STEPS, lr: float = E2E_LR,
+                    batch_tokens: int = E2E_BATCH_TOKENS, seq_len: int = 512, seed: int = 1, progress: bool = True
+                    ) -> dict[str, tuple]:
+    """End-to-end tuning of every decoder int4 matrix's group scales and zeros, levels fixed
+    (EfficientQAT's E2E-QP, Chen et al. 2024), on top of a layer-by-layer calibration's parts.
+
+    calibrate_autoround fits each layer's output to the float layer's, one layer at a time. Here
+    the whole int4 model is trained at once against what it is for, the float model's next-token
+    distribution: the loss is KL(float || int4) over the vocabulary, averaged over random batches
+    of about `batch_tokens` calibration tokens (whole sequences of seq_len), for `steps` Adam steps
+    with a cosine learning rate from `lr`. Each group's scale and zero become
+    scale * (1 + a) and zero + b * scale with a, b learned (from 0); the int4 levels q stay as the
+    calibration chose them. The forward pass uses scale and zero rounded to bfloat16 as
+    QuantizedLinear stores them (straight-through), so what is trained is what is served.
+    The lm_head (float here, for teacher and student alike) and any "lm_head" part are left alone.
+    Returns parts with the decoder matrices' (q, scale, zero) replaced; the model is left as it was.
+    """
+    import math
+
+    import torch.nn.functional as F
+    from torch.func import functional_call
+    from tqdm.auto import tqdm
+
+    if steps < 1 or batch_tokens < 1 or seq_len < 1:
+        raise ValueError(f"steps={steps}, batch_tokens={batch_tokens} and seq_len={seq_len} must each be >= 1")
+    if len(token_ids) < 2:
+        raise ValueError(f"tune_int4_grids needs at least 2 calibration tokens, got {len(token_ids)}")
+    keys = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in LAYER_LINEARS]
+    missing = [key for key in keys if key not in parts]
+    if missing:
+        raise ValueError(f"tune_int4_grids needs int4 parts for every decoder matrix; missing {missing[:3]}")
+    device = model.embed_tokens.weight.device
+    seq_len = min(seq_len, len(token_ids))
+    num_seqs = len(token_ids) // seq_len
+    per_step = max(1, min(num_seqs, batch_tokens // seq_len))
+    ids = torch.tensor(token_ids[:num_seqs * seq_len], device=device).reshape(num_seqs, seq_len)
+    positions = torch.arange(seq_len, device=device).repeat(per_step)
+    meta = AttentionMetadata(query_lens=[seq_len] * per_step, num_cached=[0] * per_step, slot_mapping=None,
+                             use_cache=False)
+    in_features = {key: model.get_submodule(key).weight.shape[1] for key in keys}
+    dtype = model.layers[0].qkv_proj.weight.dtype
+    q = {key: parts[key][0].to(device).float() for key in keys}
+    scale0 = {key: parts[key][1].to(device).float() for key in keys}
+    zero0 = {key: parts[key][2].to(device).float() for key in keys}
+    a = {key: torch.zeros_like(scale0[key], requires_grad=True) for key in keys}
+    b = {key: torch.zeros_like(scale0[key], requires_grad=True) for key in keys}
+
+    def grid(key):   # this matrix's (scale, zero) as they will be stored
+        return _bf16_ste(scale0[key] * (1 + a[key])), _bf16_ste(zero0[key] + b[key] * scale0[key])
+
+    def weights():
+        out = {}
+        for key in keys:
+            scale, zero = grid(key)
+            w = dequantize_int4(q[key], scale, zero)[:, :in_features[key]]
+            s = input_scales.get(key)
+            out[f"{key}.weight"] = (w if s is None else w / s.to(device).float()).to(dtype)
+        return out
+
+    head = model.lm_head_weight.detach()
+    optimizer = torch.optim.Adam(list(a.values()) + list(b.values()), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    trainable = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        with torch_attention(model), torch.inference_mode(False), torch.enable_grad():
+            for step in tqdm(range(steps), desc="int4 grid tuning (end to end)", unit="step", disable=not progress,
+                             leave=False):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+                x = ids[torch.randperm(num_seqs, generator=gen)[:per_step].to(device)].reshape(-1)
+                with torch.no_grad():
+                    teacher = F.log_softmax(F.linear(model(x, positions, meta), head).float(), dim=-1)
+                student = F.log_softmax(F.linear(functional_call(model, weights(), (x, positions, meta)), head).float(),
+                                        dim=-1)
+                loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    finally:
+        for p, flag in zip(params, trainable):
+            p.requires_grad_(flag)
+    tuned = dict(parts)
+    with torch.no_grad():
+        for key in keys:   # exactly the bf16 values (x + (r - x) in fp32 may miss r by an ulp)
+            scale, zero = (t.to(torch.bfloat16).float().cpu() for t in grid(key))
+            tuned[key] = (parts[key][0], scale, zero)
+    return tuned
+
+
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration.txt"
 
 
@@ -506,8 +609,8 @@ def calibration_cache_path(name: str, model: LlamaForCausalLM, token_ids: list[i
 
 def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int], recipe: dict, compute):
     """compute() -> (input_scales, int4 parts), kept on disk at calibration_cache_path(): a
-    calibration that takes minutes (AutoRound: about 20 on 2 CPU cores) runs once per model and
-    setting. Parts are stored packed, two weights per byte."""
+    calibration that takes minutes (AutoRound: about 20 on 2 CPU cores, its end-to-end tuning about
+    35 more) runs once per model and setting. Parts are stored packed, two weights per byte."""
     from ..quant.int4 import pack_int4, unpack_int4
 
     path = calibration_cache_path(name, model, token_ids, recipe)
@@ -524,28 +627,51 @@ def cached_calibration(name: str, model: LlamaForCausalLM, token_ids: list[int],
 
 
 def autoround_recipe(group_size: int) -> dict:
-    """weight_calibration="autoround"'s cache recipe. One entry serves both heads: the int4 head's
-    GPTQ (HEAD_INT4_GROUP_SIZE) is always computed, in seconds, and dropped under an int8 head."""
+    """calibrate_autoround's cache recipe (the first stage of weight_calibration="autoround"). One entry
+    serves both heads: the int4 head's GPTQ (HEAD_INT4_GROUP_SIZE) is always computed, in seconds,
+    and dropped under an int8 head."""
     return dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS,
                 head_group_size=HEAD_INT4_GROUP_SIZE, relative="above-median")   # the cache key's name for relative=True
 
 
+def tuned_autoround_recipe(group_size: int) -> dict:
+    """weight_calibration="autoround"'s cache recipe: AutoRound's, then tune_int4_grids'."""
+    return dict(autoround_recipe(group_size), e2e_steps=E2E_STEPS, e2e_lr=E2E_LR, e2e_batch_tokens=E2E_BATCH_TOKENS)
+
+
+def autoround_cache_path(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> Path:
+    """The cache entry weight_calibration="autoround" at group_size reads (or will write)."""
+    ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
+    return calibration_cache_path("autoround-tuned", model, ids, tuned_autoround_recipe(group_size))
+
+
 def autoround_is_cached(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> bool:
     """Whether weight_calibration="autoround" at group_size would read its calibration from the cache
-    (False: building it runs calibrate_autoround, about 20 min for SmolLM2-135M on 2 CPU cores)."""
-    ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
-    return calibration_cache_path("autoround", model, ids, autoround_recipe(group_size)).is_file()
+    (False: building it runs calibrate_autoround and tune_int4_grids, about 55 min for SmolLM2-135M
+    on 2 CPU cores, or about 35 when AutoRound's own stage is cached)."""
+    return autoround_cache_path(model, tokenizer, group_size).is_file()
 
 
 def autoround_calibration(model: LlamaForCausalLM, tokenizer, group_size: int = 128
                           ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """weight_calibration="autoround"'s (input_scales, parts), from the cache or computed (and cached)."""
+    """weight_calibration="autoround"'s (input_scales, parts), from the cache or computed (and cached):
+    calibrate_autoround (cached on its own, so a change to the tuning reruns only the tuning), then
+    tune_int4_grids on the same calibration tokens."""
     ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
-    recipe = autoround_recipe(group_size)   # the call below reads the key's values: they cannot drift apart
-    return cached_calibration("autoround", model, ids, recipe,
-                              lambda: calibrate_autoround(model, ids, recipe["group_size"], steps=recipe["steps"],
-                                                          batch_tokens=recipe["batch_tokens"],
-                                                          head_group_size=recipe["head_group_size"]))
+    recipe = tuned_autoround_recipe(group_size)   # the calls below read the key's values: they cannot drift apart
+
+    def layer_by_layer():
+        return cached_calibration("autoround", model, ids, autoround_recipe(group_size),
+                                  lambda: calibrate_autoround(model, ids, recipe["group_size"], steps=recipe["steps"],
+                                                              batch_tokens=recipe["batch_tokens"],
+                                                              head_group_size=recipe["head_group_size"]))
+
+    def tuned():
+        scales, parts = layer_by_layer()
+        return scales, tune_int4_grids(model, ids, scales, parts, steps=recipe["e2e_steps"], lr=recipe["e2e_lr"],
+                                       batch_tokens=recipe["e2e_batch_tokens"])
+
+    return cached_calibration("autoround-tuned", model, ids, recipe, tuned)
 
 
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,
