@@ -164,6 +164,29 @@ def torch_attention(model: LlamaForCausalLM):
             layer.backend, layer.k_cache, layer.v_cache = backend, k, v
 
 
+@contextmanager
+def training_pass(model: LlamaForCausalLM):
+    """torch_attention with autograd on (also inside inference mode) and the model's own parameters
+    frozen: calibrations that train their own tensors through the model's forward. Each
+    parameter's requires_grad is given back afterwards."""
+    params = list(model.parameters())
+    trainable = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        with torch_attention(model), torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        for p, flag in zip(params, trainable):
+            p.requires_grad_(flag)
+
+
+def sequence_layout(seq_len: int, n: int, device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """positions and kv_cache-free metadata for n sequences of seq_len tokens run together."""
+    return (torch.arange(seq_len, device=device).repeat(n),
+            AttentionMetadata(query_lens=[seq_len] * n, num_cached=[0] * n, slot_mapping=None, use_cache=False))
+
+
 def awq_module(layer, name: str, positions: torch.Tensor, meta: AttentionMetadata):
     """What a matrix's input-scale search scores (search_input_scale's module=), as llm-awq does:
     qkv_proj -> (x, W) -> attention and o_proj; gate_up_proj -> (x, W) -> SiLU-and-mul and down_proj
@@ -383,72 +406,59 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
     per_step = max(1, min(num_seqs, batch_tokens // seq_len))
     device = model.embed_tokens.weight.device
     ids = torch.tensor(token_ids[:num_seqs * seq_len], device=device)
-
-    def layout(n: int):
-        return (torch.arange(seq_len, device=device).repeat(n),
-                AttentionMetadata(query_lens=[seq_len] * n, num_cached=[0] * n, slot_mapping=None, use_cache=False))
-
-    positions, meta = layout(num_seqs)
-    step_positions, step_meta = layout(per_step)
+    positions, meta = sequence_layout(seq_len, num_seqs, device)
+    step_positions, step_meta = sequence_layout(seq_len, per_step, device)
     lr = 1.0 / steps if lr is None else lr
     gen = torch.Generator().manual_seed(seed)
     parts: dict[str, tuple] = {}
-    params = list(model.parameters())
-    trainable = [p.requires_grad for p in params]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        with torch_attention(model), torch.inference_mode(False), torch.enable_grad():
+    with training_pass(model):
+        with torch.no_grad():
+            fp_in = model.embed_tokens(ids)
+        q_in = fp_in
+        for i, layer in enumerate(tqdm(model.layers, desc=f"AutoRound calibration (int4 g{group_size})",
+                                       unit="layer", disable=not progress, leave=False)):
+            dtype = layer.qkv_proj.weight.dtype
+            learners = {name: LearnableInt4(getattr(layer, name).weight.data, group_size,
+                                            scales[f"layers.{i}.{name}"], clips.get(f"layers.{i}.{name}"))
+                        for name in LAYER_LINEARS}
             with torch.no_grad():
-                fp_in = model.embed_tokens(ids)
-            q_in = fp_in
-            for i, layer in enumerate(tqdm(model.layers, desc=f"AutoRound calibration (int4 g{group_size})",
-                                           unit="layer", disable=not progress, leave=False)):
-                dtype = layer.qkv_proj.weight.dtype
-                learners = {name: LearnableInt4(getattr(layer, name).weight.data, group_size,
-                                                scales[f"layers.{i}.{name}"], clips.get(f"layers.{i}.{name}"))
-                            for name in LAYER_LINEARS}
+                fp_out = layer(positions, fp_in, meta)
+                ms = fp_out.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)   # each token's mean square [T, 1]
+                weight = ms.median() / ms.clamp_min(ms.median()) if relative else torch.ones_like(ms)
+
+            def run(x, pos, m, weights):
+                return functional_call(layer, {f"{name}.weight": w.to(dtype) for name, w in weights.items()}, (pos, x, m))
+
+            def stored_output():  # on every calibration token, with the weights as they will be stored
                 with torch.no_grad():
-                    fp_out = layer(positions, fp_in, meta)
-                    ms = fp_out.float().pow(2).mean(-1, keepdim=True).clamp_min(1e-12)   # each token's mean square [T, 1]
-                    weight = ms.median() / ms.clamp_min(ms.median()) if relative else torch.ones_like(ms)
+                    return run(q_in, positions, meta, {n: lrn.stored_weight() for n, lrn in learners.items()})
 
-                def run(x, pos, m, weights):
-                    return functional_call(layer, {f"{name}.weight": w.to(dtype) for name, w in weights.items()}, (pos, x, m))
+            def error(out, rows=slice(None)):
+                return ((out.float() - fp_out[rows].float()).pow(2) * weight[rows]).mean()
 
-                def stored_output():  # on every calibration token, with the weights as they will be stored
-                    with torch.no_grad():
-                        return run(q_in, positions, meta, {n: lrn.stored_weight() for n, lrn in learners.items()})
-
-                def error(out, rows=slice(None)):
-                    return ((out.float() - fp_out[rows].float()).pow(2) * weight[rows]).mean()
-
-                start = {name: learner.state() for name, learner in learners.items()}
-                start_error = float(error(stored_output()))
-                for step in range(steps):
-                    pick = torch.randperm(num_seqs, generator=gen)[:per_step]
-                    rows = (pick[:, None] * seq_len + torch.arange(seq_len)).reshape(-1).to(device)
-                    out = run(q_in[rows], step_positions, step_meta, {n: lrn.weight() for n, lrn in learners.items()})
-                    error(out, rows).backward()
-                    for learner in learners.values():
-                        learner.sign_step(lr * (1 - step / steps))
-                out = stored_output()
-                if float(error(out)) > start_error:  # never worse than AWQ's starting point on the calibration text
-                    for name, learner in learners.items():
-                        learner.load_state(start[name])
-                    out = stored_output()
+            start = {name: learner.state() for name, learner in learners.items()}
+            start_error = float(error(stored_output()))
+            for step in range(steps):
+                pick = torch.randperm(num_seqs, generator=gen)[:per_step]
+                rows = (pick[:, None] * seq_len + torch.arange(seq_len)).reshape(-1).to(device)
+                out = run(q_in[rows], step_positions, step_meta, {n: lrn.weight() for n, lrn in learners.items()})
+                error(out, rows).backward()
+                for learner in learners.values():
+                    learner.sign_step(lr * (1 - step / steps))
+            out = stored_output()
+            if float(error(out)) > start_error:  # never worse than AWQ's starting point on the calibration text
                 for name, learner in learners.items():
-                    parts[f"layers.{i}.{name}"] = learner.export()
-                q_in = out
-                fp_in = fp_out
-            if head_group_size is not None:
-                with torch.no_grad():
-                    x = model.norm(q_in).float()
-                parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size,
-                                             act_order="static")
-    finally:
-        for p, flag in zip(params, trainable):
-            p.requires_grad_(flag)
+                    learner.load_state(start[name])
+                out = stored_output()
+            for name, learner in learners.items():
+                parts[f"layers.{i}.{name}"] = learner.export()
+            q_in = out
+            fp_in = fp_out
+        if head_group_size is not None:
+            with torch.no_grad():
+                x = model.norm(q_in).float()
+            parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size,
+                                         act_order="static")
     return scales, parts
 
 
@@ -499,11 +509,10 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
     num_seqs = len(token_ids) // seq_len
     per_step = max(1, min(num_seqs, batch_tokens // seq_len))
     ids = torch.tensor(token_ids[:num_seqs * seq_len], device=device).reshape(num_seqs, seq_len)
-    positions = torch.arange(seq_len, device=device).repeat(per_step)
-    meta = AttentionMetadata(query_lens=[seq_len] * per_step, num_cached=[0] * per_step, slot_mapping=None,
-                             use_cache=False)
+    positions, meta = sequence_layout(seq_len, per_step, device)
     in_features = {key: model.get_submodule(key).weight.shape[1] for key in keys}
     dtype = model.layers[0].qkv_proj.weight.dtype
+    in_scale = {key: input_scales[key].to(device).float() for key in keys if key in input_scales}
     q = {key: parts[key][0].to(device).float() for key in keys}
     scale0 = {key: parts[key][1].to(device).float() for key in keys}
     zero0 = {key: parts[key][2].to(device).float() for key in keys}
@@ -518,35 +527,26 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
         for key in keys:
             scale, zero = grid(key)
             w = dequantize_int4(q[key], scale, zero)[:, :in_features[key]]
-            s = input_scales.get(key)
-            out[f"{key}.weight"] = (w if s is None else w / s.to(device).float()).to(dtype)
+            out[f"{key}.weight"] = (w / in_scale[key] if key in in_scale else w).to(dtype)
         return out
 
     head = model.lm_head_weight.detach()
     optimizer = torch.optim.Adam(list(a.values()) + list(b.values()), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    params = list(model.parameters())
-    trainable = [p.requires_grad for p in params]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        with torch_attention(model), torch.inference_mode(False), torch.enable_grad():
-            for step in tqdm(range(steps), desc="int4 grid tuning (end to end)", unit="step", disable=not progress,
-                             leave=False):
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-                x = ids[torch.randperm(num_seqs, generator=gen)[:per_step].to(device)].reshape(-1)
-                with torch.no_grad():
-                    teacher = F.log_softmax(F.linear(model(x, positions, meta), head).float(), dim=-1)
-                student = F.log_softmax(F.linear(functional_call(model, weights(), (x, positions, meta)), head).float(),
-                                        dim=-1)
-                loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-    finally:
-        for p, flag in zip(params, trainable):
-            p.requires_grad_(flag)
+    with training_pass(model):
+        for step in tqdm(range(steps), desc="int4 grid tuning (end to end)", unit="step", disable=not progress,
+                         leave=False):
+            for group in optimizer.param_groups:
+                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+            x = ids[torch.randperm(num_seqs, generator=gen)[:per_step].to(device)].reshape(-1)
+            with torch.no_grad():
+                teacher = F.log_softmax(F.linear(model(x, positions, meta), head).float(), dim=-1)
+            student = F.log_softmax(F.linear(functional_call(model, weights(), (x, positions, meta)), head).float(),
+                                    dim=-1)
+            loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     tuned = dict(parts)
     with torch.no_grad():
         for key in keys:   # exactly the bf16 values (x + (r - x) in fp32 may miss r by an ulp)
