@@ -181,6 +181,20 @@ def training_pass(model: LlamaForCausalLM):
             p.requires_grad_(flag)
 
 
+def calibration_sequences(who: str, token_ids: list[int], steps: int, batch_tokens: int, seq_len: int
+                          ) -> tuple[int, int, int]:
+    """A training calibration's batching, its arguments checked (`who` names it in the errors):
+    (seq_len, at most the number of tokens; num_seqs, whole sequences of it in token_ids;
+    per_step, sequences in a batch of about batch_tokens, at least 1 and at most num_seqs)."""
+    if steps < 1 or batch_tokens < 1 or seq_len < 1:
+        raise ValueError(f"steps={steps}, batch_tokens={batch_tokens} and seq_len={seq_len} must each be >= 1")
+    if len(token_ids) < 2:
+        raise ValueError(f"{who} needs at least 2 calibration tokens, got {len(token_ids)}")
+    seq_len = min(seq_len, len(token_ids))
+    num_seqs = len(token_ids) // seq_len
+    return seq_len, num_seqs, max(1, min(num_seqs, batch_tokens // seq_len))
+
+
 def sequence_layout(seq_len: int, n: int, device) -> tuple[torch.Tensor, AttentionMetadata]:
     """positions and kv_cache-free metadata for n sequences of seq_len tokens run together."""
     return (torch.arange(seq_len, device=device).repeat(n),
@@ -396,14 +410,8 @@ def calibrate_autoround(model: LlamaForCausalLM, token_ids: list[int], group_siz
 
     from ..quant.autoround import LearnableInt4
 
-    if steps < 1 or batch_tokens < 1 or seq_len < 1:
-        raise ValueError(f"steps={steps}, batch_tokens={batch_tokens} and seq_len={seq_len} must each be >= 1")
-    if len(token_ids) < 2:
-        raise ValueError(f"calibrate_autoround needs at least 2 calibration tokens, got {len(token_ids)}")
+    seq_len, num_seqs, per_step = calibration_sequences("calibrate_autoround", token_ids, steps, batch_tokens, seq_len)
     scales, clips = calibrate_awq(model, token_ids[:awq_tokens], "int4", group_size, progress=False)
-    seq_len = min(seq_len, len(token_ids))
-    num_seqs = len(token_ids) // seq_len
-    per_step = max(1, min(num_seqs, batch_tokens // seq_len))
     device = model.embed_tokens.weight.device
     ids = torch.tensor(token_ids[:num_seqs * seq_len], device=device)
     positions, meta = sequence_layout(seq_len, num_seqs, device)
@@ -496,18 +504,12 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
     from torch.func import functional_call
     from tqdm.auto import tqdm
 
-    if steps < 1 or batch_tokens < 1 or seq_len < 1:
-        raise ValueError(f"steps={steps}, batch_tokens={batch_tokens} and seq_len={seq_len} must each be >= 1")
-    if len(token_ids) < 2:
-        raise ValueError(f"tune_int4_grids needs at least 2 calibration tokens, got {len(token_ids)}")
+    seq_len, num_seqs, per_step = calibration_sequences("tune_int4_grids", token_ids, steps, batch_tokens, seq_len)
     keys = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in LAYER_LINEARS]
     missing = [key for key in keys if key not in parts]
     if missing:
         raise ValueError(f"tune_int4_grids needs int4 parts for every decoder matrix; missing {missing[:3]}")
     device = model.embed_tokens.weight.device
-    seq_len = min(seq_len, len(token_ids))
-    num_seqs = len(token_ids) // seq_len
-    per_step = max(1, min(num_seqs, batch_tokens // seq_len))
     ids = torch.tensor(token_ids[:num_seqs * seq_len], device=device).reshape(num_seqs, seq_len)
     positions, meta = sequence_layout(seq_len, per_step, device)
     in_features = {key: model.get_submodule(key).weight.shape[1] for key in keys}
