@@ -8,10 +8,11 @@ layer restored to float, then with only one type in int4:
     .venv/bin/python scripts/int4_sensitivity.py
 
 (Simulated in fp32 with the fp32 head, so about 1 point under the lever's own int4 kernels with
-the int8 head. 2026-11-30: all int4 +9.88%; down_proj alone +8.37%, restoring it -4.43 points;
-restoring qkv_proj or o_proj alone makes it worse, as the layers' rounding was learned together;
-no layer above 1.5 points, the last the largest. That is one calibration: two builds of one
-recipe differed by about 2 points. docs/PERFORMANCE.md.)
+the int8 head. 2026-11-30, before the lever rotated down_proj's input: all int4 +9.88%; down_proj
+alone +8.37%, restoring it -4.43 points; restoring qkv_proj or o_proj alone makes it worse, as
+the layers' rounding was learned together; no layer above 1.5 points, the last the largest.
+That is one calibration: two builds of one recipe differed by about 2 points.
+docs/PERFORMANCE.md.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from minillm import LLM
 from minillm.bench.quality import corpus_token_ids, perplexity
-from minillm.models.quantize import LAYER_LINEARS, autoround_calibration
+from minillm.models.quantize import LAYER_LINEARS, autoround_calibration, rotate_down_proj, rotation_block
 from minillm.quant.int4 import dequantize_int4
 
 WINDOWS = 8
@@ -28,7 +29,7 @@ WINDOWS = 8
 
 def main() -> None:
     llm = LLM()
-    model = llm.engine.model
+    model = rotate_down_proj(llm.engine.model, rotation_block(llm.engine.model, 128))   # as the lever does
     scales, parts = autoround_calibration(model, llm.tokenizer, 128)   # the lever's own, cached
     corpus = corpus_token_ids(llm.tokenizer)
     linear = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(model.layers) for name in LAYER_LINEARS}

@@ -123,6 +123,8 @@ def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, mon
     assert not quantize_module.autoround_is_cached(float_model, None, 64)
     first = llm.engine.model.layers[0].qkv_proj
     assert first.inv_input_scale is not None
+    # down_proj's input is rotated within each group of 32 (test_rotate.py); the float model is not
+    assert llm.engine.model.layers[1].down_rotation.shape == (32, 32) and float_model.layers[1].down_rotation is None
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the cached calibration should have been read")

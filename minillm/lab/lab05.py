@@ -678,7 +678,7 @@ def sweep(llm, labels: Sequence[str] | None = None, quick: bool = False, **overr
 def learned_rounding(llm, run: bool = False, quick: bool = False) -> dict | None:
     """Section 7's last table: int4 g128 rounded to nearest, with AWQ, and with AutoRound's learned
     rounding (then its grids tuned end to end), against fp32 (sweep over ROUNDING_SWEEP). That
-    calibration takes about 55 min on 2 CPU cores the first time, then is read from minillm's cache:
+    calibration takes about 60 min on 2 CPU cores the first time, then is read from minillm's cache:
     without the cache this runs only when run=True, and never in quick mode. Returns None (with the
     reason printed) when skipped."""
     from ..models.quantize import autoround_is_cached, calibration_cache_dir
@@ -688,7 +688,7 @@ def learned_rounding(llm, run: bool = False, quick: bool = False) -> dict | None
         return None
     if not (run or autoround_is_cached(llm.engine.model, llm.tokenizer, 128)):
         print(f"AutoRound's calibration is not in {calibration_cache_dir()} yet. Set RUN_AUTOROUND = True and run "
-              "this cell again (about 55 min on 2 CPU cores, once), or run in a terminal:\n"
+              "this cell again (about 60 min on 2 CPU cores, once), or run in a terminal:\n"
               "    .venv/bin/minillm quality --settings baseline int4-awq int4-autoround --decode-tokens 0")
         return None
     return sweep(llm, ROUNDING_SWEEP, decode_tokens=0, num_generations=0)

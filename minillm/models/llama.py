@@ -15,6 +15,7 @@ from ..layers.attention import Attention, AttentionMetadata
 from ..layers.linear import Linear, linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..quant.rotate import rotate_blocks
 from .config import ModelConfig
 
 
@@ -33,6 +34,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
         self.use_triton = False  # Triton SiLU-and-mul (set with the model's use_triton_ops)
+        # [b, b] Hadamard when down_proj's input is rotated within blocks of b channels (rotate_down_proj
+        # in models/quantize.py, weight_calibration="autoround"); None: not rotated
+        self.register_buffer("down_rotation", None, persistent=False)
 
     def forward(self, positions, hidden, meta: AttentionMetadata) -> torch.Tensor:
         hidden = hidden + self.attention(positions, self.input_layernorm(hidden), meta)
@@ -61,7 +65,12 @@ class DecoderLayer(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta).reshape(num_tokens, self.q_size))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton))
+        return self.down_proj(self.down_input(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton)))
+
+    def down_input(self, act: torch.Tensor) -> torch.Tensor:
+        """SiLU-and-mul's output [T, intermediate] as down_proj takes it: rotated block by block when
+        down_proj's weight was (quant/rotate.py), else as it is."""
+        return act if self.down_rotation is None else rotate_blocks(act, self.down_rotation)
 
 
 class LlamaForCausalLM(nn.Module):

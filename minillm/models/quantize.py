@@ -12,7 +12,7 @@ Why the head is not 4-bit by default: it is the one matrix whose every output ro
 and 4-bit groups of 128 along its 576 inputs cost SmolLM2-135M about +60% perplexity on their own.
 weight_head_dtype="int4" uses groups of 32 (HEAD_INT4_GROUP_SIZE), and GPTQ under
 weight_calibration="gptq" or "autoround": +24.3% against +20.6% with the int8 head under gptq,
-+12.1% against +9.7% under autoround (docs/PERFORMANCE.md).
++11.1% against +8.9% under autoround (docs/PERFORMANCE.md).
 AWQ and GPTQ (llm-awq, AutoAWQ, AutoGPTQ) leave lm_head unquantized; int8 per-channel keeps it
 within a fraction of a percent while it still reads half the bytes of bf16 per decode step.
 """
@@ -74,6 +74,48 @@ def shallow_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
     clone = copy.deepcopy(model, memo)
     clone.bound_runner = None
     return clone
+
+
+@torch.no_grad()
+def rotate_down_proj(model: LlamaForCausalLM, block: int = 128) -> LlamaForCausalLM:
+    """Rotate every decoder layer's down_proj input within blocks of `block` channels (quant/rotate.py):
+    down_proj's weight becomes W @ blockdiag(H) (a new tensor: a shallow copy's donor keeps its own)
+    and the layer multiplies SiLU-and-mul's output by H (DecoderLayer.down_input). The float model
+    computes the same function; int4 groups of `block` aligned to the blocks see smoother rows.
+    In place on `model`'s module tree; returns it."""
+    from torch import nn
+
+    from ..quant.rotate import hadamard, rotate_blocks
+
+    for i, layer in enumerate(model.layers):
+        if layer.down_rotation is not None or isinstance(layer.down_proj, QuantizedLinear):
+            raise ValueError(f"rotate_down_proj needs the float, unrotated model: layers.{i}.down_proj is "
+                             f"{'already rotated' if layer.down_rotation is not None else 'quantized'}")
+    w = model.layers[0].down_proj.weight
+    h = hadamard(block, device=w.device)
+    shared = h.to(w.dtype)   # one constant for every layer (a buffer, like the rotary tables: not weight bytes)
+    for layer in model.layers:
+        w = layer.down_proj.weight
+        layer.down_proj.weight = nn.Parameter(rotate_blocks(w.float(), h).to(w.dtype), requires_grad=False)
+        layer.down_rotation = shared
+    return model
+
+
+def rotation_block(model: LlamaForCausalLM, group_size: int) -> int:
+    """The Hadamard block weight_calibration="autoround" rotates down_proj's input by: the int4 group
+    size, halved until it divides the intermediate size (so every block lies inside one group)."""
+    block = group_size
+    while model.cfg.intermediate_size % block:
+        block //= 2
+    return block
+
+
+def down_rotated(model: LlamaForCausalLM, group_size: int) -> LlamaForCausalLM:
+    """`model` if its down_proj input is already rotated, else a rotated shallow copy (the donor is left
+    as it was): the float model weight_calibration="autoround" calibrates and quantizes."""
+    if model.layers[0].down_rotation is not None:
+        return model
+    return rotate_down_proj(shallow_copy(model), rotation_block(model, group_size))
 
 
 @torch.no_grad()
@@ -225,7 +267,7 @@ def awq_module(layer, name: str, positions: torch.Tensor, meta: AttentionMetadat
         return attention
     if name == "gate_up_proj":
         wd = layer.down_proj.weight.float()
-        return lambda x, w: silu_and_mul(project(x, w, layer.gate_up_proj)) @ wd.t()
+        return lambda x, w: layer.down_input(silu_and_mul(project(x, w, layer.gate_up_proj))) @ wd.t()
     return None
 
 
@@ -363,7 +405,7 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
             attn = layer.attn(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta).reshape(t, layer.q_size)
             hidden = hidden + quantize(layer, i, "o_proj", attn)
             x = layer.post_attention_layernorm(hidden)
-            act = silu_and_mul(quantize(layer, i, "gate_up_proj", x))
+            act = layer.down_input(silu_and_mul(quantize(layer, i, "gate_up_proj", x)))
             hidden = hidden + quantize(layer, i, "down_proj", act)
         if head_group_size is not None:
             x = model.norm(hidden).float()
@@ -633,7 +675,7 @@ def autoround_recipe(group_size: int) -> dict:
     serves both heads: the int4 head's GPTQ (HEAD_INT4_GROUP_SIZE) is always computed, in seconds,
     and dropped under an int8 head."""
     return dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS,
-                head_group_size=HEAD_INT4_GROUP_SIZE, relative="above-median")   # the cache key's name for relative=True
+                head_group_size=HEAD_INT4_GROUP_SIZE, relative="above-median", rotation="hadamard-down")   # the cache key's name for relative=True
 
 
 def tuned_autoround_recipe(group_size: int) -> dict:
@@ -644,12 +686,13 @@ def tuned_autoround_recipe(group_size: int) -> dict:
 def autoround_cache_path(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> Path:
     """The cache entry weight_calibration="autoround" at group_size reads (or will write)."""
     ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
-    return calibration_cache_path("autoround-tuned", model, ids, tuned_autoround_recipe(group_size))
+    return calibration_cache_path("autoround-tuned", down_rotated(model, group_size), ids,
+                                  tuned_autoround_recipe(group_size))
 
 
 def autoround_is_cached(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> bool:
     """Whether weight_calibration="autoround" at group_size would read its calibration from the cache
-    (False: building it runs calibrate_autoround and tune_int4_grids, about 55 min for SmolLM2-135M
+    (False: building it runs calibrate_autoround and tune_int4_grids, about 60 min for SmolLM2-135M
     on 2 CPU cores, or about 35 when AutoRound's own stage is cached)."""
     return autoround_cache_path(model, tokenizer, group_size).is_file()
 
@@ -658,7 +701,10 @@ def autoround_calibration(model: LlamaForCausalLM, tokenizer, group_size: int = 
                           ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """weight_calibration="autoround"'s (input_scales, parts), from the cache or computed (and cached):
     calibrate_autoround (cached on its own, so a change to the tuning reruns only the tuning), then
-    tune_int4_grids on the same calibration tokens."""
+    tune_int4_grids on the same calibration tokens. The parts are for the model with down_proj's input
+    rotated (rotate_down_proj; quantize_for_config rotates the model it quantizes): an unrotated
+    `model` is calibrated through a rotated shallow copy, and left as it was."""
+    model = down_rotated(model, group_size)
     ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
     recipe = tuned_autoround_recipe(group_size)   # the calls below read the key's values: they cannot drift apart
 
@@ -691,6 +737,10 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
         ids = calibration_token_ids(tokenizer, GPTQ_TOKENS, vocab_size=model.cfg.vocab_size)
         scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
     if calibration == "autoround":
+        if not in_place:
+            model, in_place = shallow_copy(model), True
+        if model.layers[0].down_rotation is None:   # in place: the engine keeps the model it passed
+            rotate_down_proj(model, rotation_block(model, group_size))
         scales, parts = autoround_calibration(model, tokenizer, group_size)
         if head != "int4":
             parts = {key: value for key, value in parts.items() if key != "lm_head"}
