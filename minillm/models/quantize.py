@@ -675,7 +675,9 @@ def autoround_recipe(group_size: int) -> dict:
     serves both heads: the int4 head's GPTQ (HEAD_INT4_GROUP_SIZE) is always computed, in seconds,
     and dropped under an int8 head."""
     return dict(group_size=group_size, steps=AUTOROUND_STEPS, batch_tokens=AUTOROUND_BATCH_TOKENS,
-                head_group_size=HEAD_INT4_GROUP_SIZE, relative="above-median", rotation="hadamard-down")   # the cache key's name for relative=True
+                head_group_size=HEAD_INT4_GROUP_SIZE,
+                relative="above-median",      # the cache key's name for relative=True
+                rotation="hadamard-down")     # down_proj's input rotated first (rotate_down_proj)
 
 
 def tuned_autoround_recipe(group_size: int) -> dict:
