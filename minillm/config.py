@@ -57,7 +57,7 @@ class EngineConfig:
     chunked_prefill: bool = False
     weight_dtype: str | None = None     # built: None (model dtype) | "int8" | "int4" | "fp8" (see minillm/quant)
     weight_group_size: int = 128        # int4 only: input channels per scale and zero
-    weight_calibration: str | None = None  # "awq": activation-aware scales + clipping; "gptq" (int4): AWQ scales + GPTQ, layer by layer; from data/calibration.txt; "autoround" (int4): down_proj's input Hadamard-rotated per group, AWQ, then learned rounding per layer, then the group scales and zeros tuned end to end, on calibration.txt + calibration_generated.txt (~60 min once, then cached); None: round-to-nearest
+    weight_calibration: str | None = None  # "awq": activation-aware scales + clipping; "gptq" (int4): down_proj's input and the norm outputs Hadamard-rotated per group, AWQ scales + GPTQ, layer by layer, on 4,096 tokens of the autoround text (~2 min); "autoround" (int4): down_proj's input Hadamard-rotated per group, AWQ, then learned rounding per layer, then the group scales and zeros tuned end to end, on calibration.txt + calibration_generated.txt (~60 min once, then cached); None: round-to-nearest
     weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
     kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed

@@ -153,7 +153,12 @@ def test_gptq_lever_on_a_random_model_brings_the_output_closer_than_round_to_nea
     assert err_gptq < 0.75 * err_rtn, (err_gptq, err_rtn)
     # Through the engine: the lever builds the same kind of model and generates.
     q = llm.with_levers(weight_dtype="int4", weight_group_size=32, weight_calibration="gptq")
-    assert q.engine.model.layers[0].qkv_proj.inv_input_scale is not None
+    served = q.engine.model.layers[0]
+    assert served.qkv_proj.inv_input_scale is not None
+    # down_proj's input and the norm outputs are rotated first (test_rotate.py); the engine's float model is not
+    assert served.down_rotation.shape == (32, 32) and served.post_attention_layernorm.rotation.shape == (32, 32)
+    donor = llm.engine.model.layers[0]
+    assert donor.down_rotation is None and donor.input_layernorm.rotation is None
     out = q.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
 

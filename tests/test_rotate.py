@@ -1,11 +1,14 @@
-"""Hadamard rotation of down_proj's input (minillm/quant/rotate.py, rotate_down_proj in
-minillm/models/quantize.py; part of weight_calibration="autoround")."""
+"""Hadamard rotation of down_proj's input and of the norm outputs (minillm/quant/rotate.py;
+rotate_down_proj, rotate_norm_outputs and int4_rotated in minillm/models/quantize.py). The first
+step of weight_calibration="autoround" (down_proj's input) and "gptq" (both)."""
 
 import pytest
 import torch
 
 from minillm import LLM
-from minillm.models.quantize import down_rotated, quantize_model, rotate_down_proj, rotation_block
+from minillm.layers.attention import AttentionMetadata
+from minillm.models.quantize import (int4_rotated, norm_rotation_block, quantize_model, rotate_down_proj,
+                                     rotate_norm_outputs, rotation_block, shallow_copy, torch_attention)
 from minillm.quant import dequantize_int4, quantize_int4
 from minillm.quant.rotate import hadamard, rotate_blocks
 from minillm.sampling import SamplingParams
@@ -61,12 +64,11 @@ def test_rotate_down_proj_keeps_the_float_model_and_leaves_the_donor_alone():
     params = SamplingParams(max_tokens=8, temperature=0.0)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert rotation_block(model, 128) == 128 and rotation_block(model, 32) == 32
-    copy = down_rotated(model, 32)
+    copy = rotate_down_proj(shallow_copy(model), 32)
     assert copy is not model and model.layers[0].down_rotation is None
     assert torch.equal(model.layers[0].down_proj.weight, before)
     assert copy.layers[1].down_rotation.shape == (32, 32)
     assert not torch.allclose(copy.layers[0].down_proj.weight, before)
-    assert down_rotated(copy, 32) is copy   # already rotated: not again
     act = torch.randn(3, model.cfg.intermediate_size)
     for layer, rotated in zip(model.layers, copy.layers):
         assert torch.allclose(rotated.down_proj(rotated.down_input(act)), layer.down_proj(act), atol=1e-5)
@@ -77,3 +79,53 @@ def test_rotate_down_proj_keeps_the_float_model_and_leaves_the_donor_alone():
     quantized = quantize_model(LLM("random:tiny-llama").engine.model, "int4", 32)
     with pytest.raises(ValueError, match="layers.0.down_proj is quantized"):
         rotate_down_proj(quantized)
+
+
+def test_rotate_norm_outputs_keeps_the_float_model():
+    """Each layer's two norms leave their output rotated; qkv_proj and gate_up_proj store W H: the
+    same tokens, the norm weights and the residual stream untouched."""
+    llm = LLM("random:tiny-llama", max_num_seqs=2)
+    model = llm.engine.model
+    prompts = [{"prompt_token_ids": [1, 7, 30, 99, 4]}, {"prompt_token_ids": [1, 250, 3]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    layer = model.layers[0]
+    norm_weight, qkv = layer.input_layernorm.weight.clone(), layer.qkv_proj.weight.clone()
+    x = torch.randn(3, model.cfg.hidden_size)
+    want = layer.qkv_proj(layer.input_layernorm(x)), layer.gate_up_proj(layer.post_attention_layernorm(x))
+    assert norm_rotation_block(model, 128) == 64 and norm_rotation_block(model, 32) == 32
+    rotate_norm_outputs(model, 32)
+    assert layer.input_layernorm.rotation.shape == layer.post_attention_layernorm.rotation.shape == (32, 32)
+    assert model.norm.rotation is None   # the final norm feeds the head, which is not rotated
+    assert torch.equal(layer.input_layernorm.weight, norm_weight)
+    assert not torch.allclose(layer.qkv_proj.weight, qkv)
+    got = layer.qkv_proj(layer.input_layernorm(x)), layer.gate_up_proj(layer.post_attention_layernorm(x))
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
+    normed = torch.nn.functional.rms_norm(x, (model.cfg.hidden_size,), norm_weight, model.cfg.rms_norm_eps)
+    assert torch.allclose(layer.input_layernorm(x), rotate_blocks(normed, hadamard(32)), atol=1e-5)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    with pytest.raises(ValueError, match="layers.0.qkv_proj is already rotated"):
+        rotate_norm_outputs(model)
+    quantized = quantize_model(LLM("random:tiny-llama").engine.model, "int4", 32)
+    with pytest.raises(ValueError, match="layers.0.qkv_proj is quantized"):
+        rotate_norm_outputs(quantized)
+
+
+def test_int4_rotated_rotates_both_once_and_leaves_the_donor_alone():
+    model = LLM("random:tiny-llama").engine.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copy = int4_rotated(model, 32)
+    assert copy is not model
+    assert model.layers[0].down_rotation is None and model.layers[0].input_layernorm.rotation is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert copy.layers[1].down_rotation.shape == copy.layers[1].post_attention_layernorm.rotation.shape == (32, 32)
+    assert int4_rotated(copy, 32) is copy   # already rotated: not again
+    x = torch.randn(4, model.cfg.hidden_size)
+    positions = torch.arange(4)
+    meta = AttentionMetadata(query_lens=[4], num_cached=[0], slot_mapping=None, use_cache=False)
+    with torch_attention(model), torch_attention(copy):
+        for layer, rotated in zip(model.layers, copy.layers):
+            assert torch.allclose(rotated(positions, x, meta), layer(positions, x, meta), atol=1e-4)
+    half = rotate_down_proj(shallow_copy(model), 32)   # only down_proj rotated: int4_rotated adds the norms, in place
+    assert int4_rotated(half, 32, in_place=True) is half and half.layers[0].input_layernorm.rotation.shape == (32, 32)

@@ -97,3 +97,25 @@ def test_triton_backend_needs_the_cache():
 
     with pytest.raises(ValueError, match="attention_backend='triton' needs kv_cache=True"):
         EngineConfig(attention_backend="triton", kv_cache=False)
+
+
+def test_a_rotated_norm_rotates_the_triton_kernels_output_too():
+    """RMSNorm.rotation (weight_calibration="gptq", test_rotate.py) applies on both paths."""
+    import torch
+
+    from minillm.layers.norm import RMSNorm
+    from minillm.quant.rotate import hadamard
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.randn(64, generator=g)
+    norm.rotation = hadamard(32)
+    x, residual = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    want = norm(x), *norm.add_and_norm(x, residual.clone())
+    norm.use_triton = True
+    got = norm(x), *norm.add_and_norm(x, residual.clone())
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5)
+    norm.use_triton = False
+    norm.rotation = None
+    assert not torch.allclose(norm(x), want[0], atol=1e-2)

@@ -2,10 +2,16 @@
 
 With `use_triton` set (the model sets it for attention_backend="triton"), the fused Triton
 kernel runs instead (kernels/rmsnorm.py), and `add_and_norm` fuses the residual add into it.
+
+With `rotation` set (a b x b orthonormal matrix; models/quantize.py's rotate_norm_outputs sets it
+for weight_calibration="gptq"), the normed output leaves rotated block by block
+(quant/rotate.py): the matrices it feeds store W H instead of W, so the float model is unchanged.
 """
 
 import torch
 from torch import nn
+
+from ..quant.rotate import rotate_blocks
 
 
 class RMSNorm(nn.Module):
@@ -14,16 +20,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_triton = False
+        self.register_buffer("rotation", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
             from ..kernels import rmsnorm  # imported late: the interpreter is chosen before triton is imported
 
-            return rmsnorm.rmsnorm(x, self.weight, self.eps)
+            return self.rotated(rmsnorm.rmsnorm(x, self.weight, self.eps))
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.rotated(self.weight * x32.to(dtype))
+
+    def rotated(self, y: torch.Tensor) -> torch.Tensor:
+        """The normed output as the next matrix takes it: rotated block by block when `rotation` is set."""
+        return y if self.rotation is None else rotate_blocks(y, self.rotation)
 
     def add_and_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); x None: (norm(residual), residual).
@@ -35,6 +46,6 @@ class RMSNorm(nn.Module):
         if self.use_triton:
             from ..kernels import rmsnorm
 
-            return rmsnorm.rmsnorm(x, self.weight, self.eps, residual=residual), residual
+            return self.rotated(rmsnorm.rmsnorm(x, self.weight, self.eps, residual=residual)), residual
         residual = residual + x
         return self(residual), residual
