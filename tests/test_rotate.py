@@ -7,7 +7,7 @@ import torch
 
 from minillm import LLM
 from minillm.layers.attention import AttentionMetadata
-from minillm.models.quantize import (int4_rotated, norm_rotation_block, quantize_model, rotate_down_proj,
+from minillm.models.quantize import (down_rotated, int4_rotated, norm_rotation_block, quantize_model, rotate_down_proj,
                                      rotate_norm_outputs, rotation_block, shallow_copy, torch_attention)
 from minillm.quant import dequantize_int4, quantize_int4
 from minillm.quant.rotate import hadamard, rotate_blocks
@@ -69,6 +69,8 @@ def test_rotate_down_proj_keeps_the_float_model_and_leaves_the_donor_alone():
     assert torch.equal(model.layers[0].down_proj.weight, before)
     assert copy.layers[1].down_rotation.shape == (32, 32)
     assert not torch.allclose(copy.layers[0].down_proj.weight, before)
+    assert down_rotated(copy, 32) is copy   # already rotated: not again
+    assert down_rotated(model, 32).layers[0].down_rotation.shape == (32, 32) and model.layers[0].down_rotation is None
     act = torch.randn(3, model.cfg.intermediate_size)
     for layer, rotated in zip(model.layers, copy.layers):
         assert torch.allclose(rotated.down_proj(rotated.down_input(act)), layer.down_proj(act), atol=1e-5)
