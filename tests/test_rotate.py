@@ -14,6 +14,12 @@ from minillm.quant.rotate import hadamard, rotate_blocks
 from minillm.sampling import SamplingParams
 
 
+
+def greedy_tokens(llm) -> list[list[int]]:
+    """Two prompts' greedy tokens: a rotation that keeps the float model keeps them."""
+    prompts = [{"prompt_token_ids": [1, 7, 30, 99, 4]}, {"prompt_token_ids": [1, 250, 3]}]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))]
+
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128])
 def test_hadamard_is_orthonormal_with_entries_of_one_size(n):
     h = hadamard(n, torch.float64)
@@ -60,9 +66,7 @@ def test_rotate_down_proj_keeps_the_float_model_and_leaves_the_donor_alone():
     llm = LLM("random:tiny-llama", max_num_seqs=2)
     model = llm.engine.model
     before = model.layers[0].down_proj.weight.clone()
-    prompts = [{"prompt_token_ids": [1, 7, 30, 99, 4]}, {"prompt_token_ids": [1, 250, 3]}]
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    reference = greedy_tokens(llm)
     assert rotation_block(model, 128) == 128 and rotation_block(model, 32) == 32
     copy = rotate_down_proj(shallow_copy(model), 32)
     assert copy is not model and model.layers[0].down_rotation is None
@@ -75,7 +79,7 @@ def test_rotate_down_proj_keeps_the_float_model_and_leaves_the_donor_alone():
     for layer, rotated in zip(model.layers, copy.layers):
         assert torch.allclose(rotated.down_proj(rotated.down_input(act)), layer.down_proj(act), atol=1e-5)
     rotate_down_proj(model, 64)   # in place: the engine now serves the rotated float model, same tokens
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    assert greedy_tokens(llm) == reference
     with pytest.raises(ValueError, match="layers.0.down_proj is already rotated"):
         rotate_down_proj(model)
     quantized = quantize_model(LLM("random:tiny-llama").engine.model, "int4", 32)
@@ -88,9 +92,7 @@ def test_rotate_norm_outputs_keeps_the_float_model():
     same tokens, the norm weights and the residual stream untouched."""
     llm = LLM("random:tiny-llama", max_num_seqs=2)
     model = llm.engine.model
-    prompts = [{"prompt_token_ids": [1, 7, 30, 99, 4]}, {"prompt_token_ids": [1, 250, 3]}]
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    reference = greedy_tokens(llm)
     layer = model.layers[0]
     norm_weight, qkv = layer.input_layernorm.weight.clone(), layer.qkv_proj.weight.clone()
     x = torch.randn(3, model.cfg.hidden_size)
@@ -106,7 +108,7 @@ def test_rotate_norm_outputs_keeps_the_float_model():
         assert torch.allclose(g, w, atol=1e-5)
     normed = torch.nn.functional.rms_norm(x, (model.cfg.hidden_size,), norm_weight, model.cfg.rms_norm_eps)
     assert torch.allclose(layer.input_layernorm(x), rotate_blocks(normed, hadamard(32)), atol=1e-5)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    assert greedy_tokens(llm) == reference
     with pytest.raises(ValueError, match="layers.0.qkv_proj is already rotated"):
         rotate_norm_outputs(model)
     quantized = quantize_model(LLM("random:tiny-llama").engine.model, "int4", 32)

@@ -77,15 +77,24 @@ def shallow_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 @torch.no_grad()
+def _rotate_weight(linear, h: torch.Tensor) -> None:
+    """linear's weight W replaced by W @ blockdiag(h, ...) as a new tensor (a shallow copy's donor keeps its own)."""
+    from torch import nn
+
+    from ..quant.rotate import rotate_blocks
+
+    w = linear.weight
+    linear.weight = nn.Parameter(rotate_blocks(w.float(), h).to(w.dtype), requires_grad=False)
+
+
+@torch.no_grad()
 def rotate_down_proj(model: LlamaForCausalLM, block: int = 128) -> LlamaForCausalLM:
     """Rotate every decoder layer's down_proj input within blocks of `block` channels (quant/rotate.py):
     down_proj's weight becomes W @ blockdiag(H) (a new tensor: a shallow copy's donor keeps its own)
     and the layer multiplies SiLU-and-mul's output by H (DecoderLayer.down_input). The float model
     computes the same function; int4 groups of `block` aligned to the blocks see smoother rows.
     In place on `model`'s module tree; returns it."""
-    from torch import nn
-
-    from ..quant.rotate import hadamard, rotate_blocks
+    from ..quant.rotate import hadamard
 
     for i, layer in enumerate(model.layers):
         if layer.down_rotation is not None or isinstance(layer.down_proj, QuantizedLinear):
@@ -95,8 +104,7 @@ def rotate_down_proj(model: LlamaForCausalLM, block: int = 128) -> LlamaForCausa
     h = hadamard(block, device=w.device)
     shared = h.to(w.dtype)   # one constant for every layer (a buffer, like the rotary tables: not weight bytes)
     for layer in model.layers:
-        w = layer.down_proj.weight
-        layer.down_proj.weight = nn.Parameter(rotate_blocks(w.float(), h).to(w.dtype), requires_grad=False)
+        _rotate_weight(layer.down_proj, h)
         layer.down_rotation = shared
     return model
 
@@ -124,9 +132,7 @@ def rotate_norm_outputs(model: LlamaForCausalLM, block: int = NORM_ROTATION_BLOC
     corpus): GPTQ +12.46% -> +9.85%, round to nearest +78.82% -> +58.75% with 64-channel blocks, and
     +69.83% with 128-channel blocks. Folding the norm's weight into W first (QuaRot's way) made
     round to nearest far worse (+131.82%), as rotating the whole residual stream did."""
-    from torch import nn
-
-    from ..quant.rotate import hadamard, rotate_blocks
+    from ..quant.rotate import hadamard
 
     for i, layer in enumerate(model.layers):
         for norm, name in [(layer.input_layernorm, "qkv_proj"), (layer.post_attention_layernorm, "gate_up_proj")]:
@@ -139,8 +145,7 @@ def rotate_norm_outputs(model: LlamaForCausalLM, block: int = NORM_ROTATION_BLOC
     for layer in model.layers:
         for norm, linear in [(layer.input_layernorm, layer.qkv_proj),
                              (layer.post_attention_layernorm, layer.gate_up_proj)]:
-            w = linear.weight
-            linear.weight = nn.Parameter(rotate_blocks(w.float(), h).to(w.dtype), requires_grad=False)
+            _rotate_weight(linear, h)
             norm.rotation = shared
     return model
 
@@ -172,9 +177,7 @@ def int4_rotated(model: LlamaForCausalLM, group_size: int, in_place: bool = Fals
     first = model.layers[0]
     if first.down_rotation is not None and first.input_layernorm.rotation is not None:
         return model
-    model = model if in_place else shallow_copy(model)
-    if model.layers[0].down_rotation is None:
-        rotate_down_proj(model, rotation_block(model, group_size))
+    model = down_rotated(model if in_place else shallow_copy(model), group_size, in_place=True)
     if model.layers[0].input_layernorm.rotation is None:
         rotate_norm_outputs(model, norm_rotation_block(model, group_size))
     return model
