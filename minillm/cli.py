@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "(baseline, bf16, int8, int4) side by side")
     q.add_argument("--model", default=None)
     q.add_argument("--settings", nargs="+", metavar="SETTING",
-                   help="the first is the reference; names (baseline bf16 fp16 int8 int4 int4-awq int4-gptq int4-autoround int4-g64 int4-g32 int4-head4 int4-gptq-head4 int4-autoround-head4 fp8 kv-int8 kv-fp8; int4 keeps an int8 head) or "
+                   help="the first is the reference; names (baseline bf16 fp16 int8 int4 int4-awq int4-gptq int4-gptq-tuned int4-autoround int4-g64 int4-g32 int4-head4 int4-gptq-head4 int4-gptq-tuned-head4 int4-autoround-head4 fp8 kv-int8 kv-fp8; int4 keeps an int8 head) or "
                         "LEVER=VALUE[,LEVER=VALUE] "
                         "(default: baseline bf16 int8 int4)")
     q.add_argument("--max-windows", type=int, default=None, help="score only the first N corpus windows (quicker)")

@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
-WEIGHT_CALIBRATIONS = ("awq", "gptq", "autoround")    # or None: round-to-nearest
+WEIGHT_CALIBRATIONS = ("awq", "gptq", "gptq-tuned", "autoround")    # or None: round-to-nearest
 SPECULATIVE_METHODS = ("ngram", "self", "draft")  # proposers (engine/speculative.py)
 MAX_SPECULATIVE_TOKENS = 16
 WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
@@ -57,7 +57,7 @@ class EngineConfig:
     chunked_prefill: bool = False
     weight_dtype: str | None = None     # built: None (model dtype) | "int8" | "int4" | "fp8" (see minillm/quant)
     weight_group_size: int = 128        # int4 only: input channels per scale and zero
-    weight_calibration: str | None = None  # "awq": activation-aware scales + clipping; "gptq" (int4): down_proj's input and the norm outputs Hadamard-rotated per group, AWQ scales + GPTQ, layer by layer, on 4,096 tokens of the autoround text (~2 min); "autoround" (int4): down_proj's input Hadamard-rotated per group, AWQ, then learned rounding per layer, then the group scales and zeros tuned end to end, on calibration.txt + calibration_generated.txt (~60 min once, then cached); None: round-to-nearest
+    weight_calibration: str | None = None  # "awq": activation-aware scales + clipping; "gptq" (int4): down_proj's input and the norm outputs Hadamard-rotated per group, AWQ scales + GPTQ, layer by layer, on 4,096 tokens of the autoround text (~2 min); "gptq-tuned" (int4): "gptq", then the group scales and zeros and the input scales tuned end to end against the int8 head (~40 min once, then cached); "autoround" (int4): down_proj's input Hadamard-rotated per group, AWQ, then learned rounding per layer, then the group scales and zeros tuned end to end, on calibration.txt + calibration_generated.txt (~60 min once, then cached); None: round-to-nearest
     weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
     kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
     prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
@@ -136,7 +136,7 @@ class EngineConfig:
         need(self.weight_calibration is None or self.weight_dtype not in (None, "auto"),
              f"weight_calibration={self.weight_calibration!r} needs a weight_dtype (one of {WEIGHT_DTYPES}): "
              "it calibrates the quantization of the weights")
-        need(self.weight_calibration not in ("gptq", "autoround") or self.weight_dtype == "int4",
+        need(self.weight_calibration not in ("gptq", "gptq-tuned", "autoround") or self.weight_dtype == "int4",
              f"weight_calibration={self.weight_calibration!r} needs weight_dtype='int4' (got {self.weight_dtype!r}): "
              "it rounds onto the int4 group grid")
         need(self.weight_head_dtype in WEIGHT_HEAD_DTYPES,

@@ -174,9 +174,10 @@ def test_tuning_the_grids_end_to_end_lowers_the_kl_on_unseen_tokens_and_keeps_th
     g = torch.Generator().manual_seed(7)
     calib = torch.randint(0, model.cfg.vocab_size, (8192,), generator=g).tolist()   # 2,048 are fitted too closely
     scales, parts = calibrate_autoround(model, calib, 32, steps=10, batch_tokens=512, seq_len=256, progress=False)
-    tuned = quantize_module.tune_int4_grids(model, calib, scales, parts, steps=40, lr=1e-2, batch_tokens=512,
-                                            seq_len=256, progress=False)
-    assert set(tuned) == set(parts)
+    same_scales, tuned = quantize_module.tune_int4_grids(model, calib, scales, parts, steps=40, lr=1e-2,
+                                                         batch_tokens=512, seq_len=256, progress=False)
+    assert set(tuned) == set(parts) and same_scales.keys() == scales.keys()
+    assert all(torch.equal(same_scales[k], scales[k]) for k in scales)   # not tuned unless asked
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not any(p.grad is not None for p in model.parameters())
     changed = 0
@@ -189,7 +190,21 @@ def test_tuning_the_grids_end_to_end_lowers_the_kl_on_unseen_tokens_and_keeps_th
     kl = [next_token_kl(model, quantize_model(model, "int4", 32, in_place=False, input_scales=scales, quantized=p,
                                               head_dtype=None), ids) for p in (parts, tuned)]
     assert kl[1] < 0.9 * kl[0], kl   # 0.87 when written (the calibration tokens themselves: 0.70)
+    # The input scales learned too, against the int8 head the engine serves: lower still on that model.
+    new_scales, tuned_s = quantize_module.tune_int4_grids(model, calib, scales, parts, steps=40, lr=1e-2,
+                                                          batch_tokens=512, seq_len=256, tune_input_scales=True,
+                                                          head_dtype="int8", progress=False)
+    moved = [float((new_scales[k] / scales[k] - 1).abs().max()) for k in scales]
+    assert min(moved) > 0 and max(moved) < 0.5, moved     # every matrix's scale moved (4-13% at most when written)
+    assert all(torch.equal(q, parts[key][0]) for key, (q, _, _) in tuned_s.items())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    kl8 = [next_token_kl(model, quantize_model(model, "int4", 32, in_place=False, input_scales=s, quantized=p,
+                                               head_dtype="int8"), ids)
+           for s, p in ((scales, parts), (scales, tuned), (new_scales, tuned_s))]
+    assert kl8[2] < 0.95 * kl8[1] and kl8[1] < kl8[0], kl8   # 0.89 and 0.88 when written
     with pytest.raises(ValueError, match=r"int4 parts for every decoder matrix; missing \['layers.0.qkv_proj'"):
         quantize_module.tune_int4_grids(model, calib, scales, {}, progress=False)
     with pytest.raises(ValueError, match=r"steps=0, batch_tokens=2048 and seq_len=512 must each be >= 1"):
         quantize_module.tune_int4_grids(model, calib, scales, parts, steps=0, progress=False)
+    with pytest.raises(ValueError, match=r"tune_int4_grids\(head_dtype='int4'\): the student's head is None"):
+        quantize_module.tune_int4_grids(model, calib, scales, parts, head_dtype="int4", progress=False)

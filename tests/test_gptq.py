@@ -178,3 +178,44 @@ def test_gptq_lever_with_an_int4_head_calibrates_the_head_too(monkeypatch):
     assert not torch.equal(head.dequantized_weight(), rtn.quantized_head.dequantized_weight())
     out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_gptq_tuned_lever_calibrates_once_then_reads_its_cache_and_serves_both_heads(tmp_path, monkeypatch):
+    from minillm.models import quantize as quantize_module
+    from minillm.quant.int4 import unpack_int4
+
+    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(quantize_module, "E2E_STEPS", 3)
+    levers = dict(weight_dtype="int4", weight_group_size=32, weight_calibration="gptq-tuned")
+    float_model = LLM("random:tiny-llama", max_num_seqs=2).engine.model
+    path = quantize_module.gptq_tuned_cache_path(float_model, None, 32)
+    assert not path.exists()
+    llm = LLM("random:tiny-llama", max_num_seqs=2, **levers)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    served = llm.engine.model.layers[0]
+    assert served.down_rotation.shape == (32, 32) and served.input_layernorm.rotation.shape == (32, 32)
+    assert float_model.layers[0].down_rotation is None and float_model.layers[0].input_layernorm.rotation is None
+    # The input scales were tuned: they are not the GPTQ stage's AWQ scales (same model, tokens and recipe).
+    rotated = quantize_module.int4_rotated(float_model, 32)
+    ids = quantize_module.autoround_token_ids(None, vocab_size=rotated.cfg.vocab_size)
+    gptq_scales, _ = calibrate_gptq(rotated, ids[:quantize_module.GPTQ_TOKENS], 32, act_order="static", clip=True,
+                                    progress=False)
+    saved = torch.load(path, weights_only=True)
+    assert saved["scales"].keys() == gptq_scales.keys()
+    assert all(not torch.equal(saved["scales"][k], gptq_scales[k]) for k in gptq_scales)
+    assert torch.allclose(served.qkv_proj.inv_input_scale, 1 / saved["scales"]["layers.0.qkv_proj"])
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the cached calibration should have been read")
+
+    monkeypatch.setattr(quantize_module, "calibrate_gptq", must_not_run)
+    monkeypatch.setattr(quantize_module, "tune_int4_grids", must_not_run)
+    again = LLM("random:tiny-llama", max_num_seqs=2, **levers).engine.model
+    assert torch.equal(again.layers[0].qkv_proj.dequantized_weight(), served.qkv_proj.dequantized_weight())
+    assert again.quantized_head.weight_dtype == "int8"
+    head4 = LLM("random:tiny-llama", max_num_seqs=2, weight_head_dtype="int4", **levers).engine.model.quantized_head
+    q, scale, zero = saved["parts"]["lm_head"]   # the int4 head's GPTQ, stored in the same entry
+    assert head4.weight_dtype == "int4"
+    assert torch.equal(head4.dequantized_weight(), dequantize_int4(unpack_int4(q), scale, zero)[:, :64].float())
+    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -127,7 +127,7 @@ def test_weight_bytes_int8_half_int4_under_30_percent_of_bf16():
     ({"weight_dtype": "int3"}, r"weight_dtype='int3' is not one of \(None, 'int8', 'int4', 'fp8'\)"),
     ({"weight_dtype": "int4", "weight_group_size": 100}, r"weight_group_size=100 is not one of \(32, 64, 128\)"),
     ({"weight_dtype": "int4", "weight_calibration": "smoothquant"},
-     r"weight_calibration='smoothquant' is not one of \(None, 'awq', 'gptq', 'autoround'\)"),
+     r"weight_calibration='smoothquant' is not one of \(None, 'awq', 'gptq', 'gptq-tuned', 'autoround'\)"),
     ({"weight_calibration": "awq"}, r"weight_calibration='awq' needs a weight_dtype"),
 ])
 def test_bad_weight_options_are_refused_before_loading(kwargs, pattern):

@@ -47,11 +47,13 @@ KNOWN_SETTINGS: dict[str, dict] = {
     "int4": {"weight_dtype": "int4"},                       # group 128, round-to-nearest
     "int4-awq": {"weight_dtype": "int4", "weight_calibration": "awq"},  # group 128, AWQ scales + clipping
     "int4-gptq": {"weight_dtype": "int4", "weight_calibration": "gptq"},  # group 128, AWQ scales + GPTQ
+    "int4-gptq-tuned": {"weight_dtype": "int4", "weight_calibration": "gptq-tuned"},  # gptq, then tuned end to end
     "int4-autoround": {"weight_dtype": "int4", "weight_calibration": "autoround"},  # group 128, AWQ + learned rounding
     "int4-g64": {"weight_dtype": "int4", "weight_group_size": 64},
     "int4-g32": {"weight_dtype": "int4", "weight_group_size": 32},  # aligned to the GGUF's Q4_1 blocks
     "int4-head4": {"weight_dtype": "int4", "weight_head_dtype": "int4"},  # group 128 RTN, the head int4 g32 too
     "int4-gptq-head4": {"weight_dtype": "int4", "weight_calibration": "gptq", "weight_head_dtype": "int4"},
+    "int4-gptq-tuned-head4": {"weight_dtype": "int4", "weight_calibration": "gptq-tuned", "weight_head_dtype": "int4"},
     "int4-autoround-head4": {"weight_dtype": "int4", "weight_calibration": "autoround", "weight_head_dtype": "int4"},
     "fp8": {"weight_dtype": "fp8"},                         # head fp8 too
     # KV cache settings (weights untouched): one byte per K/V value plus an fp32 scale per token and head.

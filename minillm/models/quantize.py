@@ -589,8 +589,9 @@ def _bf16_ste(x: torch.Tensor) -> torch.Tensor:
 
 def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales: dict[str, torch.Tensor],
                     parts: dict[str, tuple], steps: int = E2E_STEPS, lr: float = E2E_LR,
-                    batch_tokens: int = E2E_BATCH_TOKENS, seq_len: int = 512, seed: int = 1, progress: bool = True
-                    ) -> dict[str, tuple]:
+                    batch_tokens: int = E2E_BATCH_TOKENS, seq_len: int = 512, seed: int = 1,
+                    tune_input_scales: bool = False, head_dtype: str | None = None, progress: bool = True
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """End-to-end tuning of every decoder int4 matrix's group scales and zeros, levels fixed
     (EfficientQAT's E2E-QP, Chen et al. 2024), on top of a layer-by-layer calibration's parts.
 
@@ -602,8 +603,15 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
     scale * (1 + a) and zero + b * scale with a, b learned (from 0); the int4 levels q stay as the
     calibration chose them. The forward pass uses scale and zero rounded to bfloat16 as
     QuantizedLinear stores them (straight-through), so what is trained is what is served.
-    The lm_head (float here, for teacher and student alike) and any "lm_head" part are left alone.
-    Returns parts with the decoder matrices' (q, scale, zero) replaced; the model is left as it was.
+    tune_input_scales: each matrix's AWQ input scale s (the ones input_scales has) is learned too,
+    as s * (1 + c) with c per input channel from 0: a column-wise gain on the int4 matrix that the
+    levels, fixed per group of rows, cannot express (for qkv_proj and gate_up_proj it plays the part
+    of the RMSNorm weight before them).
+    head_dtype: the head the student uses, as it will be served ("int8": per-channel int8 of the
+    float head, also its embedding table when tied; None: the float head). The teacher keeps the
+    float head. Any "lm_head" part is left alone.
+    Returns (input_scales, parts) with the tuned scales and the decoder matrices' (q, scale, zero)
+    replaced; the model is left as it was.
     """
     import math
 
@@ -611,6 +619,8 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
     from torch.func import functional_call
     from tqdm.auto import tqdm
 
+    if head_dtype not in (None, "int8"):
+        raise ValueError(f"tune_int4_grids(head_dtype={head_dtype!r}): the student's head is None (float) or 'int8'")
     seq_len, num_seqs, per_step = calibration_sequences("tune_int4_grids", token_ids, steps, batch_tokens, seq_len)
     keys = [f"layers.{i}.{name}" for i in range(len(model.layers)) for name in LAYER_LINEARS]
     missing = [key for key in keys if key not in parts]
@@ -627,20 +637,27 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
     zero0 = {key: parts[key][2].to(device).float() for key in keys}
     a = {key: torch.zeros_like(scale0[key], requires_grad=True) for key in keys}
     b = {key: torch.zeros_like(scale0[key], requires_grad=True) for key in keys}
+    c = {key: torch.zeros_like(s, requires_grad=True) for key, s in in_scale.items()} if tune_input_scales else {}
 
     def grid(key):   # this matrix's (scale, zero) as they will be stored
         return _bf16_ste(scale0[key] * (1 + a[key])), _bf16_ste(zero0[key] + b[key] * scale0[key])
 
+    def input_scale(key):
+        return in_scale[key] * (1 + c[key]) if key in c else in_scale[key]
+
+    head = model.lm_head_weight.detach()
+    student_head = head if head_dtype is None else QuantizedLinear(head, None, "int8").dequantized_weight(head.dtype)
+    tied = model.lm_head is None
+
     def weights():
-        out = {}
+        out = {"embed_tokens.weight": student_head} if tied and head_dtype is not None else {}
         for key in keys:
             scale, zero = grid(key)
             w = dequantize_int4(q[key], scale, zero)[:, :in_features[key]]
-            out[f"{key}.weight"] = (w / in_scale[key] if key in in_scale else w).to(dtype)
+            out[f"{key}.weight"] = (w / input_scale(key) if key in in_scale else w).to(dtype)
         return out
 
-    head = model.lm_head_weight.detach()
-    optimizer = torch.optim.Adam(list(a.values()) + list(b.values()), lr=lr)
+    optimizer = torch.optim.Adam(list(a.values()) + list(b.values()) + list(c.values()), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     with training_pass(model):
         for step in tqdm(range(steps), desc="int4 grid tuning (end to end)", unit="step", disable=not progress,
@@ -650,8 +667,8 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
             x = ids[torch.randperm(num_seqs, generator=gen)[:per_step].to(device)].reshape(-1)
             with torch.no_grad():
                 teacher = F.log_softmax(F.linear(model(x, positions, meta), head).float(), dim=-1)
-            student = F.log_softmax(F.linear(functional_call(model, weights(), (x, positions, meta)), head).float(),
-                                    dim=-1)
+            student = F.log_softmax(F.linear(functional_call(model, weights(), (x, positions, meta)),
+                                             student_head).float(), dim=-1)
             loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -661,7 +678,9 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
         for key in keys:   # exactly the bf16 values (x + (r - x) in fp32 may miss r by an ulp)
             scale, zero = (t.to(torch.bfloat16).float().cpu() for t in grid(key))
             tuned[key] = (parts[key][0], scale, zero)
-    return tuned
+        scales = dict(input_scales)
+        scales.update({key: input_scale(key).detach().cpu() for key in c})
+    return scales, tuned
 
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration.txt"
@@ -783,10 +802,48 @@ def autoround_calibration(model: LlamaForCausalLM, tokenizer, group_size: int = 
 
     def tuned():
         scales, parts = layer_by_layer()
-        return scales, tune_int4_grids(model, ids, scales, parts, steps=recipe["e2e_steps"], lr=recipe["e2e_lr"],
-                                       batch_tokens=recipe["e2e_batch_tokens"])
+        return tune_int4_grids(model, ids, scales, parts, steps=recipe["e2e_steps"], lr=recipe["e2e_lr"],
+                               batch_tokens=recipe["e2e_batch_tokens"])
 
     return cached_calibration("autoround-tuned", model, ids, recipe, tuned)
+
+
+def gptq_tuned_recipe(group_size: int) -> dict:
+    """weight_calibration="gptq-tuned"'s cache recipe: "gptq"'s calibration, then tune_int4_grids with the
+    input scales learned too and the int8 head in the student. One entry serves both heads, as for
+    autoround: the int4 head's GPTQ (before the tuning) is kept and dropped under an int8 head."""
+    return dict(group_size=group_size, gptq_tokens=GPTQ_TOKENS, act_order="static", clip=True,
+                head_group_size=HEAD_INT4_GROUP_SIZE, rotation="hadamard-down+norms", e2e_steps=E2E_STEPS,
+                e2e_lr=E2E_LR, e2e_batch_tokens=E2E_BATCH_TOKENS, tune_input_scales=True, student_head="int8")
+
+
+def gptq_tuned_cache_path(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> Path:
+    """The cache entry weight_calibration="gptq-tuned" at group_size reads (or will write)."""
+    ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
+    return calibration_cache_path("gptq-tuned", int4_rotated(model, group_size), ids, gptq_tuned_recipe(group_size))
+
+
+def gptq_tuned_calibration(model: LlamaForCausalLM, tokenizer, group_size: int = 128
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """weight_calibration="gptq-tuned"'s (input_scales, parts), from the cache or computed (and cached,
+    about 40 min for SmolLM2-135M on 2 CPU cores): calibrate_gptq as weight_calibration="gptq" runs it
+    (the first GPTQ_TOKENS calibration tokens), then tune_int4_grids on all of autoround_token_ids,
+    the input scales learned too, against the int8 head the engine serves. The parts are for the
+    model with down_proj's input and the norm outputs rotated (int4_rotated); an unrotated `model`
+    is calibrated through a rotated shallow copy, and left as it was."""
+    model = int4_rotated(model, group_size)
+    ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
+    recipe = gptq_tuned_recipe(group_size)   # the calls below read the key's values: they cannot drift apart
+
+    def compute():
+        scales, parts = calibrate_gptq(model, ids[:recipe["gptq_tokens"]], recipe["group_size"],
+                                       act_order=recipe["act_order"], clip=recipe["clip"],
+                                       head_group_size=recipe["head_group_size"])
+        return tune_int4_grids(model, ids, scales, parts, steps=recipe["e2e_steps"], lr=recipe["e2e_lr"],
+                               batch_tokens=recipe["e2e_batch_tokens"], tune_input_scales=recipe["tune_input_scales"],
+                               head_dtype=recipe["student_head"])
+
+    return cached_calibration("gptq-tuned", model, ids, recipe, compute)
 
 
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,
@@ -800,16 +857,19 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
         scales, clips = calibrate_awq(model, ids, weight_dtype, group_size)
     head = head_dtype_for(weight_dtype, head_dtype)
     head_group = HEAD_INT4_GROUP_SIZE if head == "int4" else None
-    if calibration in ("gptq", "autoround") and not in_place:   # the engine keeps the model it passed
+    if calibration in ("gptq", "gptq-tuned", "autoround") and not in_place:   # the engine keeps the model it passed
         model, in_place = shallow_copy(model), True
     if calibration == "gptq":
         model = int4_rotated(model, group_size, in_place=True)
         ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)[:GPTQ_TOKENS]
         scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
+    if calibration == "gptq-tuned":
+        model = int4_rotated(model, group_size, in_place=True)
+        scales, parts = gptq_tuned_calibration(model, tokenizer, group_size)
     if calibration == "autoround":
         model = down_rotated(model, group_size, in_place=True)
         scales, parts = autoround_calibration(model, tokenizer, group_size)
-        if head != "int4":
-            parts = {key: value for key, value in parts.items() if key != "lm_head"}
+    if calibration in ("gptq-tuned", "autoround") and head != "int4":   # their entry serves both heads
+        parts = {key: value for key, value in parts.items() if key != "lm_head"}
     return quantize_model(model, weight_dtype, group_size, in_place=in_place, input_scales=scales, clips=clips,
                           quantized=parts, head_dtype=head, head_group_size=head_group)
