@@ -11,8 +11,9 @@ matrix is stored once.
 Why the head is not 4-bit by default: it is the one matrix whose every output row is a logit,
 and 4-bit groups of 128 along its 576 inputs cost SmolLM2-135M about +60% perplexity on their own.
 weight_head_dtype="int4" uses groups of 32 (HEAD_INT4_GROUP_SIZE), and GPTQ under
-weight_calibration="gptq" or "autoround": +13.1% against +10.2% with the int8 head under gptq,
-+11.1% against +8.9% under autoround (docs/PERFORMANCE.md).
+weight_calibration="gptq", "gptq-tuned" or "autoround": +13.1% against +10.2% with the int8 head
+under gptq, +10.8% against +7.7% under gptq-tuned, +11.1% against +8.9% under autoround
+(docs/PERFORMANCE.md).
 AWQ and GPTQ (llm-awq, AutoAWQ, AutoGPTQ) leave lm_head unquantized; int8 per-channel keeps it
 within a fraction of a percent while it still reads half the bytes of bf16 per decode step.
 """
