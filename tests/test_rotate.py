@@ -14,11 +14,11 @@ from minillm.quant.rotate import hadamard, rotate_blocks
 from minillm.sampling import SamplingParams
 
 
-
 def greedy_tokens(llm) -> list[list[int]]:
     """Two prompts' greedy tokens: a rotation that keeps the float model keeps them."""
     prompts = [{"prompt_token_ids": [1, 7, 30, 99, 4]}, {"prompt_token_ids": [1, 250, 3]}]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))]
+
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128])
 def test_hadamard_is_orthonormal_with_entries_of_one_size(n):

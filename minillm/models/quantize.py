@@ -394,6 +394,7 @@ def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: s
 
 
 GPTQ_TOKENS = 4096  # calibration tokens for weight_calibration="gptq": the first of autoround_token_ids
+GPTQ_OPTIONS = dict(act_order="static", clip=True)  # its calibrate_gptq options (also gptq-tuned's first stage)
 AWQ_SEARCH_TOKENS = 512  # calibrate_gptq(awq=True): tokens the input-scale search scores
 
 
@@ -813,9 +814,9 @@ def gptq_tuned_recipe(group_size: int) -> dict:
     """weight_calibration="gptq-tuned"'s cache recipe: "gptq"'s calibration, then tune_int4_grids with the
     input scales learned too and the int8 head in the student. One entry serves both heads, as for
     autoround: the int4 head's GPTQ (before the tuning) is kept and dropped under an int8 head."""
-    return dict(group_size=group_size, gptq_tokens=GPTQ_TOKENS, act_order="static", clip=True,
-                head_group_size=HEAD_INT4_GROUP_SIZE, rotation="hadamard-down+norms", e2e_steps=E2E_STEPS,
-                e2e_lr=E2E_LR, e2e_batch_tokens=E2E_BATCH_TOKENS, tune_input_scales=True, student_head="int8")
+    return dict(group_size=group_size, gptq_tokens=GPTQ_TOKENS, **GPTQ_OPTIONS, head_group_size=HEAD_INT4_GROUP_SIZE,
+                rotation="hadamard-down+norms", e2e_steps=E2E_STEPS, e2e_lr=E2E_LR, e2e_batch_tokens=E2E_BATCH_TOKENS,
+                tune_input_scales=True, student_head="int8")
 
 
 def gptq_tuned_cache_path(model: LlamaForCausalLM, tokenizer, group_size: int = 128) -> Path:
@@ -838,8 +839,7 @@ def gptq_tuned_calibration(model: LlamaForCausalLM, tokenizer, group_size: int =
 
     def compute():
         scales, parts = calibrate_gptq(model, ids[:recipe["gptq_tokens"]], recipe["group_size"],
-                                       act_order=recipe["act_order"], clip=recipe["clip"],
-                                       head_group_size=recipe["head_group_size"])
+                                       head_group_size=recipe["head_group_size"], **{k: recipe[k] for k in GPTQ_OPTIONS})
         return tune_int4_grids(model, ids, scales, parts, steps=recipe["e2e_steps"], lr=recipe["e2e_lr"],
                                batch_tokens=recipe["e2e_batch_tokens"], tune_input_scales=recipe["tune_input_scales"],
                                head_dtype=recipe["student_head"])
@@ -863,7 +863,7 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
     if calibration == "gptq":
         model = int4_rotated(model, group_size, in_place=True)
         ids = autoround_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)[:GPTQ_TOKENS]
-        scales, parts = calibrate_gptq(model, ids, group_size, act_order="static", clip=True, head_group_size=head_group)
+        scales, parts = calibrate_gptq(model, ids, group_size, head_group_size=head_group, **GPTQ_OPTIONS)
     if calibration == "gptq-tuned":
         model = int4_rotated(model, group_size, in_place=True)
         scales, parts = gptq_tuned_calibration(model, tokenizer, group_size)
