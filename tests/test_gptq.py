@@ -2,6 +2,7 @@
 from the quantized head's storage (QuantizedLinear.rows, LlamaForCausalLM.embed)."""
 
 import dataclasses
+import platform
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from minillm.models.presets import PRESETS, preset_config
 from minillm.models.quantize import calibrate_gptq, quantize_model
 from minillm.quant import QuantizedLinear, dequantize_int4, quantize_int4
 from minillm.quant.gptq import gptq_int4, input_hessian
+from minillm.quant.linear import _int4pack_block_n, _int4pack_gather
 from minillm.sampling import SamplingParams
 
 
@@ -87,9 +89,40 @@ def test_rows_are_the_dequantized_rows_on_every_path(wd, n, k, group):
             assert torch.equal(layer.rows(ids), want), (wd, "triton")
     if wd == "int4":
         packed = QuantizedLinear(w, None, wd, group)
-        if packed.path == "int4pack" and n % 32 == 0:  # gathered from the kernel's layout, no plain copy made
-            packed.rows(ids)
-            assert packed._int4_cache is None
+        if packed.path == "int4pack":  # gathered from the kernel's layout, no plain copy made
+            if platform.machine() in ("x86_64", "AMD64"):  # torch packs in blocks of 32 (AVX2) or 64 (AVX-512)
+                assert _int4pack_block_n() in (32, 64)
+            if _int4pack_block_n():
+                packed.rows(ids)
+                assert packed._int4_cache is None
+
+
+def int4pack_like_torch(q: torch.Tensor, block_n: int) -> torch.Tensor:
+    """What aten._convert_weight_to_int4pack_for_cpu(q, 1) stores on a CPU whose vectors pack rows in
+    blocks of block_n (torch's int4mm_kernel.cpp): per full block, byte (k, j) = row j | row j + block_n/2
+    << 4 (AVX2: 32; AVX-512: 64); a last, shorter block of rows holds rows 2i | 2i + 1 << 4 in byte i."""
+    n, k = q.shape
+    out = []
+    for start in range(0, n, block_n):
+        rows = q[start:start + block_n].to(torch.uint8)                   # [b, K]
+        b = rows.shape[0]
+        lo, hi = (rows[: b // 2], rows[b // 2:]) if b == block_n else (rows[0::2], rows[1::2])
+        out.append((lo | (hi << 4)).t().reshape(-1))                   # [K, b/2] flattened
+    return torch.cat(out).reshape(n, k // 2)
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("n", [64, 96, 176, 16])
+def test_int4pack_gather_reads_both_cpu_layouts(block_n, n):
+    """rows() reads the CPU kernel's packed int4 on AVX2 (blocks of 32) and AVX-512 (64) machines alike,
+    the short last block included; the layout this machine's torch uses is checked against torch itself."""
+    g = torch.Generator().manual_seed(n * block_n)
+    q = torch.randint(0, 16, (n, 48), generator=g, dtype=torch.int32)
+    ids = torch.randperm(n, generator=g)[: min(n, 20)]
+    packed = int4pack_like_torch(q, block_n)
+    assert torch.equal(_int4pack_gather(packed, ids, 48, block_n).int(), q[ids])
+    if hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu") and _int4pack_block_n() == block_n:
+        assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), packed)
 
 
 def tied_preset(monkeypatch) -> str:

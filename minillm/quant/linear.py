@@ -4,7 +4,9 @@ this machine has for it.
 Paths (chosen at construction, named in `.path`):
 
 - "int8pack" int8 on the CPU: `aten._weight_int8pack_mm` with bf16 activations and bf16
-             scales (weight-only: activations stay floating point). With fp32 activations the
+             scales (weight-only: activations stay floating point; needs in_features % 16 == 0:
+             on an AVX-512 CPU, torch 2.13's kernel crashed or returned garbage for K = 200,
+             measured). With fp32 activations the
              same op takes a scalar path about 10x slower than fp32 F.linear; with bf16 it
              streams the int8 matrix. (Tried and dropped: fbgemm's dynamic int8 GEMM,
              `quantized.linear_dynamic`: fast, but it also quantizes the activations per tensor
@@ -59,35 +61,51 @@ def _int4pack_available() -> bool:
         hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
-# "int4pack" layout (aten._convert_weight_to_int4pack_for_cpu, innerKTiles=1): rows in blocks of 32;
-# a block's bytes are [K, 16], byte (k, j) holding row j's level in its low nibble and row j + 16's
-# in its high nibble. rows() gathers from it directly; _int4pack_layout_ok checks this build packs so.
-INT4PACK_BLOCK_N = 32
-_LAYOUT_OK: list[bool] = []
+# "int4pack" layout (aten._convert_weight_to_int4pack_for_cpu, innerKTiles=1), as torch's
+# int4mm_kernel.cpp packs it: rows in blocks of BLOCK_N (32 on AVX2 builds and CPUs, 64 on AVX-512);
+# a full block's bytes are [K, BLOCK_N/2], byte (k, j) holding row j's level in its low nibble and
+# row j + BLOCK_N/2's in its high nibble. A last block of fewer rows (N % BLOCK_N of them) is
+# [K, rows/2] with rows 2i and 2i + 1 in byte i. rows() gathers from it directly; _int4pack_block_n
+# probes which BLOCK_N this build and CPU pack with (0: neither, so rows() uses the plain layout).
+INT4PACK_BLOCK_NS = (32, 64)
+_BLOCK_N: list[int] = []
 
 
-def _int4pack_gather(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Levels q uint8 [T, k] of rows ids from an "int4pack" buffer [N, k/2] (N a multiple of 32)."""
-    half = INT4PACK_BLOCK_N // 2
-    blocks = packed.reshape(-1, k, half)                          # [N/32, K, 16]
-    j = ids % INT4PACK_BLOCK_N
-    byte = blocks[ids // INT4PACK_BLOCK_N, :, j % half]          # [T, K]
-    return (byte >> (4 * (j // half)).to(torch.uint8)[:, None]) & 0x0F
+def _int4pack_gather(packed: torch.Tensor, ids: torch.Tensor, k: int, block_n: int) -> torch.Tensor:
+    """Levels q uint8 [T, k] of rows ids from an "int4pack" buffer [N, k/2] packed in blocks of block_n."""
+    n = packed.shape[0]
+    flat = packed.reshape(-1)
+    full = n // block_n * block_n                                   # rows in full blocks
+    half, tail = block_n // 2, n - full
+    kk = torch.arange(k)
+    j = ids % block_n
+    in_block = (ids // block_n * (k * half) + (j % half))[:, None] + kk * half           # [T, K]
+    r = (ids - full).clamp(min=0)
+    in_tail = (full * k // 2 + r // 2)[:, None] + kk * max(tail // 2, 1)                  # [T, K]
+    is_tail = (ids >= full)[:, None]
+    byte = flat[torch.where(is_tail, in_tail, in_block)]
+    shift = torch.where(ids >= full, 4 * (r % 2), 4 * (j // half)).to(torch.uint8)
+    return (byte >> shift[:, None]) & 0x0F
 
 
-def _int4pack_layout_ok() -> bool:
-    """Whether this torch build's int4 CPU packing is the layout _int4pack_gather reads (probed once)."""
-    if not _LAYOUT_OK:
+def _int4pack_block_n() -> int:
+    """The row block (32 or 64) this torch build's int4 CPU packing uses on this CPU, checked by
+    packing random levels (full blocks and a short last block) and gathering them back; 0 if the
+    layout is neither (probed once)."""
+    if not _BLOCK_N:
         g = torch.Generator().manual_seed(0)
-        q = torch.randint(0, 16, (2 * INT4PACK_BLOCK_N, 64), generator=g, dtype=torch.int32)
+        q = torch.randint(0, 16, (176, 64), generator=g, dtype=torch.int32)  # 5 x 32 + 16 and 2 x 64 + 48
         ids = torch.arange(q.shape[0])
+        found = 0
         try:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            _LAYOUT_OK.append(tuple(packed.shape) == (q.shape[0], 32) and
-                              torch.equal(_int4pack_gather(packed, ids, 64).int(), q))
+            if tuple(packed.shape) == (q.shape[0], 32):
+                found = next((b for b in INT4PACK_BLOCK_NS
+                              if torch.equal(_int4pack_gather(packed, ids, 64, b).int(), q)), 0)
         except (RuntimeError, AttributeError):
-            _LAYOUT_OK.append(False)
-    return _LAYOUT_OK[0]
+            pass
+        _BLOCK_N.append(found)
+    return _BLOCK_N[0]
 
 
 class QuantizedLinear(nn.Module):
@@ -121,7 +139,7 @@ class QuantizedLinear(nn.Module):
         if weight_dtype == "int8":
             q, scale = quantize_int8(w)
             self.register_buffer("q", q)
-            if fast and on_cpu and hasattr(torch, "_weight_int8pack_mm"):
+            if fast and on_cpu and hasattr(torch, "_weight_int8pack_mm") and self.in_features % 16 == 0:
                 self.path = "int8pack"
                 self.register_buffer("scale", scale.to(torch.bfloat16))
             else:
@@ -198,8 +216,8 @@ class QuantizedLinear(nn.Module):
         else:
             if self.path != "int4pack":
                 q, scale, zero = unpack_int4(self.packed[flat]), self.scale[flat].float(), self.zero[flat].float()
-            elif self._int4_cache is None and _int4pack_layout_ok() and self.out_features % INT4PACK_BLOCK_N == 0:
-                q = _int4pack_gather(self.packed, flat, self.in_features + self.pad)
+            elif self._int4_cache is None and _int4pack_block_n():
+                q = _int4pack_gather(self.packed, flat, self.in_features + self.pad, _int4pack_block_n())
                 sz = self.scales_and_zeros[:, flat].float()  # [K/g, T, 2]
                 scale = sz[..., 0].t()
                 zero = sz[..., 1].t() - 8 * scale  # as _recover_int4 computes the plain zero
