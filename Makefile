@@ -27,7 +27,7 @@ browser-deps:       ## Debian chromium for the browser smoke test (no browser do
 	@bash scripts/install_browser.sh
 
 test: setup model browser-deps   ## the suite CI runs: everything but the tests marked slow (keep it under 25 min on 2 cores)
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q --durations=15
 
 test-all: setup model browser-deps   ## the whole suite, slow tests included (run it before a release)
 	$(BIN)/python -m pytest -q
