@@ -216,8 +216,8 @@ class QuantizedLinear(nn.Module):
         else:
             if self.path != "int4pack":
                 q, scale, zero = unpack_int4(self.packed[flat]), self.scale[flat].float(), self.zero[flat].float()
-            elif self._int4_cache is None and _int4pack_block_n():
-                q = _int4pack_gather(self.packed, flat, self.in_features + self.pad, _int4pack_block_n())
+            elif self._int4_cache is None and (block_n := _int4pack_block_n()):
+                q = _int4pack_gather(self.packed, flat, self.in_features + self.pad, block_n)
                 sz = self.scales_and_zeros[:, flat].float()  # [K/g, T, 2]
                 scale = sz[..., 0].t()
                 zero = sz[..., 1].t() - 8 * scale  # as _recover_int4 computes the plain zero
