@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import warnings
 from functools import lru_cache
 
 import torch
@@ -19,10 +20,83 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+# ------------------------------------------------------------------ what a GPU generation can do
+# CUDA compute capabilities the Triton kernels are compiled for ahead of time, with cards learners meet.
+GPU_TARGETS = {
+    75: "T4 (Colab, Kaggle)",
+    80: "A100",
+    86: "A10, RTX 30xx",
+    89: "L4, RTX 40xx",
+    90: "H100, H200",
+}
+# What a kernel may need from the card: (lowest capability, what the engine does on an older card).
+GPU_FEATURES = {
+    "bf16": ((8, 0), "bfloat16 needs sm_80+ (Ampere): dtype='auto' serves float16 on this card"),
+    "fp8": ((8, 9), "fp8 e4m3 needs sm_89+ (Ada, Hopper): Triton has no fp8e4nv type below; kv_dtype='int8' "
+                    "is the one-byte KV cache on this card"),
+    "fp8_matmul": ((9, 0), "the fp8 weight kernels (tl.dot on e4m3) run on sm_90+ (Hopper): below, fp8 weights "
+                           "are dequantized to the model dtype before torch's matmul"),
+}
+
+
+def capability_tuple(capability) -> tuple[int, int]:
+    """(major, minor) from 90, "sm_90", "9.0" or (9, 0)."""
+    if isinstance(capability, tuple):
+        return int(capability[0]), int(capability[1])
+    text = str(capability).removeprefix("sm_").replace(".", "")
+    if not text.isdigit() or len(text) < 2:
+        raise ValueError(f"capability={capability!r}: give it as 90, 'sm_90', '9.0' or (9, 0)")
+    return int(text[:-1]), int(text[-1])
+
+
+def missing_gpu_feature(capability, feature: str) -> str | None:
+    """Why a card of `capability` lacks `feature` (a key of GPU_FEATURES), or None when it has it."""
+    if feature not in GPU_FEATURES:
+        raise ValueError(f"feature={feature!r} is not one of {sorted(GPU_FEATURES)}")
+    lowest, why = GPU_FEATURES[feature]
+    return None if capability_tuple(capability) >= lowest else why
+
+
+def gpu_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device; MINILLM_FAKE_CAPABILITY (e.g. "7.5") stands in for it, so the
+    format choices of other cards can be checked on any machine."""
+    fake = os.environ.get("MINILLM_FAKE_CAPABILITY")
+    if fake:
+        return capability_tuple(fake)
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def gpu_formats(capability) -> dict:
+    """The number formats minillm serves on a card of `capability`, and what it cannot do (for doctor, labs)."""
+    cc = capability_tuple(capability)
+    lacks = {feature: missing_gpu_feature(cc, feature) for feature in GPU_FEATURES}
+    return {
+        "capability": f"sm_{cc[0]}{cc[1]}",
+        "auto_dtype": "float16" if lacks["bf16"] else "bfloat16",
+        "dtypes": ("float32", "float16") + (() if lacks["bf16"] else ("bfloat16",)),
+        "kv_dtypes": ("int8",) + (() if lacks["fp8"] else ("fp8",)),
+        "fp8_weights": "dequantize" if lacks["fp8_matmul"] else "triton",
+        "cannot": [why for why in lacks.values() if why],
+    }
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # bf16 matmuls are slower than fp32 on most CPUs; on GPUs bf16 halves the bytes read.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """dtype="auto": float32 on a CPU (bf16 matmuls are slower there), bfloat16 on a GPU (half the bytes), and
+    float16 on a GPU without bfloat16 (sm_75: T4), with a warning that says so. dtype="bfloat16" on such a
+    card is refused."""
+    if device.type == "cuda":
+        capability = gpu_capability(device)
+        lacks_bf16 = missing_gpu_feature(capability, "bf16")
+        if dtype == "auto":
+            if lacks_bf16:
+                warnings.warn(f"sm_{capability[0]}{capability[1]}: {lacks_bf16}", stacklevel=3)
+                return torch.float16
+            return torch.bfloat16
+        if dtype == "bfloat16" and lacks_bf16:
+            raise ValueError(f"dtype='bfloat16' on a GPU of compute capability sm_{capability[0]}{capability[1]}: "
+                             f"{lacks_bf16}. Use dtype='float16' or 'auto'.")
+    elif dtype == "auto":
+        return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 

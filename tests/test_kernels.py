@@ -149,10 +149,85 @@ def test_silu_and_mul_rejects_odd_width():
         silu_and_mul(torch.randn(2, 7))
 
 
-def test_kernels_compile_ahead_of_time_for_sm80_and_sm90():
+FP8_MATMUL_FAMILIES = ("fp8_gemv", "fp8_gemm", "fp8_act_gemm")   # QuantizedLinear's fp8 kernels: sm_90+
+
+
+def run_aot(*args: str) -> str:
+    """python -m minillm.kernels.aot ARGS in a process without the interpreter; its report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "minillm.kernels.aot"], capture_output=True, text=True, env=env,
-                          timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "minillm.kernels.aot", *args], capture_output=True, text=True,
+                          env=env, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " 0 failed" in proc.stdout
-    assert "sm_90" in proc.stdout and "sm_80" in proc.stdout
+    return proc.stdout
+
+
+def compiled_targets(report: str) -> dict[str, set[int]]:
+    """{kernel family: capabilities it compiled for} from the report's "ok  sm_90 name[...]: ..." lines."""
+    from minillm.kernels.aot import family
+
+    found: dict[str, set[int]] = {}
+    for line in report.splitlines():
+        if line.startswith("ok  sm_"):
+            cc, name = line[len("ok  sm_"):].split(":", 1)[0].split(" ", 1)
+            found.setdefault(family(name), set()).add(int(cc))
+    return found
+
+
+def test_representative_kernels_compile_ahead_of_time_for_every_target():
+    """Each kernel family for sm_75, sm_80, sm_86, sm_89 and sm_90 (the fp8 matmuls: sm_90 only), every dtype,
+    head_dim, group and KV format at least once. The whole grid: test_every_kernel_configuration_compiles."""
+    from minillm.kernels import aot
+
+    found = compiled_targets(run_aot("--representative", "--jobs", "2"))
+    families = {aot.family(name) for name, *_ in aot.configurations()}
+    assert set(found) == families, f"families never compiled: {sorted(families - set(found))}"
+    for name, targets in found.items():
+        want = {90} if name in FP8_MATMUL_FAMILIES else set(aot.CAPABILITIES)
+        assert targets == want, f"{name} compiled for {sorted(targets)}, expected {sorted(want)}"
+
+
+def test_representative_set_covers_every_setting_on_every_target():
+    from minillm.kernels import aot
+
+    chosen = aot.representative()
+    configs = {name: (options[0] if options else {}) for name, _kernel, _sig, _constexprs, *options in aot.configurations()}
+    assert len(chosen) < len(configs) * len(aot.CAPABILITIES) / 10, "the representative set is not much smaller"
+    for fam in {aot.family(name) for name in configs}:
+        members = [name for name in configs if aot.family(name) == fam]
+        launched = {(name, cc) for name in members for cc in aot.CAPABILITIES
+                    if aot.skip_reason(configs[name], cc) is None}
+        picked = [pair for pair in chosen if aot.family(pair[0]) == fam]
+        assert set(picked) <= launched, f"{fam}: a representative pair is one the engine never launches"
+        for value in set().union(*(aot._values(name) for name, _ in launched)):
+            assert any(value in aot._values(name) for name, _ in picked), f"{fam}: {value} never compiled"
+        assert {cc for _, cc in picked} == {cc for _, cc in launched}, f"{fam}: a target never compiled"
+
+
+def test_every_skipped_target_says_why():
+    """bf16 is skipped on sm_75 only, fp8 KV below sm_89, the fp8 weight kernels below sm_90, each with the reason
+    and what the engine does instead; nothing else is skipped."""
+    from minillm.hardware import GPU_FEATURES
+    from minillm.kernels import aot
+
+    for name, _kernel, sig, _constexprs, *options in aot.configurations():
+        options = options[0] if options else {}
+        values = aot._values(name)
+        for cc in aot.CAPABILITIES:
+            why = aot.skip_reason(options, cc)
+            expected = None
+            if "bf16" in values and cc < 80:
+                expected = GPU_FEATURES["bf16"][1]
+            elif aot.family(name) in FP8_MATMUL_FAMILIES and cc < 90:
+                expected = GPU_FEATURES["fp8_matmul"][1]
+            elif "kv=fp8" in values and cc < 89:
+                expected = GPU_FEATURES["fp8"][1]
+            assert why == expected, f"sm_{cc} {name}: skip reason {why!r}, expected {expected!r}"
+
+
+@pytest.mark.slow   # ~1,300 compiles: about 12 minutes on 2 cores
+def test_every_kernel_configuration_compiles_for_every_target():
+    report = run_aot("--jobs", "2")
+    assert all(f"sm_{cc}" in report for cc in (75, 80, 86, 89, 90))
+    skipped = [line for line in report.splitlines() if line.startswith("skip ")]
+    assert skipped and all("skipped: " in line and len(line.split("skipped: ", 1)[1]) > 20 for line in skipped)
