@@ -26,14 +26,22 @@ lab: model          ## the course: JupyterLab on labs/
 browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
 	@bash scripts/install_browser.sh
 
-test: setup model browser-deps   ## the suite CI runs: everything but the tests marked slow (keep it under 25 min on 2 cores)
-	$(BIN)/python -m pytest -m "not slow" -q --durations=15
+# pytest-xdist workers: one per core here (each gets its share of torch's threads: tests/conftest.py);
+# one group per test file, the nbgrader round trips one per lab, the longest files first.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+# Times the whole target, setup included, and prints it last, so every CI log shows how close it came.
+TIMED = start=$$(date +%s); $(MAKE) --no-print-directory setup model browser-deps && $(1); status=$$?; \
+	echo "make $@: $$(( $$(date +%s) - start )) s wall, setup included (exit $$status)"; exit $$status
 
-test-all: setup model browser-deps   ## the whole suite, slow tests included (run it before a release)
-	$(BIN)/python -m pytest -q
+test:        ## the suite CI runs: everything but the tests marked slow (about 15 min on 2 cores)
+	@$(call TIMED,$(PYTEST) -m "not slow" -q --durations=15)
 
-test-slow: setup model browser-deps  ## only the tests marked slow
-	$(BIN)/python -m pytest -m slow -q
+test-all:    ## the whole suite, slow tests included (run it before a release)
+	@$(call TIMED,$(PYTEST) -q --durations=15)
+
+test-slow:   ## only the tests marked slow
+	@$(call TIMED,$(PYTEST) -m slow -q --durations=15)
 
 labs: setup         ## regenerate labs/ and solutions/ from the instructor masters
 	$(BIN)/python -m minillm.lab.build

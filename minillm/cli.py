@@ -233,8 +233,9 @@ _TRITON_SELF_CHECK = textwrap.dedent("""
 """)
 
 
-def run_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
-    """Each check -> (name, ok, message in words). Used by `minillm doctor` and lab 00."""
+def run_doctor(load_model: bool = True, capability=None) -> list[tuple[str, bool, str]]:
+    """Each check -> (name, ok, message in words). Used by `minillm doctor` and lab 00. `capability` (e.g. 75):
+    also say which formats a card of that compute capability gets, on any machine."""
     checks: list[tuple[str, bool, str]] = []
     checks.append(("python", sys.version_info >= (3, 10), f"{sys.version.split()[0]} (3.10 or newer needed)"))
     try:
@@ -250,11 +251,14 @@ def run_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
         checks.append(("triton", True, triton.__version__))
     except Exception as exc:
         checks.append(("triton", False, f"cannot import triton ({exc}); `pip install triton` (3.6 or newer)"))
-    from .hardware import device_name, resolve_device
+    from .hardware import describe_gpu_formats, device_name, gpu_capability, resolve_device
 
     dev = resolve_device()
     checks.append(("device", True, device_name(dev) + ("" if dev.type == "cuda" else
                   " — no CUDA GPU seen: the engine runs the torch backend on the CPU, Triton kernels run in the interpreter")))
+    if dev.type == "cuda" or capability is not None:
+        checks.append(("gpu formats", True, describe_gpu_formats(capability or gpu_capability(dev))
+                       + ("" if dev.type == "cuda" else " (asked with --capability; this machine has no GPU)")))
     env = dict(os.environ)
     if dev.type != "cuda":
         env["TRITON_INTERPRET"] = "1"
@@ -291,7 +295,7 @@ def run_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
 
 
 def cmd_doctor(args) -> int:
-    checks = run_doctor(load_model=not args.no_model)
+    checks = run_doctor(load_model=not args.no_model, capability=args.capability)
     width = max(len(name) for name, _, _ in checks)
     for name, ok, msg in checks:
         print(f"{'ok ' if ok else 'BAD'}  {name:<{width}}  {msg}")
@@ -417,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("doctor", help="check the installation and explain what is wrong")
     d.add_argument("--no-model", action="store_true", help="skip loading the model")
+    d.add_argument("--capability", default=None, metavar="CC",
+                   help="also say which formats a GPU of this compute capability gets (75: T4, 80, 86, 89, 90: H100)")
     d.set_defaults(func=cmd_doctor)
 
     m = sub.add_parser("model", help="convert the default model into the cache (once) and print its path")

@@ -1,4 +1,5 @@
-"""What machine are we on: device name, memory bandwidth (measured), peak matmul FLOP/s."""
+"""What machine are we on: device name, what its GPU generation can do, memory bandwidth (measured), peak
+matmul FLOP/s."""
 
 from __future__ import annotations
 
@@ -78,6 +79,17 @@ def gpu_formats(capability) -> dict:
         "fp8_weights": "dequantize" if lacks["fp8_matmul"] else "triton",
         "cannot": [why for why in lacks.values() if why],
     }
+
+
+def describe_gpu_formats(capability) -> str:
+    """One line in words: the card, the formats minillm serves on it, what it cannot do."""
+    formats = gpu_formats(capability)
+    major, minor = capability_tuple(capability)
+    card = GPU_TARGETS.get(major * 10 + minor)
+    line = (f"{formats['capability']}{f' ({card})' if card else ''}: dtype='auto' serves {formats['auto_dtype']}; "
+            f"Triton KV formats {' / '.join(formats['kv_dtypes'])}; fp8 weights "
+            + ("on the Triton fp8 kernels" if formats["fp8_weights"] == "triton" else "dequantized before the matmul"))
+    return line + (f". On this card: {'; '.join(formats['cannot'])}" if formats["cannot"] else "")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

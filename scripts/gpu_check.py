@@ -893,6 +893,10 @@ def environment() -> dict:
         info["transformers"] = transformers.__version__
     except Exception:  # noqa: BLE001
         info["transformers"] = None
+    if HAS_CUDA:
+        from minillm.hardware import describe_gpu_formats
+
+        info["capability"] = describe_gpu_formats(torch.cuda.get_device_capability())
     return info
 
 

@@ -12,6 +12,34 @@ import os
 import pytest
 import torch
 
+# ---------------------------------------------------------------- running in parallel
+# `make test` runs the suite in pytest-xdist workers (-n 2 --dist loadgroup). Each worker gets its share
+# of the cores for torch's threads and for every process it starts (notebook kernels, servers, compilers):
+# two workers with two OpenMP threads each on two cores slow each other down many times over.
+WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    WORKER_THREADS = max(1, len(os.sched_getaffinity(0)) // WORKER_COUNT)
+    os.environ["OMP_NUM_THREADS"] = str(WORKER_THREADS)
+    torch.set_num_threads(WORKER_THREADS)
+
+# Test files whose tests take longest, longest first: a worker starts on them, so both end together.
+LONGEST_FIRST = ("test_course.py", "test_kernels.py", "test_combinations.py", "test_kv_quant.py", "test_browser.py",
+                 "test_prefix_caching.py", "test_quality.py", "test_triton_backend.py", "test_paged.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per test file, so module-scoped fixtures (a model, a course) are built once, except
+    the nbgrader round trips, one group per lab; the longest files first."""
+    for item in items:
+        group = item.path.name
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "graded_lab" in callspec.params:
+            group += f":{callspec.params['graded_lab']}"  # no "]": xdist reads "...]@group" as no group
+        item.add_marker(pytest.mark.xdist_group(group))
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:

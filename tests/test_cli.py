@@ -46,9 +46,11 @@ def test_bench_prints_table_and_bound(tmp_path, capsys):
 
 
 def test_doctor_without_model(capsys):
-    code = main(["doctor", "--no-model"])
+    code = main(["doctor", "--no-model", "--capability", "75"])
     text = capsys.readouterr().out
     assert "triton kernel" in text and "matches torch" in text
+    formats = next(line for line in text.splitlines() if "gpu formats" in line)
+    assert "sm_75 (T4" in formats and "serves float16" in formats and "Triton KV formats int8;" in formats, formats
     assert code == 0, text
 
 

@@ -31,14 +31,26 @@ def test_there_are_labs():
 # --- build: one source of truth, deterministic output ---------------------------------------
 
 
-def test_committed_labs_and_solutions_match_their_masters(capsys):
-    exit_code = build.main(["--check"])
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, str]:
+    """Every generated notebook, rendered once from the masters (nbgrader generate_assignment per lab)."""
+    return build.render()
+
+
+def test_committed_labs_and_solutions_match_their_masters(rendered):
+    changed = build.build(REPO_ROOT, check=True, rendered=rendered)
+    assert changed == [], f"labs/ or solutions/ drifted from grading/source; run `make labs`: {changed}"
+
+
+def test_check_command_says_which_files_drifted(tmp_path, capsys, monkeypatch, rendered):
+    monkeypatch.setattr(build, "render", lambda source_dir=build.SOURCE_DIR: rendered)  # rendered once above
+    assert build.main(["--check"]) == 0 and "up to date" in capsys.readouterr().out
+    assert build.main(["--check", "--out", str(tmp_path)]) == 1
     report = capsys.readouterr().out
-    assert exit_code == 0, f"labs/ or solutions/ drifted from grading/source; run `make labs`:\n{report}"
+    assert "run `make labs`" in report and f"labs/{LABS[0]}.ipynb" in report
 
 
-def test_check_mode_lists_changed_and_stale_files_without_writing(tmp_path):
-    rendered = build.render()
+def test_check_mode_lists_changed_and_stale_files_without_writing(tmp_path, rendered):
     assert build.build(tmp_path, rendered=rendered) == [f"labs/{lab}.ipynb" for lab in LABS] + [f"solutions/{lab}.ipynb" for lab in LABS]
     first_lab = tmp_path / "labs" / f"{LABS[0]}.ipynb"
     first_lab.write_text(first_lab.read_text() + " ")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hardware import gpu_capability, missing_gpu_feature
 from ..layers.attention import AttentionMetadata, resolve_backend
 from ..layers.sampler import sample
 from .block_manager import BlockManager
@@ -24,11 +25,12 @@ class ModelRunner:
     def set_attention_backend(self, backend) -> None:
         self.backend = resolve_backend(backend)
         kv_dtype = getattr(self.kv_cache, "kv_dtype", None)
-        if (kv_dtype == "fp8" and getattr(self.backend, "name", None) == "triton" and self.device.type == "cuda"
-                and torch.cuda.get_device_capability(self.device) < (8, 9)):
-            raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' needs a GPU of compute capability 8.9+ "
-                             f"(Ada / Hopper); this one is {torch.cuda.get_device_capability(self.device)}: Triton has no "
-                             "fp8e4nv type below sm_89. Use kv_dtype='int8', or attention_backend='torch'.")
+        if kv_dtype == "fp8" and getattr(self.backend, "name", None) == "triton" and self.device.type == "cuda":
+            capability = gpu_capability(self.device)
+            lacks_fp8 = missing_gpu_feature(capability, "fp8")
+            if lacks_fp8:
+                raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' on sm_{capability[0]}{capability[1]}: "
+                                 f"{lacks_fp8}. Use kv_dtype='int8', or attention_backend='torch'.")
         self.model.bound_runner = None
         if self.graphs is not None:  # captured graphs hold the old backend's launches
             self.graphs.reset()

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..hardware import GPU_FEATURES, gpu_capability, missing_gpu_feature
 from .paged_decode import dot_in_fp32
 
 GEMV_MAX_M = 16           # x rows up to which the GEMV kernel runs (decode batches); more: the GEMM
@@ -67,7 +68,7 @@ GEMM_LAUNCH = {
     torch.float16: (64, 64, 64, 4, 3),
 }
 FP8_MAX = 448.0           # largest finite e4m3 value
-FP8_MIN_CAPABILITY = (9, 0)  # fp8 kernels: Hopper and newer (the fp8 target AOT checks; sm_89 untested)
+FP8_MIN_CAPABILITY = GPU_FEATURES["fp8_matmul"][0]  # the fp8 kernels: Hopper (sm_90) and newer
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -542,12 +543,12 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 
 
 def fp8_supported(device: torch.device | str) -> bool:
-    """Whether the fp8 kernels run on `device`: a CUDA GPU of compute capability 8.9 or newer
-    (fp8 conversions and tensor cores), or the interpreter (tests)."""
+    """Whether the fp8 kernels run on `device`: a CUDA GPU of compute capability FP8_MIN_CAPABILITY (sm_90)
+    or newer, or the interpreter (tests)."""
     device = torch.device(device)
     if device.type != "cuda":
         return _interpreted()
-    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+    return missing_gpu_feature(gpu_capability(device), "fp8_matmul") is None
 
 
 def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_activations: bool = False,

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hardware import gpu_capability, missing_gpu_feature
 from .fp8 import dequantize_fp8, quantize_fp8
 from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from .int8 import dequantize_int8, quantize_int8
@@ -167,7 +168,7 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("zero", zero)
         else:
             q, scale = quantize_fp8(w)
-            fp8_gpu = on_gpu and torch.cuda.get_device_capability(weight.device) >= (9, 0)  # quant_matmul.FP8_MIN_CAPABILITY
+            fp8_gpu = on_gpu and missing_gpu_feature(gpu_capability(weight.device), "fp8_matmul") is None
             self.path = "triton" if fp8_gpu else "dequant"
             self.register_buffer("q", q)
             self.register_buffer("scale", scale)
