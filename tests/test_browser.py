@@ -290,6 +290,7 @@ def first_cells_of(lab: str, marker: str) -> int:
     pytest.fail(f"no cell of {lab} contains {marker!r}")
 
 
+@pytest.mark.slow  # lab 08's nbgrader round trip runs these cells headless in make test
 def test_serving_lab_first_cells_answer_in_jupyterlab(jupyter_lab):
     """Lab 08's first cells in a real browser: the model loads, serve_in_thread starts the OpenAI-compatible
     server inside the kernel, /health answers, and the openai client's completion, chat and stream print."""

@@ -46,6 +46,7 @@ def test_perplexity_matches_transformers(default_llm, hf_default):
     assert ours.agreement_with(theirs) > 0.99
 
 
+@pytest.mark.slow  # two engines x 24 prompts x 32 tokens; test_cli_prints_the_table runs the same harness
 def test_identical_settings_agree_fully(default_llm):
     # "copy" is a second engine (own KV pool and scheduler) on the same weights.
     result = evaluate({"ref": {}, "copy": {"max_num_seqs": 4}}, base=default_llm, window=64, stride=32,
