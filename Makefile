@@ -27,9 +27,9 @@ browser-deps:       ## Debian chromium for the browser smoke test (no browser do
 	@bash scripts/install_browser.sh
 
 # pytest-xdist workers: one per core here (each gets its share of torch's threads: tests/conftest.py);
-# one group per test file, the nbgrader round trips one per lab, the longest files first.
+# each test file on one worker (its module fixtures built once), the longest files first.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Times the whole target, setup included, and prints it last, so every CI log shows how close it came.
 TIMED = start=$$(date +%s); $(MAKE) --no-print-directory setup model browser-deps && $(1); status=$$?; \
 	echo "make $@: $$(( $$(date +%s) - start )) s wall, setup included (exit $$status)"; exit $$status

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 # ---------------------------------------------------------------- running in parallel
-# `make test` runs the suite in pytest-xdist workers (-n 2 --dist loadgroup). Each worker gets its share
+# `make test` runs the suite in pytest-xdist workers (-n 2 --dist loadfile). Each worker gets its share
 # of the cores for torch's threads and for every process it starts (notebook kernels, servers, compilers):
 # two workers with two OpenMP threads each on two cores slow each other down many times over.
 WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -27,16 +27,9 @@ LONGEST_FIRST = ("test_course.py", "test_kernels.py", "test_combinations.py", "t
                  "test_prefix_caching.py", "test_quality.py", "test_triton_backend.py", "test_paged.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """One xdist group per test file, so module-scoped fixtures (a model, a course) are built once, except
-    the nbgrader round trips, one group per lab; the longest files first."""
-    for item in items:
-        group = item.path.name
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "graded_lab" in callspec.params:
-            group += f":{callspec.params['graded_lab']}"  # no "]": xdist reads "...]@group" as no group
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The longest files first (make test runs --dist loadfile: each file stays on one worker, so its
+    module-scoped fixtures, a model or an nbgrader round trip, are built once)."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
