@@ -50,6 +50,12 @@ def capability_tuple(capability) -> tuple[int, int]:
     return int(text[:-1]), int(text[-1])
 
 
+def sm_name(capability) -> str:
+    """(8, 9), 89 or "8.9" -> "sm_89"."""
+    major, minor = capability_tuple(capability)
+    return f"sm_{major}{minor}"
+
+
 def missing_gpu_feature(capability, feature: str) -> str | None:
     """Why a card of `capability` lacks `feature` (a key of GPU_FEATURES), or None when it has it."""
     if feature not in GPU_FEATURES:
@@ -72,7 +78,7 @@ def gpu_formats(capability) -> dict:
     cc = capability_tuple(capability)
     lacks = {feature: missing_gpu_feature(cc, feature) for feature in GPU_FEATURES}
     return {
-        "capability": f"sm_{cc[0]}{cc[1]}",
+        "capability": sm_name(cc),
         "auto_dtype": "float16" if lacks["bf16"] else "bfloat16",
         "dtypes": ("float32", "float16") + (() if lacks["bf16"] else ("bfloat16",)),
         "kv_dtypes": ("int8",) + (() if lacks["fp8"] else ("fp8",)),
@@ -101,11 +107,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         lacks_bf16 = missing_gpu_feature(capability, "bf16")
         if dtype == "auto":
             if lacks_bf16:
-                warnings.warn(f"sm_{capability[0]}{capability[1]}: {lacks_bf16}", stacklevel=3)
+                warnings.warn(f"{sm_name(capability)}: {lacks_bf16}", stacklevel=3)
                 return torch.float16
             return torch.bfloat16
         if dtype == "bfloat16" and lacks_bf16:
-            raise ValueError(f"dtype='bfloat16' on a GPU of compute capability sm_{capability[0]}{capability[1]}: "
+            raise ValueError(f"dtype='bfloat16' on a GPU of compute capability {sm_name(capability)}: "
                              f"{lacks_bf16}. Use dtype='float16' or 'auto'.")
     elif dtype == "auto":
         return torch.float32

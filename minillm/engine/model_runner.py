@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hardware import gpu_capability, missing_gpu_feature
+from ..hardware import gpu_capability, missing_gpu_feature, sm_name
 from ..layers.attention import AttentionMetadata, resolve_backend
 from ..layers.sampler import sample
 from .block_manager import BlockManager
@@ -29,7 +29,7 @@ class ModelRunner:
             capability = gpu_capability(self.device)
             lacks_fp8 = missing_gpu_feature(capability, "fp8")
             if lacks_fp8:
-                raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' on sm_{capability[0]}{capability[1]}: "
+                raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' on {sm_name(capability)}: "
                                  f"{lacks_fp8}. Use kv_dtype='int8', or attention_backend='torch'.")
         self.model.bound_runner = None
         if self.graphs is not None:  # captured graphs hold the old backend's launches
