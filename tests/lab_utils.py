@@ -73,3 +73,41 @@ def solution_module_fixture(master: Path, header: str, launcher_prefix: str, nam
         return import_file(path, name)
 
     return solution
+
+
+# The probe lab "99_probe": a tiny master that needs no model, for the nbgrader round trips (grading, the exchange).
+PROBE_LAB = "99_probe"
+PROBE_MASTER_CELLS = [
+    ("code", "import os", {}),
+    (
+        "code",
+        "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+        {"grade_id": "double", "solution": True, "grade": False, "locked": False},
+    ),
+    ("code", "assert double(2) == 4", {"grade_id": "visible", "grade": True, "solution": False, "locked": True, "points": 1}),
+    (
+        "code",
+        "assert double(0) == 0\n### BEGIN HIDDEN TESTS\nassert double(-3) == -6\n### END HIDDEN TESTS",
+        {"grade_id": "hidden", "grade": True, "solution": False, "locked": True, "points": 2},
+    ),
+    (
+        "code",
+        'assert os.environ.get("MINILLM_QUICK") == "1", "quick mode did not reach the kernel"',
+        {"grade_id": "quick_mode", "grade": True, "solution": False, "locked": True, "points": 1},
+    ),
+]
+
+
+def write_probe_master(source_dir: Path) -> Path:
+    """Write the probe lab's master to source_dir/99_probe/99_probe.ipynb (a folder of masters like grading/source);
+    returns its path. Solved: 4/4 points; untouched student copy: 1/4 (only the quick-mode cell passes)."""
+    cells = []
+    for index, (_cell_type, source, nbgrader) in enumerate(PROBE_MASTER_CELLS):
+        metadata = {"nbgrader": {**nbgrader, "schema_version": 3}} if nbgrader else {}
+        cells.append(nbformat.v4.new_code_cell(source, id=f"probe-{index}", metadata=metadata))
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    master = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernelspec})
+    path = Path(source_dir) / PROBE_LAB / f"{PROBE_LAB}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(master, path)
+    return path

@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from lab_utils import write_probe_master
+
 from minillm.lab import build, grading
 
 REPO_ROOT = build.REPO_ROOT
@@ -133,36 +135,9 @@ def test_untouched_student_copy_gets_zero(graded_lab):
     assert row["score"] == 0, f"{lab}: an empty submission scored {row['score']} (a test passes without work)"
 
 
-PROBE_MASTER_CELLS = [
-    ("code", "import os", {}),
-    (
-        "code",
-        "def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
-        {"grade_id": "double", "solution": True, "grade": False, "locked": False},
-    ),
-    ("code", "assert double(2) == 4", {"grade_id": "visible", "grade": True, "solution": False, "locked": True, "points": 1}),
-    (
-        "code",
-        "assert double(0) == 0\n### BEGIN HIDDEN TESTS\nassert double(-3) == -6\n### END HIDDEN TESTS",
-        {"grade_id": "hidden", "grade": True, "solution": False, "locked": True, "points": 2},
-    ),
-    (
-        "code",
-        'assert os.environ.get("MINILLM_QUICK") == "1", "quick mode did not reach the kernel"',
-        {"grade_id": "quick_mode", "grade": True, "solution": False, "locked": True, "points": 1},
-    ),
-]
-
-
 def test_grader_restores_hidden_tests_and_passes_quick_mode_to_the_kernel(tmp_path):
     source_dir = tmp_path / "source"
-    (source_dir / "99_probe").mkdir(parents=True)
-    cells = []
-    for index, (cell_type, source, nbgrader) in enumerate(PROBE_MASTER_CELLS):
-        metadata = {"nbgrader": {**nbgrader, "schema_version": 3}} if nbgrader else {}
-        cells.append(nbformat.v4.new_code_cell(source, id=f"probe-{index}", metadata=metadata))
-    master = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(master, source_dir / "99_probe" / "99_probe.ipynb")
+    write_probe_master(source_dir)
 
     rendered = build.render(source_dir)
     student_text, solution_text = rendered["labs/99_probe.ipynb"], rendered["solutions/99_probe.ipynb"]
