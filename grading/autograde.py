@@ -1,15 +1,19 @@
-"""Autograde every submission in a folder and write the grades (instructors).
+"""Autograde every submission in a folder, write the grades, the logs and the feedback (instructors).
 
-    python grading/autograde.py SUBMISSIONS_DIR [--out grades.csv] [--keep COURSE_DIR] [--full]
+    python grading/autograde.py SUBMISSIONS_DIR [--out grades.csv] [--feedback DIR] [--keep COURSE_DIR] [--full]
+    python grading/autograde.py --measure       # time each lab's solution in quick mode -> grading/quick_times.json
 
-SUBMISSIONS_DIR holds ``<student_id>/<NN_topic>/<NN_topic>.ipynb`` (see grading/README.md).
-Hidden tests come from the instructor masters in grading/source; the notebooks run headless
-in quick mode (MINILLM_QUICK=1) unless --full is given.
+SUBMISSIONS_DIR holds ``<student_id>/<NN_topic>/<NN_topic>.ipynb`` (nbgrader's submitted/ folder
+has this layout; see grading/README.md). Only the students' solution cells are run; tests and
+hidden tests come from the instructor masters in grading/source. Every notebook gets a row, the
+log of its grading lands in ``<out>.logs/<student>/<lab>.log``, and the exit status is the number
+of notebooks that could not be graded (0: all graded).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,30 +26,59 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("submissions_dir", type=Path, help="folder of <student_id>/<NN_topic>/<NN_topic>.ipynb")
+    parser.add_argument("submissions_dir", type=Path, nargs="?", help="folder of <student_id>/<NN_topic>/<NN_topic>.ipynb")
     parser.add_argument("--out", type=Path, default=Path("grades.csv"), help="CSV to write (default: grades.csv)")
+    parser.add_argument("--feedback", type=Path, metavar="DIR",
+                        help="write DIR/<student>/<lab>/<lab>.html for each notebook (scores, failing tests, no hidden tests)")
     parser.add_argument("--labs", nargs="+", metavar="NN_topic", help="grade only these labs")
+    parser.add_argument("--source", type=Path, default=grading.SOURCE_DIR, help="folder of instructor masters")
     parser.add_argument("--keep", type=Path, metavar="COURSE_DIR",
-                        help="build the nbgrader course here and keep it (autograded notebooks, gradebook.db)")
+                        help="build the nbgrader course here and keep it (graded copies, autograded notebooks, gradebook.db)")
     parser.add_argument("--full", action="store_true", help="run the labs in full mode, not MINILLM_QUICK=1")
-    parser.add_argument("--cell-timeout", type=int, metavar="SECONDS", help="per-cell limit (default: course config)")
+    parser.add_argument("--cell-timeout", type=int, metavar="SECONDS",
+                        help="per-cell limit (default: 5x the lab's slowest solution cell, grading/quick_times.json)")
+    parser.add_argument("--measure", action="store_true",
+                        help="grade each lab's committed solution in quick mode and write grading/quick_times.json")
     args = parser.parse_args(argv)
 
+    if args.measure:
+        measured = grading.measure_quick_times(args.labs, args.source)
+        times = {**grading.quick_times(), **measured}
+        grading.QUICK_TIMES.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        for lab, entry in sorted(measured.items()):
+            print(f"{lab}: {entry['quick_s']:.1f} s graded, slowest cell {entry['slowest_cell_s']:.1f} s "
+                  f"-> cell timeout {grading.cell_timeout_for(lab, times)} s")
+        print(f"wrote {grading.QUICK_TIMES}")
+        return 0
+    if args.submissions_dir is None:
+        parser.error("give SUBMISSIONS_DIR (or --measure)")
+
     submissions = grading.find_submissions(args.submissions_dir)
-    if args.labs:
-        submissions = {s: {lab: p for lab, p in by_lab.items() if lab in args.labs} for s, by_lab in submissions.items()}
-        submissions = {s: by_lab for s, by_lab in submissions.items() if by_lab}
+    known = set(grading.discover_labs(args.source))
+    skipped = sorted({lab for by_lab in submissions.values() for lab in by_lab if lab not in known})
+    if skipped:
+        print(f"skipping folders that are not labs: {', '.join(skipped)} (labs: {', '.join(sorted(known))})", file=sys.stderr)
+    wanted = set(args.labs) if args.labs else known
+    submissions = {s: {lab: p for lab, p in by_lab.items() if lab in wanted and lab in known} for s, by_lab in submissions.items()}
+    submissions = {s: by_lab for s, by_lab in submissions.items() if by_lab}
     if not submissions:
         print(f"no submissions found under {args.submissions_dir} "
               "(expected <student_id>/<NN_topic>/<NN_topic>.ipynb)", file=sys.stderr)
         return 1
     count = sum(len(by_lab) for by_lab in submissions.values())
     print(f"autograding {count} notebooks from {len(submissions)} students ...", flush=True)
-    rows = grading.autograde(submissions, course_dir=args.keep, quick=not args.full, cell_timeout_s=args.cell_timeout)
+    log_dir = args.out.with_name(args.out.stem + ".logs")
+    rows = grading.autograde(submissions, source_dir=args.source, course_dir=args.keep, quick=not args.full,
+                             cell_timeout_s=args.cell_timeout, feedback_dir=args.feedback, log_dir=log_dir,
+                             progress=True)
     grading.write_csv(rows, args.out)
     print(grading.format_table(rows))
-    print(f"wrote {args.out}")
-    return 0
+    failed = sum(1 for row in rows if row["status"] == "failed")
+    print(f"wrote {args.out} ({len(rows)} rows), logs in {log_dir}/"
+          + (f", feedback in {args.feedback}/" if args.feedback else ""))
+    if failed:
+        print(f"{failed} of {len(rows)} notebooks could not be graded (see the reason column)", file=sys.stderr)
+    return min(failed, 100)
 
 
 if __name__ == "__main__":

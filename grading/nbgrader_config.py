@@ -44,3 +44,16 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
 # A plotly figure or a widget-heavy cell can print a lot; the graded copy does not need it all.
 c.LimitOutput.max_lines = 1000
+
+# Autograding runs nbgrader's steps with its Execute replaced by minillm's: a dead kernel costs
+# the cell that killed it (fresh kernel, earlier cells replayed), not the whole lab, and each
+# cell is timed. python grading/autograde.py sets the per-cell timeout per lab (quick_times.json).
+from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
+from nbgrader.preprocessors import AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput, SaveAutoGrades  # noqa: E402
+
+from minillm.lab.grading_execute import GradingExecute  # noqa: E402
+
+c.Autograde.autograde_preprocessors = [
+    GradingExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
+    CheckCellMetadata,
+]
