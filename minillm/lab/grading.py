@@ -383,6 +383,9 @@ def _grade_one(course_root: Path, course: LabCourse, student: str, path: Path, e
     log_path = log_dir / student / f"{lab}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    if not Path(path).is_file():
+        log_path.write_text(f"no notebook at {path}\n", encoding="utf-8")
+        return _failed_row(student, lab, course, f"no notebook at {path}", log=str(log_path))
     try:
         copy_ = graded_copy(read_submission(path), course)
     except (SubmissionError, OSError) as error:
@@ -524,9 +527,6 @@ def autograde(
         for student, lab in iterator:
             timeout_s = cell_timeout_s if cell_timeout_s is not None else (cell_timeout_for(lab, times) if quick else DEFAULT_CELL_TIMEOUT_S)
             path = submissions[student][lab]
-            if not path.is_file():
-                rows.append(_failed_row(student, lab, courses[lab], f"no notebook at {path}"))
-                continue
             rows.append(_grade_one(course_root, courses[lab], student, path, env, timeout_s, logs))
             rows[-1]["submitted_dir"] = str(path.parent)
         if feedback_dir is not None:

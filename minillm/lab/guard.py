@@ -6,8 +6,7 @@ takes a snapshot of everything a cell could change to alter how later cells run 
 checks see, and registers IPython callbacks before and after every cell:
 
 - IPython's input transformers and AST transformers, its custom exception handler;
-- ``sys.settrace`` / ``sys.setprofile`` (tracers can jump over an ``assert``),
-  ``sys.meta_path`` and ``sys.path_hooks`` (import hooks);
+- ``sys.settrace`` / ``sys.setprofile`` (tracers can jump over an ``assert``);
 - every builtin (``isinstance``, ``AssertionError`` ...), and every public attribute of the
   ``minillm`` modules already imported, ``math`` and ``torch``'s top level (the helpers and
   the checks), and which module object ``sys.modules`` holds for each.
@@ -69,8 +68,6 @@ class _Guard:
             "ast_transformers": list(shell.ast_transformers),
             "custom_exceptions": shell.custom_exceptions,
             "CustomTB": shell.CustomTB,
-            "meta_path": list(sys.meta_path),
-            "path_hooks": list(sys.path_hooks),
         }
         self.builtins = dict(vars(builtins))
         self.modules = {name: sys.modules[name] for name in self._module_dicts()}
@@ -82,8 +79,6 @@ class _Guard:
             "input_transformers_cleanup": shell.input_transformers_cleanup,
             "input_transformers_post": shell.input_transformers_post,
             "ast_transformers": shell.ast_transformers,
-            "meta_path": sys.meta_path,
-            "path_hooks": sys.path_hooks,
         }
 
     # -- check and restore ---------------------------------------------------------------

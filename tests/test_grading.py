@@ -1,0 +1,185 @@
+"""Autograding a batch the way an instructor meets it: one corrupt notebook, one that calls
+os._exit, one that loops, one that crashes the kernel, one with tests deleted or emptied, one
+cheat, one solved; every notebook gets its row, the others keep their points.
+
+The probe lab (tests/lab_utils.py) needs no model, so its batch is cheap; lab 00's batch shows
+the same on a real lab with several exercises (points kept before and after a kernel death).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from lab_utils import PROBE_LAB, write_probe_master
+
+from minillm.lab import build, grading
+
+REPO_ROOT = build.REPO_ROOT
+GRADE_SCRIPT = REPO_ROOT / "grading" / "autograde.py"
+HIDDEN_PROBE_LINE = "assert double(-3) == -6"
+SEGFAULT = "import numpy as np\nnp.lib.stride_tricks.as_strided(np.zeros(1), shape=(2,), strides=(10**12,)).sum()\n"
+
+
+def _import_autograde_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("autograde_script", GRADE_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _set_solution(nb, grade_id: str, source: str):
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
+            cell.source = source
+            return nb
+    raise KeyError(grade_id)
+
+
+def _write(folder: Path, student: str, lab: str, text: str) -> Path:
+    path = folder / student / lab / f"{lab}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# --- the probe batch, through the instructor's command ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probe_batch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("probe-batch")
+    source_dir = root / "source"
+    write_probe_master(source_dir)
+    rendered = build.render(source_dir)
+    student, solution = rendered[f"labs/{PROBE_LAB}.ipynb"], rendered[f"solutions/{PROBE_LAB}.ipynb"]
+
+    def variant(edit):
+        nb = nbformat.reads(student, as_version=4)
+        edit(nb)
+        return nbformat.writes(nb)
+
+    def tamper(nb):
+        tests = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+        tests[0].source = "pass"
+        nb.cells.remove(tests[1])
+        _set_solution(nb, "double", "def double(x):\n    return 2 * x")
+
+    def transformer(nb):
+        nb.cells.insert(1, nbformat.v4.new_code_cell(
+            "def wrap(lines):\n    return ['try:\\n'] + ['    ' + l for l in lines] + ['\\nexcept BaseException:\\n    pass\\n']\n"
+            "get_ipython().input_transformers_post.append(wrap)"))
+
+    submissions = root / "submitted"
+    notebooks = {
+        "solved": solution,
+        "untouched": student,
+        "looping": variant(lambda nb: _set_solution(nb, "double", "def double(x):\n    while True:\n        pass")),
+        "exits": variant(lambda nb: _set_solution(nb, "double", "import os\nos._exit(0)\ndef double(x):\n    return 2 * x")),
+        "crashes": variant(lambda nb: _set_solution(nb, "double", SEGFAULT + "def double(x):\n    return 2 * x")),
+        "tampers": variant(tamper),
+        "cheats": variant(transformer),
+    }
+    for name, text in notebooks.items():
+        _write(submissions, name, PROBE_LAB, text)
+    _write(submissions, "corrupt", PROBE_LAB, student[: len(student) // 2])
+    (submissions / "missing" / PROBE_LAB).mkdir(parents=True)  # a lab folder without its notebook
+    out = root / "grades.csv"
+    status = _import_autograde_script().main(
+        [str(submissions), "--source", str(source_dir), "--out", str(out), "--feedback", str(root / "feedback"),
+         "--cell-timeout", "5"])
+    with open(out, newline="", encoding="utf-8") as handle:
+        rows = {row["student"]: row for row in csv.DictReader(handle)}
+    return {"status": status, "rows": rows, "root": root, "out": out}
+
+
+def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
+    rows = probe_batch["rows"]
+    assert set(rows) == {"solved", "untouched", "looping", "exits", "crashes", "tampers", "cheats", "corrupt", "missing"}
+    scores = {name: (row["status"], float(row["score"]), float(row["max_score"])) for name, row in rows.items()}
+    assert scores == {
+        "solved": ("graded", 4.0, 4.0),
+        "untouched": ("graded", 1.0, 4.0),   # only the quick-mode probe, which needs no work
+        "looping": ("graded", 1.0, 4.0),
+        "exits": ("graded", 1.0, 4.0),
+        "crashes": ("graded", 1.0, 4.0),
+        "tampers": ("graded", 1.0, 4.0),     # solved, but its two tests were deleted / emptied
+        "cheats": ("graded", 1.0, 4.0),
+        "corrupt": ("failed", 0.0, 4.0),
+        "missing": ("failed", 0.0, 4.0),
+    }, scores
+    reasons = {name: row["reason"] for name, row in rows.items()}
+    assert reasons["solved"] == "" and reasons["untouched"] == ""
+    assert re.fullmatch(r"invalid notebook JSON at byte \d+ \(line \d+, column \d+\): .+", reasons["corrupt"]), reasons["corrupt"]
+    assert reasons["missing"].startswith("no notebook at ")
+    assert "cell visible timed out" in reasons["looping"] and "cell hidden timed out" in reasons["looping"]
+    assert "solution cell double was not run: line 1: imports os" in reasons["exits"]
+    assert reasons["crashes"] == "kernel died in cell double"
+    assert "locked cell visible was changed" in reasons["tampers"] and "locked cell hidden was deleted" in reasons["tampers"]
+    assert probe_batch["status"] == 2, "the exit status counts the notebooks that could not be graded"
+
+
+def test_the_batch_keeps_each_log_and_writes_feedback_without_hidden_tests(probe_batch):
+    root = probe_batch["root"]
+    logs = root / "grades.logs"
+    for student, row in probe_batch["rows"].items():
+        log = logs / student / f"{PROBE_LAB}.log"
+        assert log.is_file(), f"no log for {student}"
+        page = (root / "feedback" / student / PROBE_LAB / f"{PROBE_LAB}.html").read_text(encoding="utf-8")
+        assert HIDDEN_PROBE_LINE not in page and "HIDDEN TESTS" not in page and "-6" not in page, student
+        if row["status"] == "graded":
+            assert f"{float(row['score']):g} / {float(row['max_score']):g}" in page
+    nbgrader_log = (logs / "solved" / f"{PROBE_LAB}.log").read_text(encoding="utf-8")
+    assert "AutogradeApp" in nbgrader_log and "checksum" not in nbgrader_log, "an untouched test cell logged a checksum change"
+    crashed = (root / "feedback" / "crashes" / PROBE_LAB / f"{PROBE_LAB}.html").read_text(encoding="utf-8")
+    assert "kernel died in cell double" in crashed
+
+
+# --- lab 00: partial work, a crash in one exercise ------------------------------------------------
+
+LAB = "00_setup"
+
+
+@pytest.fixture(scope="module")
+def lab00_batch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab00-batch")
+    solution = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    student = nbformat.read(REPO_ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
+    stub = {c.metadata["nbgrader"]["grade_id"]: c.source for c in student.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    solved = {c.metadata["nbgrader"]["grade_id"]: c.source for c in solution.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    assert sorted(solved) == ["count_tokens", "e2e_latency", "tokens_per_second"]
+
+    def notebook(**sources):
+        nb = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+        for grade_id, source in sources.items():
+            _set_solution(nb, grade_id, source)
+        return nbformat.writes(nb)
+
+    texts = {
+        "half": notebook(tokens_per_second=stub["tokens_per_second"]),
+        "crash_first": notebook(count_tokens=SEGFAULT + solved["count_tokens"]),
+    }
+    paths = {name: {LAB: _write(root / "submitted", name, LAB, text)} for name, text in texts.items()}
+    rows = grading.autograde(paths, feedback_dir=root / "feedback")
+    return {row["student"]: row for row in rows}
+
+
+def test_half_solved_lab_earns_exactly_its_points(lab00_batch):
+    row = lab00_batch["half"]
+    assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
+    assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more"}
+
+
+def test_a_kernel_death_costs_only_its_exercise(lab00_batch):
+    """The kernel dies in the first exercise; a fresh one replays the cells before it, and the
+    two later exercises still earn their points."""
+    row = lab00_batch["crash_first"]
+    assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
+    assert row["reason"] == "kernel died in cell count_tokens"
+    assert set(row["failures"]) == {"test_count_tokens", "test_count_tokens_engine"}
