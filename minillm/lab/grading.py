@@ -221,8 +221,10 @@ def graded_copy(submission: nbformat.NotebookNode, lab: LabCourse) -> GradedCopy
         grade_id = _nbgrader(cell).get("grade_id")
         if grade_id and grade_id not in by_id:
             by_id[grade_id] = cell
-    release_ids = {_nbgrader(cell).get("grade_id") for cell in lab.release.cells}
-    extra = sum(1 for cell in submission.cells if _nbgrader(cell).get("grade_id") not in release_ids)
+    release_ids = {_nbgrader(cell).get("grade_id") for cell in lab.release.cells} - {None}
+    release_cell_ids = {cell.get("id") for cell in lab.release.cells}
+    extra = sum(1 for cell in submission.cells
+                if _nbgrader(cell).get("grade_id") not in release_ids and cell.get("id") not in release_cell_ids)
     flags, zeroed, notes = [], {}, []
     if extra:
         notes.append(f"{extra} cells of the submission are not part of the lab and were not run")
