@@ -8,6 +8,7 @@ engine's settings restore them (monkeypatch) and leave no request behind.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -58,6 +59,25 @@ def hf_default(default_model_dir):
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture
+def passes(capsys):
+    """`passes(lab04.check_append, cls)`: run a lab's check_* helper, which must return None (nbgrader reads
+    the value a test cell ends on as a partial score) and print a ✓ verdict; returns what it printed.
+    Output printed before the call stays in capsys for the test to read."""
+
+    def run(check, *args, **kwargs) -> str:
+        before = capsys.readouterr()
+        result = check(*args, **kwargs)
+        during = capsys.readouterr()
+        print(before.out + during.out, end="")
+        print(before.err + during.err, end="", file=sys.stderr)
+        assert result is None, f"{check.__name__} returned {result!r}: a check prints its verdict and returns None"
+        assert "✓" in during.out, f"{check.__name__} printed no ✓ verdict: {during.out!r}"
+        return during.out.strip()
+
+    return run
 
 
 def assert_engine_idle(llm) -> None:

@@ -69,6 +69,92 @@ def test_check_mode_lists_changed_and_stale_files_without_writing(tmp_path, rend
     assert build.build(tmp_path, check=True, rendered=rendered) == []
 
 
+# --- build checks on the masters (no nbgrader, no notebook execution) ---------------------------
+
+
+def test_masters_pass_the_build_checks():
+    build.check_masters(LABS)  # raises ValueError with the list of problems
+
+
+@pytest.mark.parametrize(
+    ("markdown", "lines"),
+    [
+        ("one H100 at 2.50 $/h", [1]),                                  # alone today, math once a second one comes
+        ("0.55 $/Mtok\nand 2.50 $/h", [1, 2]),                          # a pair across lines is math too
+        (r"0.55 \$/Mtok and 2.50 \$/h", [1, 1]),                        # marked turns \$ into a bare $ before MathJax
+        (r"0.55 \\$/Mtok and **\\$ per million tokens**", []),          # the escape that stays a dollar
+        ("$$t = \\max(a, b)$$\n\nand $$x^2$$", []),                     # display math, closed in its paragraph
+        ("$$x\n\ny$$", [1, 3]),                                         # a blank line ends the paragraph: unclosed
+        ("`$HOME`, ``a $ b`` and\n```bash\necho $PATH\n```", []),       # code spans and fenced code are literal
+        ("~~~\ncost = $5\n~~~\n| stage | \\\\$ / Mtok |", []),
+        ("5 $`code`", [1]),                                             # the $ just before a code span is prose
+    ],
+)
+def test_markdown_check_reports_every_dollar_jupyterlab_could_typeset(markdown, lines):
+    assert [line for line, _ in build.markdown_math_dollars(markdown)] == lines
+
+
+def write_master(source_dir: Path, lab: str, cells: list) -> None:
+    nb = nbformat.v4.new_notebook(cells=cells)
+    (source_dir / lab).mkdir(parents=True)
+    nbformat.write(nb, source_dir / lab / f"{lab}.ipynb")
+
+
+def graded_cell(source: str, grade_id: str, cell_id: str):
+    meta = {"nbgrader": {"grade": True, "grade_id": grade_id, "locked": True, "points": 1, "schema_version": 3,
+                         "solution": False}}
+    return nbformat.v4.new_code_cell(source, id=cell_id, metadata=meta)
+
+
+def test_render_refuses_math_dollars_and_test_cells_without_an_assert(tmp_path, capsys):
+    write_master(tmp_path, "98_broken", [
+        nbformat.v4.new_markdown_cell("# Prices\n\nOne GPU at 2.50 $/h.", id="prices-md"),
+        nbformat.v4.new_code_cell("from minillm.lab import lab00", id="imports"),
+        graded_cell("lab00.check_e2e_latency(lambda ttft, tpot, n: ttft + tpot * (n - 1))", "test_helper_only", "t1"),
+        graded_cell("### BEGIN HIDDEN TESTS\nassert 1 + 1 == 2\n### END HIDDEN TESTS", "test_hidden_assert_only", "t2"),
+    ])
+    with pytest.raises(ValueError) as failure:
+        build.render(tmp_path)  # before nbgrader runs: the build fails fast, `make labs` and --check alike
+    message = str(failure.value)
+    assert "98_broken: markdown cell prices-md, line 3" in message and "One GPU at 2.50 $/h." in message
+    assert "98_broken: test cell test_helper_only (cell t1) has no `assert`" in message
+    assert "98_broken: test cell test_hidden_assert_only (cell t2) has no `assert`" in message
+    assert build.main(["--check", "--source", str(tmp_path), "--out", str(tmp_path)]) == 1
+    assert "98_broken: markdown cell prices-md, line 3" in capsys.readouterr().err
+
+
+def test_test_cells_end_on_none_or_on_a_statement():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import textwrap\nfrom minillm.lab import lab05", id="imports"),
+        graded_cell("assert True\nlab05.check_sequences_that_fit(lambda b, s, t: b // (s * t))", "ends_on_none", "a"),
+        graded_cell("assert True\nprint('done')", "ends_on_print", "b"),
+        graded_cell("x = 2\nassert x == 2", "ends_on_assert", "c"),
+        graded_cell("assert True\n1 + 1", "ends_on_a_value", "d"),
+        graded_cell("assert True\ntextwrap.dedent(' x')", "ends_on_unannotated", "e"),
+        graded_cell("assert True\n### BEGIN HIDDEN TESTS\nundefined_helper()\n### END HIDDEN TESTS", "hidden_ends", "f"),
+    ])
+    problems = build.autograded_cell_problems("97_probe", nb)
+    assert [p.split(" (cell ")[0] for p in problems] == [
+        "97_probe: test cell ends_on_a_value", "97_probe: test cell ends_on_unannotated", "97_probe: test cell hidden_ends",
+    ], problems
+    assert "`1 + 1`, whose value nbgrader would read as a partial score" in problems[0]
+    assert "textwrap.dedent is not annotated `-> None`" in problems[1]
+    assert "with the hidden tests: it ends on `undefined_helper()`" in problems[2]
+
+
+def test_every_check_helper_returns_none():
+    """nbgrader reads the value a test cell ends on as a partial score: every labNN.check_* prints its
+    verdict and is annotated -> None (the build check above relies on the annotation)."""
+    import importlib
+    import inspect
+
+    for lab in LABS:
+        module = importlib.import_module(f"minillm.lab.lab{lab[:2]}")
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith("check_") and fn.__module__ == module.__name__:
+                assert inspect.signature(fn).return_annotation in (None, "None"), f"{module.__name__}.{name}"
+
+
 @pytest.mark.parametrize("lab", LABS)
 def test_student_copy_has_no_solutions_hidden_tests_or_outputs(lab):
     student = nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4)

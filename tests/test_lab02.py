@@ -62,9 +62,9 @@ def test_master_has_every_graded_piece_with_hidden_tests():
 
 
 # --------------------------------------------------------------------- exercise 1: append_kv
-def test_solution_and_spec_pass_append_check():
-    assert lab02.check_append_kv(append_kv).startswith("✓ append_kv")
-    assert lab02.check_append_kv(SOLUTION["append_kv_spec"], seed=5).startswith("✓")
+def test_solution_and_spec_pass_append_check(passes):
+    assert passes(lab02.check_append_kv, append_kv).startswith("✓ append_kv")
+    assert passes(lab02.check_append_kv, SOLUTION["append_kv_spec"], seed=5).startswith("✓")
 
 
 def _into_first_slots(kc, vc, kn, vn, slots):
@@ -116,8 +116,8 @@ def test_append_check_refuses_to_mutate_inputs():
 
 
 # --------------------------------------------------------------------- exercise 2: attend_with_cache
-def test_solution_and_spec_pass_attend_check():
-    assert lab02.check_attend_with_cache(attend_with_cache).startswith("✓ attend_with_cache")
+def test_solution_and_spec_pass_attend_check(passes):
+    assert passes(lab02.check_attend_with_cache, attend_with_cache).startswith("✓ attend_with_cache")
     lab02.check_attend_with_cache(attend_with_cache, dtype=torch.bfloat16, seed=3)
     lab02.check_attend_with_cache(SOLUTION["attend_with_cache_spec"], seed=9)
 
@@ -377,7 +377,7 @@ def llm_no_cache():
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-def test_reference_solution_in_the_engine_gives_the_engines_own_tokens(llm):
+def test_reference_solution_in_the_engine_gives_the_engines_own_tokens(llm, passes):
     from minillm import SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -389,13 +389,13 @@ def test_reference_solution_in_the_engine_gives_the_engines_own_tokens(llm):
     finally:
         llm.set_attention_backend("torch")
     assert ours == builtin and len(ours[0]) == 6
-    message = lab02.check_in_engine(append_kv, attend_with_cache, llm, prompts=PROMPTS, max_tokens=6)
+    message = passes(lab02.check_in_engine, append_kv, attend_with_cache, llm, prompts=PROMPTS, max_tokens=6)
     assert message.startswith("✓") and "kv_cache=True" in message and llm.device in message
     assert llm.config.attention_backend == "torch"
 
 
-def test_reference_solution_without_a_cache(llm_no_cache):
-    message = lab02.check_in_engine(append_kv, attend_with_cache, llm_no_cache, prompts=PROMPTS[:1], max_tokens=3)
+def test_reference_solution_without_a_cache(llm_no_cache, passes):
+    message = passes(lab02.check_in_engine, append_kv, attend_with_cache, llm_no_cache, prompts=PROMPTS[:1], max_tokens=3)
     assert "kv_cache=False" in message
 
 
@@ -417,13 +417,13 @@ def test_engine_check_points_at_a_prefill_mask_and_at_append(llm):
         lab02.check_in_engine(_into_first_slots, attend_with_cache, llm, prompts=PROMPTS, max_tokens=6)
 
 
-def test_engine_check_forgives_a_near_tie_when_every_call_matched(llm, capsys):
+def test_engine_check_forgives_a_near_tie_when_every_call_matched(llm, capsys, passes):
     """A token that flips although every attention call matched the reference is rounding, not a bug."""
     key = (id(llm.engine), True, (PROMPTS[0],), 3)
     true_tokens = lab02.reference_tokens(llm, PROMPTS[:1], 3)
     lab02._REFERENCE_TOKENS[key] = [[true_tokens[0][0], true_tokens[0][1], true_tokens[0][2] + 1]]
     try:
-        message = lab02.check_in_engine(append_kv, attend_with_cache, llm, prompts=PROMPTS[:1], max_tokens=3)
+        message = passes(lab02.check_in_engine, append_kv, attend_with_cache, llm, prompts=PROMPTS[:1], max_tokens=3)
     finally:
         lab02._REFERENCE_TOKENS[key] = true_tokens
     assert message.startswith("✓") and "a near-tie flipped: token 2 of prompt 0" in message

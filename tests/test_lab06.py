@@ -50,17 +50,17 @@ def test_student_copy_has_stubs_and_no_solution():
 
 
 # --------------------------------------------------------------------- the solutions pass
-def test_solution_passes_every_check(solution):
+def test_solution_passes_every_check(solution, passes):
     for block_size, seed in ((4, 0), (1, 11), (3, 12), (5, 13), (16, 14)):
-        assert lab06.check_block_hashes(solution["block_hashes"], block_size=block_size, seed=seed).startswith("✓")
-        assert lab06.check_reusable_blocks(solution["reusable_blocks"], solution["block_hashes"], block_size=block_size,
-                                           seed=seed).startswith("✓")
-    assert lab06.check_lookup(solution["lookup"]).startswith("✓")
-    assert lab06.check_cached_cost(solution["cached_cost"]).startswith("✓")
+        assert passes(lab06.check_block_hashes, solution["block_hashes"], block_size=block_size, seed=seed).startswith("✓")
+        assert passes(lab06.check_reusable_blocks, solution["reusable_blocks"], solution["block_hashes"],
+                      block_size=block_size, seed=seed).startswith("✓")
+    assert passes(lab06.check_lookup, solution["lookup"]).startswith("✓")
+    assert passes(lab06.check_cached_cost, solution["cached_cost"]).startswith("✓")
     assert solution["cached_cost"](10_000, 0, 10) == pytest.approx(21_500)
 
 
-def test_reference_chain_agrees_with_the_engine_keys_on_equality():
+def test_reference_chain_agrees_with_the_engine_keys_on_equality(passes):
     """The engine's SHA-256 chain and the reference give equal keys for exactly the same blocks."""
     from minillm.engine.block_manager import block_hash
 
@@ -71,7 +71,7 @@ def test_reference_chain_agrees_with_the_engine_keys_on_equality():
             keys.append(parent)
         return keys
 
-    assert lab06.check_block_hashes(engine_chain, block_size=3, seed=5).startswith("✓")
+    assert passes(lab06.check_block_hashes, engine_chain, block_size=3, seed=5).startswith("✓")
     prompts = [([1, 2, 3, 4, 5, 6, 7], None), ([1, 2, 3, 4, 5, 6, 8], None), ([1, 2, 3, 9, 5, 6], None),
                ([1, 2, 3, 4, 5, 6], "t")]
     ref = [lab06.reference_block_hashes(ids, 3, s) for ids, s in prompts]
@@ -172,11 +172,11 @@ def test_stubs_raise_not_implemented():
 
 
 # --------------------------------------------------------------------- the engine and the measurements
-def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_llm, solution):
+def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_llm, solution, passes):
     prompts = [{"prompt_token_ids": list(range(300, 341))}, {"prompt_token_ids": list(range(300, 333)) + [7, 8]},
                {"prompt_token_ids": list(range(300, 316)) + [9] * 9}]
     run = lab06.run_with_hash(default_llm, solution["block_hashes"], prompts, max_tokens=2, block_size=8)
-    assert lab06.check_hash_run(run).startswith("✓")
+    assert passes(lab06.check_hash_run, run).startswith("✓")
     assert run["cached_tokens"] == [0, 32, 16] == run["expected_cached_tokens"]
     # A different first block: nothing matches, although blocks 1-2 hold the same tokens (the chain).
     repeated = [{"prompt_token_ids": [5] * 8 + list(range(40, 56)) + [1]},
@@ -185,10 +185,10 @@ def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_
     assert good["equal"] and good["cached_tokens"] == [0, 0]
 
 
-def test_hash_run_check_fails_on_wrong_tokens_or_hits():
+def test_hash_run_check_fails_on_wrong_tokens_or_hits(passes):
     base = {"tokens": [[1], [2]], "expected": [[1], [2]], "equal": True, "cached_tokens": [0, 16],
             "expected_cached_tokens": [0, 16]}
-    assert lab06.check_hash_run(base).startswith("✓")
+    assert passes(lab06.check_hash_run, base).startswith("✓")
     with pytest.raises(CheckFailed, match="served after a different start"):
         lab06.check_hash_run({**base, "tokens": [[1], [3]], "equal": False})
     with pytest.raises(CheckFailed, match="equal prefixes must give equal keys"):

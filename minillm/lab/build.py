@@ -15,14 +15,20 @@ Output is byte-deterministic, so CI can rebuild and compare::
     python -m minillm.lab.build --check   # exit 1 and list the files that would change
 
 nbgrader runs in a throwaway course directory (configured from grading/nbgrader_config.py),
-so no gradebook or release folder lands in the repository.
+so no gradebook or release folder lands in the repository. Before it runs, :func:`check_masters`
+refuses (ValueError; exit 1 from the command) a master with a markdown ``$`` that JupyterLab would
+typeset as LaTeX, an autograded test cell without a direct ``assert``, or a test cell that ends on
+a value nbgrader would read as a partial score.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
+import importlib
+import inspect
 import os
 import re
 import sys
@@ -127,6 +133,250 @@ def solution_notebook(master: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return clean(nb)
 
 
+# ------------------------------------------------------------------ checks on the masters
+# JupyterLab hides code from its math finder the way this does (rendermime's removeMath): fenced
+# blocks of 3+ backticks or tildes, and code spans on one line.
+_FENCED_CODE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^`\n]*\n[\s\S]*?^(?P=fence)`*$", re.MULTILINE)
+_CODE_SPAN = re.compile(r"(^|[^\\])(`+)([^\n]*?[^`\n])\2(?!`)", re.MULTILINE)
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+_MASK = "\0"
+
+
+def _mask_code(text: str) -> str:
+    """``text`` with every ``$`` inside fenced code and code spans replaced (same length)."""
+    text = _FENCED_CODE.sub(lambda m: m.group(0).replace("$", _MASK), text)
+    # group 1 is the character before a span's backticks: not code, kept as it is
+    return _CODE_SPAN.sub(lambda m: m.group(1) + m.group(0)[len(m.group(1)):].replace("$", _MASK), text)
+
+
+def _display_math_end(text: str, start: int) -> int | None:
+    """Index of the ``$$`` that closes display math opened just before ``start``; None when a
+    paragraph break (a blank line) or the end of the cell comes first."""
+    i = start
+    while i < len(text):
+        if text.startswith("\\$", i):
+            i += 2
+        elif text.startswith("$$", i):
+            return i
+        elif _BLANK_LINE.match(text, i):
+            return None
+        else:
+            i += 1
+    return None
+
+
+def markdown_math_dollars(source: str) -> list[tuple[int, str]]:
+    r"""The ``$`` signs of one markdown cell that JupyterLab could typeset as LaTeX, as
+    ``(line number from 1, why)``; empty when every dollar is literal or deliberate display math.
+
+    How JupyterLab 4 renders a markdown cell: its math finder (rendermime's ``removeMath``) cuts out
+    ``$...$`` and ``$$...$$`` spans that close within one paragraph, on one line or across lines;
+    marked renders the rest (turning ``\$`` into a bare ``$``); then MathJax typesets the page, and
+    it too pairs any two bare ``$`` in one paragraph. So ``0.55 $/Mtok and 2.50 $/h`` renders
+    ``/Mtok and 2.50`` as italic math, and ``0.55 \$/Mtok and 2.50 \$/h`` does the same (both
+    checked in JupyterLab 4.6 with headless Chromium). A dollar that stays literal is written
+    ``\\$``: the math finder skips the escaped dollar, marked leaves ``\$``, and MathJax
+    (``processEscapes``) prints ``$``. nbconvert's HTML (nbgrader's feedback) works the same way:
+    mistune, like marked, turns ``\$`` into ``$`` and ``\\$`` into ``\$``, for a MathJax set to
+    ``processEscapes``.
+
+    The rule, on the cell with fenced code blocks and one-line code spans left out (JupyterLab
+    never typesets those):
+
+    - ``\\$`` (two or more backslashes before the ``$``) is a literal dollar: fine;
+    - ``$$ ... $$`` closed before a blank line is display math: fine, its content is not read;
+    - a ``$$`` that nothing closes in its paragraph is reported;
+    - every other ``$`` — bare or ``\$`` — is reported, paired or not: a lone one renders as a
+      dollar only until someone adds another to the paragraph. Inline math, if ever needed, is
+      written ``\\( ... \\)``, which the math finder and MathJax also read.
+    """
+    text = _mask_code(source)
+    problems: list[tuple[int, str]] = []
+
+    def report(index: int, why: str) -> None:
+        problems.append((text.count("\n", 0, index) + 1, why))
+
+    i = 0
+    while i < len(text):
+        if text[i] == "\\":
+            j = i
+            while j < len(text) and text[j] == "\\":
+                j += 1
+            if j < len(text) and text[j] == "$":
+                if j - i == 1:
+                    report(j, "`\\$` reaches MathJax as a bare `$` (Markdown eats the backslash): write `\\\\$`")
+                i = j + 1
+            else:
+                i = j
+        elif text.startswith("$$", i):
+            end = _display_math_end(text, i + 2)
+            if end is None:
+                report(i, "`$$` opens display math that nothing closes in its paragraph")
+                i += 2
+            else:
+                i = end + 2
+        elif text[i] == "$":
+            report(i, "a bare `$` pairs with any other in its paragraph as LaTeX: write `\\\\$` for a dollar sign")
+            i += 1
+        else:
+            i += 1
+    return problems
+
+
+def _is_autograded_test(cell) -> bool:
+    meta = cell.metadata.get("nbgrader", {})
+    return cell.cell_type == "code" and bool(meta.get("grade")) and not meta.get("solution")
+
+
+def _import_aliases(nb) -> dict[str, str]:
+    """Names the master's code cells import, as ``{name: dotted path}`` (``lab02`` ->
+    ``minillm.lab.lab02``)."""
+    aliases: dict[str, str] = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+                    else:
+                        top = alias.name.split(".")[0]
+                        aliases[top] = top
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+def _dotted_name(node) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _resolve(dotted: str):
+    """The object a dotted path names (importing the longest module prefix); None if none."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _returns_none(fn) -> bool:
+    """Whether ``fn`` is annotated ``-> None`` (a string under ``from __future__ import annotations``)."""
+    try:
+        annotation = inspect.signature(fn).return_annotation
+    except (TypeError, ValueError):
+        return False
+    return annotation is None or annotation is type(None) or annotation == "None"
+
+
+def _last_value_problem(tree: ast.Module, aliases: dict[str, str]) -> str | None:
+    """Why the value the cell ends on would reach nbgrader (None when it cannot)."""
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return None
+    value = tree.body[-1].value
+    code = ast.unparse(value)
+    if not isinstance(value, ast.Call):
+        return f"it ends on the expression `{code}`, whose value nbgrader would read as a partial score"
+    name = _dotted_name(value.func)
+    if name == "print":
+        return None
+    head, _, rest = (name or "").partition(".")
+    fn = _resolve(aliases[head] + (f".{rest}" if rest else "")) if name and head in aliases else None
+    if fn is None:
+        return (f"it ends on `{code}`, a call this build cannot trace to an imported function annotated `-> None`; "
+                "nbgrader reads the value a test cell ends on as a partial score")
+    if not _returns_none(fn):
+        return (f"it ends on `{code}`, and {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', name)} is not "
+                "annotated `-> None`: nbgrader reads the value a test cell ends on as a partial score (a helper "
+                "prints its verdict and returns None)")
+    return None
+
+
+def autograded_cell_problems(lab: str, nb) -> list[str]:
+    """What is wrong with the autograded test cells of one master (code cells with nbgrader
+    ``grade: true``), one sentence each, naming the lab and the grade_id:
+
+    - the visible part (what a learner sees: hidden tests cut out) has no ``assert`` statement:
+      a cell that only calls a ``labNN.check_*`` helper passes when the learner monkeypatches the
+      helper away, so every test cell also asserts on the learner's result itself;
+    - the cell, as the learner runs it or as the autograder runs it (hidden tests restored), ends
+      on an expression statement: nbgrader takes the value a test cell ends on (its
+      execute_result) as a partial score. A call is allowed when it is ``print`` or a function the
+      master imports that is annotated ``-> None`` (checked on the imported lab module).
+    """
+    problems: list[str] = []
+    aliases: dict[str, str] | None = None
+    for cell in nb.cells:
+        if not _is_autograded_test(cell):
+            continue
+        grade_id = cell.metadata["nbgrader"].get("grade_id", cell.get("id"))
+        where = f"{lab}: test cell {grade_id} (cell {cell.get('id')})"
+        try:
+            graded = ast.parse(cell.source)
+            visible = ast.parse(_cut_regions(cell.source))
+        except SyntaxError as error:
+            problems.append(f"{where} does not parse as Python: {error}")
+            continue
+        if not any(isinstance(node, ast.Assert) for node in ast.walk(visible)):
+            problems.append(f"{where} has no `assert` before '### BEGIN HIDDEN TESTS': assert on the learner's result "
+                            "in the cell itself (a check_* helper alone can be monkeypatched away)")
+        if aliases is None:
+            aliases = _import_aliases(nb)
+        seen = set()
+        for part, tree in (("as the learner runs it", visible), ("with the hidden tests", graded)):
+            why = _last_value_problem(tree, aliases)
+            if why and why not in seen:
+                seen.add(why)
+                problems.append(f"{where}, {part}: {why}")
+    return problems
+
+
+def markdown_problems(lab: str, nb) -> list[str]:
+    """Every markdown ``$`` of one master that JupyterLab could typeset as LaTeX (see
+    :func:`markdown_math_dollars`), naming the lab, the cell id and the line."""
+    problems = []
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        lines = cell.source.split("\n")
+        for line_number, why in dict.fromkeys(markdown_math_dollars(cell.source)):
+            problems.append(f"{lab}: markdown cell {cell.get('id')}, line {line_number}: {why}:\n"
+                            f"      {lines[line_number - 1]}")
+    return problems
+
+
+def check_masters(labs: list[str], source_dir: Path = SOURCE_DIR) -> None:
+    """Raise ValueError listing every problem :func:`markdown_problems` and
+    :func:`autograded_cell_problems` find in the masters of ``labs``."""
+    problems: list[str] = []
+    for lab in labs:
+        nb = read_master(lab, source_dir)
+        problems += markdown_problems(lab, nb) + autograded_cell_problems(lab, nb)
+    if problems:
+        raise ValueError(f"{len(problems)} problem(s) in grading/source; fix the masters, then run `make labs`:\n"
+                         + "\n".join(f"  {problem}" for problem in problems))
+
+
 def write_course_config(course_root: Path) -> Path:
     """Write ``nbgrader_config.py`` for a throwaway course at ``course_root`` that loads the
     repository's course config and points root and gradebook at ``course_root``."""
@@ -220,8 +470,10 @@ def generate_assignments(course_root: Path, labs: list[str]) -> dict[str, Path]:
 
 
 def render(source_dir: Path = SOURCE_DIR, labs: list[str] | None = None) -> dict[str, str]:
-    """Every generated file as ``{path relative to the repository root: text}``."""
+    """Every generated file as ``{path relative to the repository root: text}``; ValueError first
+    when a master fails :func:`check_masters`."""
     labs = discover_labs(source_dir) if labs is None else labs
+    check_masters(labs, source_dir)
     rendered: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="minillm-build-") as tmp:
         course_root = make_course(Path(tmp) / "course", labs, source_dir)
@@ -280,7 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     if not labs:
         print(f"no masters found under {args.source} (expected NN_topic/NN_topic.ipynb)", file=sys.stderr)
         return 1
-    changed = build(args.out, args.source, check=args.check)
+    try:
+        changed = build(args.out, args.source, check=args.check)
+    except ValueError as error:  # a master fails check_masters: say what, no traceback
+        print(error, file=sys.stderr)
+        return 1
     if args.check:
         if changed:
             print("generated notebooks differ from their masters; run `make labs` (python -m minillm.lab.build):")

@@ -136,7 +136,7 @@ class LatencyExplorer:
 
 
 # ------------------------------------------------------------------ checks
-def check_tokens_per_second(tokens_per_second: Callable) -> str:
+def check_tokens_per_second(tokens_per_second: Callable) -> None:
     """tokens / seconds; a ValueError (naming the value) for seconds <= 0."""
     name = "tokens_per_second"
     cases = [(100, 2.0), (16, 0.25), (1, 4.0), (4096, 1.6)]
@@ -155,10 +155,10 @@ def check_tokens_per_second(tokens_per_second: Callable) -> str:
             raise CheckFailed(f"{call_repr(name, (10, seconds))} raised ZeroDivisionError; raise a ValueError that "
                               "names the bad value instead (e.g. 'seconds=0 must be > 0')") from None
         raise CheckFailed(f"{call_repr(name, (10, seconds))} returned {got!r}; a duration must be > 0: raise ValueError")
-    return passed(name, len(cases) + 2)
+    passed(name, len(cases) + 2)
 
 
-def check_e2e_latency(e2e_latency_s: Callable) -> str:
+def check_e2e_latency(e2e_latency_s: Callable) -> None:
     """e2e = TTFT + TPOT * (num_output_tokens - 1): the first token comes out of the prefill."""
     name = "e2e_latency_s"
     cases = [(0.5, 0.05, 11), (2.0, 0.25, 16), (0.1, 0.02, 1), (1.2, 0.04, 256)]
@@ -172,14 +172,14 @@ def check_e2e_latency(e2e_latency_s: Callable) -> str:
         elif is_close(got, tpot * n):
             hint = "add the time to the first token: e2e = TTFT + the decode steps after it"
         expect_number(name, (ttft, tpot, n), got, want, hint)
-    return passed(name, len(cases))
+    passed(name, len(cases))
 
 
 CHECK_TEXTS = ["Hello world", "The capital of France is", "def f(x):\n    return 2 * x",
                "Donaudampfschifffahrtsgesellschaft", "🙂 tokens are not words"]
 
 
-def check_count_tokens(count_tokens: Callable, tokenizer) -> str:
+def check_count_tokens(count_tokens: Callable, tokenizer) -> None:
     """The number of token ids the engine feeds for a prompt: len(tokenizer.encode(text))."""
     name = "count_tokens"
     for text in CHECK_TEXTS:
@@ -195,4 +195,4 @@ def check_count_tokens(count_tokens: Callable, tokenizer) -> str:
             raise CheckFailed(f"count_tokens(tokenizer, {text!r}) returned {got!r}; expected an int, {want}")
         if got != want:
             raise CheckFailed(f"count_tokens(tokenizer, {text!r}) returned {got}, expected {want}: {hint}")
-    return passed(name, len(CHECK_TEXTS))
+    passed(name, len(CHECK_TEXTS))

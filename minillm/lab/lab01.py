@@ -58,7 +58,7 @@ def reference_decode_bandwidth_bound_tokens_per_s(num_params: float, bytes_per_p
 
 
 # ------------------------------------------------------------------ checks
-def check_ttft_tpot(ttft_tpot_s: Callable) -> str:
+def check_ttft_tpot(ttft_tpot_s: Callable) -> None:
     """TTFT = first token time - arrival; TPOT = mean gap between the tokens after the first."""
     name = "ttft_tpot_s"
     cases = [
@@ -92,10 +92,10 @@ def check_ttft_tpot(ttft_tpot_s: Callable) -> str:
     if tpot is not None:
         raise CheckFailed(f"{call_repr(name, (1.0, [1.5]))} gave tpot_s={tpot!r}, expected None: one token has no gap "
                           "after it, so TPOT is undefined (the engine reports None too)")
-    return passed(name, len(cases) + 1)
+    passed(name, len(cases) + 1)
 
 
-def check_arithmetic_intensity(arithmetic_intensity: Callable) -> str:
+def check_arithmetic_intensity(arithmetic_intensity: Callable) -> None:
     """FLOPs per byte of weights read: 2 * params * tokens / (params * bytes_per_param)."""
     name = "arithmetic_intensity"
     cases = [(1, 7e9, 2), (1, 134.5e6, 4), (512, 7e9, 2), (64, 1e9, 0.5), (3, 2e9, 1)]
@@ -114,10 +114,10 @@ def check_arithmetic_intensity(arithmetic_intensity: Callable) -> str:
         else:
             hint = "intensity = FLOPs / bytes = (2 * num_params * num_tokens) / (num_params * bytes_per_param)"
         expect_number(name, args, got, want, hint)
-    return passed(name, len(cases))
+    passed(name, len(cases))
 
 
-def check_roofline_time(roofline_time_s: Callable) -> str:
+def check_roofline_time(roofline_time_s: Callable) -> None:
     """A step takes as long as the slower of its compute (flops / peak) and its memory traffic."""
     name = "roofline_time_s"
     cases = [
@@ -141,10 +141,10 @@ def check_roofline_time(roofline_time_s: Callable) -> str:
         else:
             hint = "time = max(flops / peak_flops_per_s, bytes_moved / bandwidth_bytes_per_s)"
         expect_number(name, args, got, want, hint)
-    return passed(name, len(cases))
+    passed(name, len(cases))
 
 
-def check_decode_bandwidth_bound(decode_bandwidth_bound_tokens_per_s: Callable) -> str:
+def check_decode_bandwidth_bound(decode_bandwidth_bound_tokens_per_s: Callable) -> None:
     """Batch-1 decode reads every weight once per token: tokens/s <= bandwidth / weight bytes."""
     name = "decode_bandwidth_bound_tokens_per_s"
     cases = [(7e9, 2, 1e12), (6.74e9, 2, 3.35e12), (134.5e6, 4, 16.8e9), (70e9, 0.5, 2e12)]
@@ -163,7 +163,7 @@ def check_decode_bandwidth_bound(decode_bandwidth_bound_tokens_per_s: Callable) 
         else:
             hint = "tokens/s = bandwidth_bytes_per_s / (num_params * bytes_per_param)"
         expect_number(name, args, got, want, hint)
-    return passed(name, len(cases))
+    passed(name, len(cases))
 
 
 # ------------------------------------------------------------------ measurements

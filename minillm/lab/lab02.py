@@ -273,7 +273,7 @@ def _append_failure(case: AppendCase, name: str, got, expected, new, slots) -> s
             f"so write only the listed slots. Case: {case.name}.")
 
 
-def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CASES, seed: int = 0) -> str:
+def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CASES, seed: int = 0) -> None:
     """Run `append_kv` on fresh random pools; say which element is wrong and why."""
     gen = torch.Generator().manual_seed(seed)
     for case in cases:
@@ -303,7 +303,7 @@ def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CA
                                   f"{list(exp.shape)} {exp.dtype}. Case: {case.name}.")
             if not torch.equal(got, exp):
                 raise CheckFailed(_append_failure(case, name, got, exp, new, slots))
-    return passed("append_kv", len(cases))
+    passed("append_kv", len(cases))
 
 
 # ------------------------------------------------------------------- check: attend_with_cache
@@ -389,7 +389,7 @@ def _check_attend_output(out, q, k, v, scale, num_cached, context: str) -> None:
 
 
 def check_attend_with_cache(attend_with_cache: Callable, cases: Sequence[AttendCase] = ATTEND_CASES,
-                            dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
+                            dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
     """Run `attend_with_cache` on fresh random inputs of odd shapes; name the wrong element and the likely cause."""
     gen = torch.Generator().manual_seed(seed)
     for case in cases:
@@ -397,7 +397,7 @@ def check_attend_with_cache(attend_with_cache: Callable, cases: Sequence[AttendC
         context = f"Case: {case.name} (q {list(q.shape)}, k/v {list(k.shape)}, num_cached {case.num_cached}, {dtype})."
         out = _call_attend(attend_with_cache, q, k, v, scale, case.num_cached, context)
         _check_attend_output(out, q, k, v, scale, case.num_cached, context)
-    return passed("attend_with_cache", len(cases))
+    passed("attend_with_cache", len(cases))
 
 
 # ------------------------------------------------------------------- check: in the engine
@@ -461,7 +461,7 @@ def reference_tokens(llm, prompts: Sequence[str], max_tokens: int) -> list[list[
 
 
 def check_in_engine(append_kv: Callable, attend_with_cache: Callable, llm, prompts: Sequence[str] = DEFAULT_CHECK_PROMPTS,
-                    max_tokens: int = 8) -> str:
+                    max_tokens: int = 8) -> None:
     """Greedy generation with your functions plugged into `llm` must give the engine's own tokens."""
     from .. import SamplingParams
 
@@ -498,7 +498,6 @@ def check_in_engine(append_kv: Callable, attend_with_cache: Callable, llm, promp
         message += ("\n  (every attention call matched the engine within rounding, but a near-tie flipped: "
                     + " ".join(near_ties) + ")")
     print(message)
-    return message
 
 
 # =================================================================== 3. toggle: kv on vs off

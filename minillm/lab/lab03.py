@@ -88,7 +88,7 @@ SCHEDULE_CASES = (  # hand-made schedules: (schedule, steps, utilisation, what i
 )
 
 
-def check_num_steps(num_steps: Callable) -> str:
+def check_num_steps(num_steps: Callable) -> None:
     for schedule, expected, _, why in SCHEDULE_CASES:
         got = num_steps([list(s) for s in schedule])
         if got != expected:
@@ -96,10 +96,10 @@ def check_num_steps(num_steps: Callable) -> str:
             if len(schedule) != expected and got == len(schedule):
                 hint = " — you counted the trailing all-idle steps; stop at the last step where a slot is busy"
             raise CheckFailed(f"num_steps({schedule}) returned {got!r}, expected {expected} ({why}){hint}")
-    return passed("num_steps", len(SCHEDULE_CASES))
+    passed("num_steps", len(SCHEDULE_CASES))
 
 
-def check_utilisation(utilisation: Callable) -> str:
+def check_utilisation(utilisation: Callable) -> None:
     for schedule, _, expected, why in SCHEDULE_CASES:
         try:
             got = utilisation([list(s) for s in schedule])
@@ -114,7 +114,7 @@ def check_utilisation(utilisation: Callable) -> str:
                 if abs(got - busy / (len(schedule) * len(schedule[0]))) < 1e-9:
                     hint = " — the trailing idle steps count in neither the steps nor the slot-steps (use num_steps)"
             raise CheckFailed(f"utilisation({schedule}) returned {got!r}, expected {expected:.4g} ({why}){hint}")
-    return passed("utilisation", len(SCHEDULE_CASES))
+    passed("utilisation", len(SCHEDULE_CASES))
 
 
 SIMULATION_CASES = (  # (output_lengths, num_slots)
@@ -204,15 +204,15 @@ def _check_one(simulate: Callable, lengths: Sequence[int], num_slots: int, polic
 
 
 def check_simulate_batching(simulate: Callable, policies: Sequence[str] = POLICIES,
-                            cases: Sequence[tuple[Sequence[int], int]] = SIMULATION_CASES) -> str:
+                            cases: Sequence[tuple[Sequence[int], int]] = SIMULATION_CASES) -> None:
     """Run the learner's simulator on a few workloads; say which rule a schedule breaks."""
     for policy in policies:
         for lengths, num_slots in cases:
             _check_one(simulate, lengths, num_slots, policy)
-    return passed(f"simulate_batching ({', '.join(policies)})", len(cases) * len(policies))
+    passed(f"simulate_batching ({', '.join(policies)})", len(cases) * len(policies))
 
 
-def check_largest_batch_meeting_floor(choose: Callable) -> str:
+def check_largest_batch_meeting_floor(choose: Callable) -> None:
     cases = (  # (batch_sizes, per_user_tps, floor, expected, why)
         ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 20.0, 4, "per-user speed falls as the batch grows"),
         ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 30.0, 4, "a batch exactly at the floor meets it (>=)"),
@@ -229,7 +229,7 @@ def check_largest_batch_meeting_floor(choose: Callable) -> str:
                 hint = " — use >= (a batch exactly at the floor meets it)"
             raise CheckFailed(f"largest_batch_meeting_floor({sizes}, {tps}, floor={floor}) returned {got!r}, "
                               f"expected {expected!r} ({why}){hint}")
-    return passed("largest_batch_meeting_floor", len(cases))
+    passed("largest_batch_meeting_floor", len(cases))
 
 
 # =================================================================== the Gantt chart

@@ -95,7 +95,7 @@ def _expect_raises(kind: type, fn: Callable, context: str, why: str):
     raise CheckFailed(f"{context} returned {result!r}; expected it to raise {kind.__name__} ({why})")
 
 
-def check_allocate_and_slot(cls) -> str:
+def check_allocate_and_slot(cls) -> None:
     """allocate() hands out ceil(n / block_size) free blocks; slot() maps a position through the table."""
     alloc = _new(cls, 8, 4)
     _expect_free(alloc, 8, "a new BlockAllocator(8, 4)", "every block is free at the start")
@@ -132,10 +132,10 @@ def check_allocate_and_slot(cls) -> str:
     _expect_free(alloc, 0, "after the pool was used up")
     if set(rest) & (set(table) | set(one)):
         raise CheckFailed(f"allocate(16) returned {rest}, sharing a block with the live tables {table} and {one}")
-    return passed("allocate and slot", 10)
+    passed("allocate and slot", 10)
 
 
-def check_append(cls) -> str:
+def check_append(cls) -> None:
     """append() grows a table in place by fresh blocks, only when the new length needs them."""
     alloc = _new(cls, 6, 4)
     table = alloc.allocate(3)
@@ -166,10 +166,10 @@ def check_append(cls) -> str:
     other = alloc.allocate(8)
     if set(other) & set(table):
         raise CheckFailed(f"allocate(8) returned {other}, sharing a block with the grown table {table}")
-    return passed("append", 7)
+    passed("append", 7)
 
 
-def check_free(cls) -> str:
+def check_free(cls) -> None:
     """free() returns blocks to the pool; a double free raises ValueError and changes nothing."""
     alloc = _new(cls, 4, 4)
     table = alloc.allocate(8)
@@ -189,10 +189,10 @@ def check_free(cls) -> str:
                  f"block {b[0]} must stay owned: check every block of the table before changing any")
     alloc.free(b)
     _expect_free(alloc, 4, "after the last table was freed")
-    return passed("free", 6)
+    passed("free", 6)
 
 
-def check_fork(cls) -> str:
+def check_fork(cls) -> None:
     """fork() adds an owner to every block; a block returns to the pool when its last owner frees it."""
     alloc = _new(cls, 4, 4)
     parent = alloc.allocate(8)
@@ -215,10 +215,10 @@ def check_fork(cls) -> str:
     _expect_raises(ValueError, lambda: alloc.fork(parent), "fork of a table whose blocks are all free",
                    "a free block has no owner to share it with")
     _expect_free(alloc, 4, "after a refused fork")
-    return passed("fork (reference counts)", 7)
+    passed("fork (reference counts)", 7)
 
 
-def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int = 24, block_size: int = 4) -> str:
+def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int = 24, block_size: int = 4) -> None:
     """Random allocate / append / fork / free / slot sequences, with the engine's BlockManager
     (paged) as the oracle for the free count and for which calls must fail."""
     rng = random.Random(seed)
@@ -321,7 +321,7 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
                  f"operations ({len(owned())} distinct blocks are owned by live tables)")
         if got_free != num_blocks - len(owned()):
             fail(f"num_free_blocks is {got_free} but live tables own {len(owned())} of {num_blocks} blocks")
-    return passed(f"{num_ops} random operations vs the engine's BlockManager (seed {seed})", num_ops)
+    passed(f"{num_ops} random operations vs the engine's BlockManager (seed {seed})", num_ops)
 
 
 # ------------------------------------------------------------------ the engine on your allocator
@@ -511,7 +511,7 @@ CONCURRENCY_CASES = (  # (budget_tokens, lengths, max_model_len, block_size, wha
 )
 
 
-def check_max_concurrent(max_concurrent: Callable, cases=CONCURRENCY_CASES) -> str:
+def check_max_concurrent(max_concurrent: Callable, cases=CONCURRENCY_CASES) -> None:
     for budget, lengths, max_len, block, why in cases:
         for paged in (False, True):
             call = f"max_concurrent({budget}, {lengths if len(lengths) < 6 else f'[{lengths[0]}] * {len(lengths)}'}, " \
@@ -529,7 +529,7 @@ def check_max_concurrent(max_concurrent: Callable, cases=CONCURRENCY_CASES) -> s
                 elif paged and isinstance(got, (int, float)) and got > want:
                     hint = " — admit requests in order and stop at the first that does not fit (first come, first served)"
                 raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}){hint}")
-    return passed("max_concurrent", 2 * len(cases))
+    passed("max_concurrent", 2 * len(cases))
 
 
 class ConcurrencyExplorer:
@@ -687,7 +687,7 @@ def _diagnose_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, bl
     return where + " — compare your loop, step by step, with the torch spec above"
 
 
-def check_paged_decode(paged_decode: Callable, cases=KERNEL_CASES, seed: int = 0, device: str | None = None) -> str:
+def check_paged_decode(paged_decode: Callable, cases=KERNEL_CASES, seed: int = 0, device: str | None = None) -> None:
     """Your kernel vs the reference on scattered, NaN-poisoned pools (fp32)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tol = 1e-4
@@ -705,7 +705,7 @@ def check_paged_decode(paged_decode: Callable, cases=KERNEL_CASES, seed: int = 0
         if out.isnan().any() or not torch.allclose(out.float().cpu(), want, atol=tol, rtol=tol):
             raise CheckFailed(f"{call} ({why}): " + _diagnose_kernel(out, q, k_cache, v_cache, block_tables, lens,
                                                                      scale, block_size, want, tol))
-    return passed("paged_decode", len(cases))
+    passed("paged_decode", len(cases))
 
 
 # ------------------------------------------------------------------ the kernel inside the engine

@@ -138,7 +138,7 @@ HIDDEN_INT8_CASES = ((3, 5), (128, 1), (257, 64))
 
 
 def check_int8(quantize_int8: Callable, dequantize_int8: Callable, cases=INT8_CASES, seed: int = 0,
-               zero_rows: bool = False, dtype=torch.float32) -> str:
+               zero_rows: bool = False, dtype=torch.float32) -> None:
     """Codes and scales equal minillm.quant.int8's on fresh random matrices; the error is at most scale / 2.
     zero_rows=True sets some rows to 0 (their scale must stay finite and their codes 0)."""
     for i, (n, k) in enumerate(cases):
@@ -203,7 +203,7 @@ def check_int8(quantize_int8: Callable, dequantize_int8: Callable, cases=INT8_CA
             hint = " — multiply each row's codes by its own scale: q * scale[:, None]"
             raise CheckFailed(f"dequantize_int8: w[{r}, {c}] = {float(w[r, c]):.5g} came back as {float(deq[r, c]):.5g}, an "
                               f"error of {float(err[r, c]):.3g} > scale / 2 = {float(want_scale[r]) / 2:.3g}{hint}")
-    return passed("int8 per-channel quantize / dequantize", len(cases))
+    passed("int8 per-channel quantize / dequantize", len(cases))
 
 
 # ------------------------------------------------------------------ C. int4 group-wise
@@ -212,7 +212,7 @@ HIDDEN_INT4_CASES = ((1, 32, 32), (129, 192, 64), (3, 640, 128))
 
 
 def check_int4(quantize_int4: Callable, dequantize_int4: Callable, cases=INT4_CASES, seed: int = 0,
-               constant_groups: bool = False) -> str:
+               constant_groups: bool = False) -> None:
     """Codes, scales and zeros equal minillm.quant.int4's (unpacked); the error is at most scale / 2 per group.
     constant_groups=True makes some groups constant (scale 0 -> must stay finite, codes 0)."""
     for i, (n, k, g) in enumerate(cases):
@@ -284,14 +284,14 @@ def check_int4(quantize_int4: Callable, dequantize_int4: Callable, cases=INT4_CA
             raise CheckFailed(f"{dcall}: w[{r}, {c}] = {float(w[r, c]):.5g} came back as {float(deq[r, c]):.5g} "
                               f"(error {float(err[r, c]):.3g} > scale / 2 = {float(want_scale[r, c // g]) / 2:.3g}) — "
                               f"w = q * scale + zero with the scale and zero of group {c // g} (column {c} // {g})")
-    return passed("int4 group-wise quantize / dequantize", len(cases))
+    passed("int4 group-wise quantize / dequantize", len(cases))
 
 
 PACK_CASES = ((4, 8), (7, 32), (1, 2))
 HIDDEN_PACK_CASES = ((33, 130), (2, 576))
 
 
-def check_pack(pack_int4: Callable, unpack_int4: Callable, cases=PACK_CASES, seed: int = 0) -> str:
+def check_pack(pack_int4: Callable, unpack_int4: Callable, cases=PACK_CASES, seed: int = 0) -> None:
     """pack_int4 gives minillm.quant.int4.pack_int4's bytes (low nibble = even column); unpack inverts it."""
     for i, (n, k) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + 20 + i)
@@ -320,7 +320,7 @@ def check_pack(pack_int4: Callable, unpack_int4: Callable, cases=PACK_CASES, see
                 hint = (" — the low nibbles came first, then the high ones: interleave them back "
                         "(torch.stack([low, high], dim=-1).reshape(N, K))")
             raise CheckFailed(f"{ucall}: element [{r}, {c}] is {int(back[r, c])}, expected {int(q[r, c])}{hint}")
-    return passed("pack_int4 / unpack_int4 in minillm's layout", len(cases))
+    passed("pack_int4 / unpack_int4 in minillm's layout", len(cases))
 
 
 # ------------------------------------------------------------------ D. error vs bits and group size
@@ -443,7 +443,7 @@ HIDDEN_KERNEL_CASES = (
 )
 
 
-def check_int4_matmul(int4_matmul: Callable, cases=KERNEL_CASES, seed: int = 0, device: str | None = None) -> str:
+def check_int4_matmul(int4_matmul: Callable, cases=KERNEL_CASES, seed: int = 0, device: str | None = None) -> None:
     """Your kernel vs x @ dequantize(W).T on fresh random matrices (fp32, tolerance 1e-3 relative)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     for i, (m, n, k, g, why) in enumerate(cases):
@@ -480,7 +480,7 @@ def check_int4_matmul(int4_matmul: Callable, cases=KERNEL_CASES, seed: int = 0, 
             raise CheckFailed(where + " — some rows or column blocks are right, others wrong: check the offsets that use "
                               "program_id (row * K for x, row * N for y, cols * (K // 2) for packed)")
         raise CheckFailed(where + " — compare your loop with int4_matmul_spec above, one group at a time")
-    return passed("int4_matmul", len(cases))
+    passed("int4_matmul", len(cases))
 
 
 def kernel_matmul(int4_matmul: Callable, counter: dict | None = None) -> Callable:
@@ -772,7 +772,7 @@ SALIENT_CASES = ((64, 300, 0.01), (16, 576, 0.01), (8, 1000, 0.05))
 HIDDEN_SALIENT_CASES = ((5, 40, 0.01), (32, 1536, 0.02))
 
 
-def check_salient_channels(salient_channels: Callable, cases=SALIENT_CASES, seed: int = 0) -> str:
+def check_salient_channels(salient_channels: Callable, cases=SALIENT_CASES, seed: int = 0) -> None:
     """The same set of channels as mean-|x| top-k, on activations with planted outlier channels."""
     for i, (t, k, fraction) in enumerate(cases):
         x, planted, spike = _planted_activations(t, k, seed + i)
@@ -806,7 +806,7 @@ def check_salient_channels(salient_channels: Callable, cases=SALIENT_CASES, seed
                         "over tokens, not the max")
             missing = sorted(set(want.tolist()) - got)[:3]
             raise CheckFailed(f"{call}: channels {missing} have the largest mean |x| but are not in your answer{hint}")
-    return passed("salient_channels", len(cases))
+    passed("salient_channels", len(cases))
 
 
 def collect_linear_inputs(llm, token_ids: Sequence[int], names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
@@ -938,7 +938,7 @@ def kv_reference(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_va
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_value
 
 
-def check_kv_bytes_per_token(kv_bytes_per_token: Callable, llm=None) -> str:
+def check_kv_bytes_per_token(kv_bytes_per_token: Callable, llm=None) -> None:
     """Against the arithmetic on several shapes, and against the engine's own `llm.kv_bytes_per_token`."""
     cases = [(30, 3, 64, 4), (30, 3, 64, 2), (32, 8, 128, 2), (32, 32, 128, 2), (1, 1, 80, 1), (80, 8, 128, 0.5)]
     for args in cases:
@@ -960,10 +960,10 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, llm=None) -> str:
         if got != llm.kv_bytes_per_token:
             raise CheckFailed(f"for the loaded model your kv_bytes_per_token gives {got}, the engine allocates "
                               f"{llm.kv_bytes_per_token} bytes per token")
-    return passed("kv_bytes_per_token", len(cases) + (llm is not None))
+    passed("kv_bytes_per_token", len(cases) + (llm is not None))
 
 
-def check_sequences_that_fit(sequences_that_fit: Callable) -> str:
+def check_sequences_that_fit(sequences_that_fit: Callable) -> None:
     cases = [(80 * GiB, 4096, 131072), (1 << 30, 1000, 46080), (10, 1, 11), (46080 * 512 * 3, 512, 46080)]
     for budget, seq_len, per_token in cases:
         call = f"sequences_that_fit({budget}, {seq_len}, {per_token})"
@@ -976,7 +976,7 @@ def check_sequences_that_fit(sequences_that_fit: Callable) -> str:
             elif isinstance(got, int) and got == -(-budget // (seq_len * per_token)):
                 hint = " — rounded up: the last sequence would not fit"
             raise CheckFailed(f"{call} returned {got!r}, expected {budget} // ({seq_len} * {per_token}) = {want}{hint}")
-    return passed("sequences_that_fit", len(cases))
+    passed("sequences_that_fit", len(cases))
 
 
 def kv_table(kv_bytes_per_token: Callable, sequences_that_fit: Callable, seq_len: int = 4096,

@@ -109,7 +109,7 @@ def _why_equal(a, b, i: int, bs: int) -> str:
     return f"block {i} differs ({own_a} vs {own_b}) — two different prefixes collided"
 
 
-def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 0) -> str:
+def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 0) -> None:
     """Keys agree exactly where prompts agree: key i of prompts a and b are equal iff their first
     (i + 1) * block_size tokens and their salts are equal. One key per full block, hashable, stable."""
     if block_size < 1:
@@ -142,7 +142,7 @@ def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 
                 if equal and not same:
                     raise CheckFailed(f"block {i} ({bs} tokens a block): {a[0]!r} and {b[0]!r} got the same key, but "
                                       + _why_equal(a, b, i, bs))
-    return passed("block_hashes", num_pairs)
+    passed("block_hashes", num_pairs)
 
 
 def reference_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
@@ -174,7 +174,7 @@ LOOKUP_CASES = (  # (cache, keys, what it shows)
 )
 
 
-def check_lookup(lookup: Callable, cases=LOOKUP_CASES) -> str:
+def check_lookup(lookup: Callable, cases=LOOKUP_CASES) -> None:
     for cache, keys, why in cases:
         call = f"lookup({cache}, {keys})"
         got = _call(lookup, (dict(cache), list(keys)), call)
@@ -190,11 +190,11 @@ def check_lookup(lookup: Callable, cases=LOOKUP_CASES) -> str:
             elif isinstance(got, (list, tuple)) and sorted(got) == sorted(want):
                 hint = " — keep the keys' order: block i of the prompt is the i-th block id"
             raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}){hint}")
-    return passed("lookup", len(cases))
+    passed("lookup", len(cases))
 
 
 def check_reusable_blocks(reusable_blocks: Callable, block_hashes: Callable, block_size: int = 4,
-                          seed: int = 0) -> str:
+                          seed: int = 0) -> None:
     """A cache filled with one earlier request's blocks (keys from your block_hashes), then prompts
     that share its start, diverge, end on a block boundary, carry a salt."""
     rng = random.Random(seed)
@@ -237,7 +237,7 @@ def check_reusable_blocks(reusable_blocks: Callable, block_hashes: Callable, blo
                         hint = " — pass the salt on to block_hashes: another tenant's blocks must not match"
                     raise CheckFailed(f"{call} with the cache of an earlier {len(first)}-token request "
                                       f"(salt {cache_salt!r}) returned {got!r}, expected {want} ({why})" + hint)
-    return passed("reusable_blocks", num_cases)
+    passed("reusable_blocks", num_cases)
 
 
 # =================================================================== C. the engine on your hash chain
@@ -318,7 +318,7 @@ def print_hash_run(result: dict) -> None:
           "(once per full block of each request: the engine keeps a request's keys)")
 
 
-def check_hash_run(result: dict) -> str:
+def check_hash_run(result: dict) -> None:
     if not result["equal"]:
         raise CheckFailed(f"with your hash chain the engine generated {result['tokens']}, with the cache off "
                           f"{result['expected']}: a block was served after a different start — check that each key "
@@ -329,7 +329,7 @@ def check_hash_run(result: dict) -> str:
                           "(and different ones different keys)")
     if not any(result["cached_tokens"]):
         raise CheckFailed("no request found a cached block: the prompts share a system prompt, so later ones should")
-    return passed("the engine on your hash chain", len(result["tokens"]))
+    passed("the engine on your hash chain", len(result["tokens"]))
 
 
 # =================================================================== D. measurements
@@ -524,7 +524,7 @@ COST_CASES = (  # (args, kwargs, what it shows)
 )
 
 
-def check_cached_cost(cached_cost: Callable, cases=COST_CASES) -> str:
+def check_cached_cost(cached_cost: Callable, cases=COST_CASES) -> None:
     for args, kwargs, why in cases:
         got = _call(lambda *a: cached_cost(*a, **kwargs), args, f"cached_cost{args}")
         want = reference_cached_cost(*args, **kwargs)
@@ -546,7 +546,7 @@ def check_cached_cost(cached_cost: Callable, cases=COST_CASES) -> str:
                 hint = "no requests, nothing billed"
         name = "cached_cost" if not kwargs else f"cached_cost[{', '.join(f'{k}={v}' for k, v in kwargs.items())}]"
         expect_number(name, args, got, want, hint=(hint or why))
-    return passed("cached_cost", len(cases))
+    passed("cached_cost", len(cases))
 
 
 def cost_figure(cached_cost: Callable, prefix_tokens: int = 10_000, suffix_tokens: int = 0, max_requests: int = 20):

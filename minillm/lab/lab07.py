@@ -161,7 +161,7 @@ def _diagnose_greedy(proposal, target, got, want) -> str:
     return "keep the proposal's agreeing prefix, then the target's token at the first disagreement (or the bonus)"
 
 
-def check_greedy_verify(greedy_verify: Callable, seed: int = 0, num_cases: int = 200) -> str:
+def check_greedy_verify(greedy_verify: Callable, seed: int = 0, num_cases: int = 200) -> None:
     """Your verifier vs minillm.spec.verify.greedy_verify on random cases."""
     for proposal, target in _greedy_cases(seed, num_cases):
         got = greedy_verify(list(proposal), list(target))
@@ -169,10 +169,10 @@ def check_greedy_verify(greedy_verify: Callable, seed: int = 0, num_cases: int =
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
             raise CheckFailed(f"greedy_verify({proposal}, {target}) returned {got!r}, expected {want}: "
                               + _diagnose_greedy(proposal, target, got if isinstance(got, (list, tuple)) else [], want))
-    return passed("greedy_verify", num_cases)
+    passed("greedy_verify", num_cases)
 
 
-def check_greedy_verify_edges(greedy_verify: Callable) -> str:
+def check_greedy_verify_edges(greedy_verify: Callable) -> None:
     cases = [([], [7], "an empty proposal: a plain decode step, the target's token only"),
              ([1, 2, 3], [9, 2, 3, 4], "nothing accepted: the first proposal is already wrong"),
              ([1, 2, 3], [1, 2, 3, 4], "all accepted, plus the bonus token"),
@@ -184,7 +184,7 @@ def check_greedy_verify_edges(greedy_verify: Callable) -> str:
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
             raise CheckFailed(f"greedy_verify({proposal}, {target}) returned {got!r}, expected {want} ({why}): "
                               + _diagnose_greedy(proposal, target, got if isinstance(got, (list, tuple)) else [], want))
-    return passed("greedy_verify edge cases", len(cases))
+    passed("greedy_verify edge cases", len(cases))
 
 
 # =================================================================== 3. the n-gram proposer
@@ -240,7 +240,7 @@ def _ngram_cases(seed: int, num: int):
     return cases
 
 
-def check_ngram_propose(ngram_propose: Callable, seed: int = 0, num_cases: int = 300) -> str:
+def check_ngram_propose(ngram_propose: Callable, seed: int = 0, num_cases: int = 300) -> None:
     """Your proposer vs minillm.spec.ngram.ngram_propose on random short sequences."""
     for ids, k, max_n, min_n in _ngram_cases(seed, num_cases):
         got = ngram_propose(list(ids), k, max_n=max_n, min_n=min_n)
@@ -249,10 +249,10 @@ def check_ngram_propose(ngram_propose: Callable, seed: int = 0, num_cases: int =
             got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else []
             raise CheckFailed(f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n}) returned {got!r}, "
                               f"expected {want}: " + _diagnose_ngram(ids, k, max_n, min_n, got_list))
-    return passed("ngram_propose", num_cases)
+    passed("ngram_propose", num_cases)
 
 
-def check_ngram_edges(ngram_propose: Callable) -> str:
+def check_ngram_edges(ngram_propose: Callable) -> None:
     cases = [([1, 2, 3, 1, 2], 4, 3, 1, "continuation clipped at the end: [3, 1, 2] then nothing more"),
              ([4, 5, 6, 7], 3, 3, 1, "no earlier occurrence: []"),
              ([], 3, 3, 1, "an empty sequence"),
@@ -268,7 +268,7 @@ def check_ngram_edges(ngram_propose: Callable) -> str:
             got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else []
             raise CheckFailed(f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n}) returned {got!r}, "
                               f"expected {want} ({why}): " + _diagnose_ngram(ids, k, max_n, min_n, got_list))
-    return passed("ngram_propose edge cases", len(cases))
+    passed("ngram_propose edge cases", len(cases))
 
 
 # =================================================================== 4. the engine on your functions
@@ -301,7 +301,7 @@ def print_plugged(result: dict) -> None:
         print(f"  {text[:100]!r}")
 
 
-def check_plugged(result: dict) -> str:
+def check_plugged(result: dict) -> None:
     if result["record"]["verify_calls"] == 0 or result["record"]["propose_calls"] == 0:
         raise CheckFailed("the engine never called your functions: run the cell above with speculative='ngram'")
     if not result["equal"]:
@@ -314,7 +314,7 @@ def check_plugged(result: dict) -> str:
     if not result["accepted"] > 0:
         raise CheckFailed("no proposed token was accepted on prompts that repeat themselves: check ngram_propose "
                           "(the proposals must continue an earlier occurrence of the sequence's last tokens)")
-    return passed("the engine on your proposer and verifier", len(result["tokens"]))
+    passed("the engine on your proposer and verifier", len(result["tokens"]))
 
 
 # =================================================================== 5. rejection sampling
@@ -413,7 +413,7 @@ def print_chi_square(report: dict, name: str = "your rejection_sample") -> None:
         print(f"  position {r['position']} ({r['n']:>5} tokens): observed [{obs}]  target [{tgt}]  {verdict}")
 
 
-def check_rejection_sample_shape(rejection_sample: Callable) -> str:
+def check_rejection_sample_shape(rejection_sample: Callable) -> None:
     """Deterministic corners: q == p accepts everything; p(x) = 0 always rejects x."""
     vocab, k = 5, 3
     p = torch.full((k + 1, vocab), 1 / vocab, dtype=torch.float64)
@@ -436,11 +436,11 @@ def check_rejection_sample_shape(rejection_sample: Callable) -> str:
     out = rejection_sample([], torch.zeros(0, vocab, dtype=torch.float64), p[:1].clone(), g)
     if not isinstance(out, (list, tuple)) or len(out) != 1:
         raise CheckFailed(f"an empty proposal is a plain step: one token drawn from target_probs[0]; got {out!r}")
-    return passed("rejection_sample corners", 41)
+    passed("rejection_sample corners", 41)
 
 
 def check_rejection_sample(rejection_sample: Callable, num_rounds: int = 3000, seed: int = 0, vocab: int = 6,
-                           k: int = 3, far: bool = True) -> str:
+                           k: int = 3, far: bool = True) -> None:
     """The chi-square test: tokens emitted at every position follow the target's p."""
     report = chi_square_report(rejection_sample, num_rounds, vocab, k, seed, far)
     for r in report["rows"]:
@@ -454,7 +454,7 @@ def check_rejection_sample(rejection_sample: Callable, num_rounds: int = 3000, s
             raise CheckFailed(f"chi-square test at position {r['position']}: the emitted tokens' frequencies "
                               f"{[round(v, 3) for v in r['observed']]} do not follow the target's "
                               f"{[round(v, 3) for v in r['target']]} (p-value {r['p_value']:.2g} < {ALPHA}): {hint}")
-    return passed(f"rejection_sample chi-square (k = {k}, {num_rounds} rounds)", k + 1)
+    passed(f"rejection_sample chi-square (k = {k}, {num_rounds} rounds)", k + 1)
 
 
 def distribution_figure(report: dict, wrong: dict | None = None, position: int = 0):
@@ -485,7 +485,7 @@ def run_sampled(llm, rejection_sample: Callable, prompt: dict, k: int = 4, max_t
 
 
 # =================================================================== 6. the k sweep
-def check_expected_tokens_per_pass(fn: Callable) -> str:
+def check_expected_tokens_per_pass(fn: Callable) -> None:
     cases = [(0.0, 4), (0.5, 1), (0.5, 3), (0.8, 8), (0.9, 2), (1.0, 5), (1.0, 1), (0.3, 0), (0.999, 6)]
     for alpha, k in cases:
         want = float(sum(alpha ** i for i in range(k + 1)))
@@ -498,7 +498,7 @@ def check_expected_tokens_per_pass(fn: Callable) -> str:
                 elif math.isclose(got, want - 1, rel_tol=1e-6, abs_tol=1e-12):
                     hint = "you counted the accepted proposals only; the target's own token (1) comes every pass"
             raise CheckFailed(f"expected_tokens_per_pass({alpha}, {k}) returned {got!r}, expected {want:.6g}: {hint}")
-    return passed("expected_tokens_per_pass", len(cases))
+    passed("expected_tokens_per_pass", len(cases))
 
 
 def available_methods() -> tuple[str, ...]:

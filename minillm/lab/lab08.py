@@ -122,7 +122,7 @@ def _diagnose_sse(lines: list[str], got: list, want: list[dict]) -> str:
     return "json.loads the text after 'data:' (one optional space), skip every other line, stop at [DONE]"
 
 
-def check_parse_sse(parse_sse: Callable) -> str:
+def check_parse_sse(parse_sse: Callable) -> None:
     """Your parser vs the reference on streams with separators, comments, fields, [DONE] and '\\r'."""
     cases = _sse_cases()
     for lines, why in cases:
@@ -136,7 +136,7 @@ def check_parse_sse(parse_sse: Callable) -> str:
             got_list = list(got) if isinstance(got, (list, tuple)) else []
             raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}): "
                               + _diagnose_sse(lines, got_list, want))
-    return passed("parse_sse", len(cases))
+    passed("parse_sse", len(cases))
 
 
 # =================================================================== 2. timing a stream
@@ -224,7 +224,7 @@ def _diagnose_stream(timed_lines, sent_s, got: dict, want: dict) -> str:
     return "ttft_s = first text chunk's arrival - sent_s; itl_s = gaps between consecutive text chunks' arrivals"
 
 
-def check_stream_metrics(stream_metrics: Callable) -> str:
+def check_stream_metrics(stream_metrics: Callable) -> None:
     """Your stream timer vs the reference on synthetic timed streams (chat and completions)."""
     cases = _stream_cases()
     for timed_lines, sent_s, why in cases:
@@ -246,7 +246,7 @@ def check_stream_metrics(stream_metrics: Callable) -> str:
                      for k, v in want.items()}
             raise CheckFailed(f"{call} returned {got!r}, expected {shown}: "
                               + _diagnose_stream(timed_lines, sent_s, got, want))
-    return passed("stream_metrics", len(cases))
+    passed("stream_metrics", len(cases))
 
 
 # =================================================================== 3. goodput
@@ -316,7 +316,7 @@ def _diagnose_goodput(records, slo, duration_s, got: float) -> str:
     return "count the successful requests whose every named metric is <= its limit (None meets it), divide by duration_s"
 
 
-def check_goodput(goodput: Callable) -> str:
+def check_goodput(goodput: Callable) -> None:
     """Your goodput vs the reference on hand-made and random benchmark records."""
     cases = _goodput_cases()
     for records, slo, duration_s, why in cases:
@@ -330,7 +330,7 @@ def check_goodput(goodput: Callable) -> str:
             raise CheckFailed(f"{call} returned {shown}, expected {want:.4g} ({why}): "
                               + (_diagnose_goodput(records, slo, duration_s, got) if _number(got) else
                                  "return a float: good requests per second"))
-    return passed("goodput", len(cases))
+    passed("goodput", len(cases))
 
 
 # =================================================================== 4. USD per million tokens
@@ -360,7 +360,7 @@ def _diagnose_cost(tokens_per_s: float, hourly_usd: float, got: float) -> str:
     return "seconds per million tokens = 1e6 / tokens_per_s; their cost = that × hourly_usd / 3600"
 
 
-def check_cost_per_million(cost_per_million: Callable) -> str:
+def check_cost_per_million(cost_per_million: Callable) -> None:
     """Your price per million tokens vs the reference, and a clear error for a rate <= 0."""
     for tokens_per_s, hourly_usd in COST_CASES:
         call = f"cost_per_million({tokens_per_s:.6g}, {hourly_usd})"
@@ -383,7 +383,7 @@ def check_cost_per_million(cost_per_million: Callable) -> str:
                               "naming the value (a rate of 0 tokens/s has no price per token)") from exc
         raise CheckFailed(f"cost_per_million({bad}, 2.5) returned {got!r}; raise ValueError naming the value "
                           "(tokens_per_s must be > 0)")
-    return passed("cost_per_million", len(COST_CASES) + 3)
+    passed("cost_per_million", len(COST_CASES) + 3)
 
 
 # =================================================================== 5. the batch size from a floor
@@ -451,7 +451,7 @@ def _diagnose_choose(measurements, floor, got) -> str:
     return "filter per_user_tps >= floor, then the lowest usd_per_mtok (the smaller batch on a tie)"
 
 
-def check_choose_batch_size(choose_batch_size: Callable) -> str:
+def check_choose_batch_size(choose_batch_size: Callable) -> None:
     """Your choice vs the reference on smooth, bumpy, tied, shuffled and empty sweeps."""
     cases = _choose_cases()
     for measurements, floor, why in cases:
@@ -463,7 +463,7 @@ def check_choose_batch_size(choose_batch_size: Callable) -> str:
                               for m in measurements)
             raise CheckFailed(f"{call} returned {got!r}, expected {want!r} ({why}; {table or 'empty'}): "
                               + _diagnose_choose(measurements, floor, got))
-    return passed("choose_batch_size", len(cases))
+    passed("choose_batch_size", len(cases))
 
 
 # =================================================================== the server, raw
@@ -522,7 +522,7 @@ def print_stream(run: dict, num_lines: int = 6) -> None:
     print(f"  openai text: {run['openai_text']!r}")
 
 
-def check_stream(run: dict) -> str:
+def check_stream(run: dict) -> None:
     """Your stream_metrics on the server's real stream: the openai client's text, the reference timings."""
     mine, want = run["mine"], run["reference"]
     if not isinstance(mine, dict) or not {"text", "ttft_s", "itl_s"} <= set(mine):
@@ -539,7 +539,7 @@ def check_stream(run: dict) -> str:
                           f"text, so {len(want['itl_s'])} gaps between them")
     if not want["ttft_s"] > 0:
         raise CheckFailed("the first token arrived before the request was sent: time with time.perf_counter()")
-    return passed("your stream timer on the server's stream", 1 + len(want["itl_s"]))
+    passed("your stream timer on the server's stream", 1 + len(want["itl_s"]))
 
 
 def stream_figure(run: dict, device: str):
@@ -593,7 +593,7 @@ def slo_ms(slo: dict) -> dict:
     return {key[:-2]: value * 1e3 for key, value in slo.items()}
 
 
-def check_goodput_on(goodput: Callable, result, slo: dict) -> str:
+def check_goodput_on(goodput: Callable, result, slo: dict) -> None:
     """Your goodput on the benchmark's records equals the load generator's own (same SLOs)."""
     got = _call(goodput, (records(result), dict(slo), result.duration_s), f"goodput(records(bench), {slo}, ...)")
     num_good = sum(r.meets(slo_ms(slo)) for r in result.records)   # the load generator's own verdicts
@@ -602,7 +602,7 @@ def check_goodput_on(goodput: Callable, result, slo: dict) -> str:
         raise CheckFailed(f"your goodput on the benchmark's {len(result.records)} records with {slo} is {got!r} req/s; "
                           f"the load generator counts {num_good} good requests in {result.duration_s:.2f} s = "
                           f"{want:.4g} req/s")
-    return passed("goodput on the measured records", len(result.records))
+    passed("goodput on the measured records", len(result.records))
 
 
 def requests_figure(result, device: str, slo: dict | None = None):
