@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         times = {**grading.quick_times(), **measured}
         grading.QUICK_TIMES.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         for lab, entry in sorted(measured.items()):
-            print(f"{lab}: {entry['quick_s']:.1f} s graded, slowest cell {entry['slowest_cell_s']:.1f} s "
+            print(f"{lab}: graded in {entry['quick_s']:.1f} s ({entry['cells_s']:.1f} s in its cells), "
+                  f"slowest cell {entry['slowest_cell_s']:.1f} s "
                   f"-> cell timeout {grading.cell_timeout_for(lab, times)} s")
         print(f"wrote {grading.QUICK_TIMES}")
         return 0

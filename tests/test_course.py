@@ -1,15 +1,17 @@
 """The course pipeline: masters -> labs/ + solutions/ (no drift), the nbgrader round trip
-(solution = full marks, untouched student copy = 0), and every solution runs headless."""
+(solution = full marks, a cheating copy = 0, feedback without hidden tests), and every solution
+runs headless."""
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from lab_utils import write_probe_master
+from lab_utils import cheating_copy
 
 from minillm.lab import build, grading
 
@@ -188,66 +190,91 @@ def test_committed_notebook_is_small_and_carries_no_widget_state(path):
 # --- nbgrader round trip -----------------------------------------------------------------------
 
 
+# Labs whose cheating copy is graded in make test; the others' run in the slow suite (the static
+# test_cheating_copy_grades_as_the_untouched_copy covers every lab in make test).
+CHEAT_RUN_IN_MAKE_TEST = {"00_setup", "01_prefill_decode", "02_kv_cache", "03_batching", "04_paged_attention"}
+
+
+def _grade(lab: str, folder: Path, students: dict[str, Path]) -> dict[str, dict]:
+    rows = grading.autograde({name: {lab: path} for name, path in students.items()},
+                             feedback_dir=folder / "feedback", log_dir=folder / "logs")
+    return {row["student"]: row for row in rows}
+
+
+def _cheat_path(lab: str, folder: Path) -> Path:
+    path = folder / "cheat" / lab / f"{lab}.ipynb"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(cheating_copy(lab), path)
+    return path
+
+
 @pytest.fixture(scope="module", params=LABS)
-def graded_lab(request):
-    """Autograde the committed solution and the untouched student copy of one lab (one run each)."""
+def graded_lab(request, tmp_path_factory):
+    """Autograde the committed solution of one lab and (labs in CHEAT_RUN_IN_MAKE_TEST) its
+    cheating copy: the untouched student copy with every cheat of lab_utils.cheating_copy. One
+    run each; feedback and logs written."""
     lab = request.param
-    rows = grading.autograde(
-        {
-            "solution": {lab: REPO_ROOT / "solutions" / f"{lab}.ipynb"},
-            "untouched": {lab: REPO_ROOT / "labs" / f"{lab}.ipynb"},
-        }
-    )
-    return lab, {row["student"]: row for row in rows}
+    folder = tmp_path_factory.mktemp(f"graded-{lab}")
+    students = {"solution": REPO_ROOT / "solutions" / f"{lab}.ipynb"}
+    if lab in CHEAT_RUN_IN_MAKE_TEST:
+        students["cheat"] = _cheat_path(lab, folder)
+    return lab, _grade(lab, folder, students), folder
 
 
 def test_solution_gets_full_marks_and_runs_without_errors(graded_lab):
     """The graded run executes the whole solution headless (nbclient, MINILLM_QUICK=1) with the
-    hidden tests restored: every cell must run clean, every test pass."""
-    lab, rows = graded_lab
+    hidden tests restored and the guard watching: every cell must run clean, every test pass."""
+    lab, rows, folder = graded_lab
     row = rows["solution"]
+    assert row["status"] == "graded" and row["reason"] == "", row["reason"]
     assert row["max_score"] > 0, f"{lab} has no points to grade"
     autograded_max = row["max_score"] - row["manual_max_score"]  # a write-up's points wait for the instructor
     assert autograded_max > 0, f"{lab} has no autograded points"
     assert row["score"] == autograded_max, f"{lab} solution scored {row['score']}/{autograded_max}: {row['failures']}"
     assert not row["errors"], f"{lab} solution raised in cells: {row['errors']}"
+    log = (folder / "logs" / "solution" / f"{lab}.log").read_text(encoding="utf-8")
+    assert "checksum" not in log, f"{lab}: nbgrader logged a checksum change for the untouched test cells"
 
 
-def test_untouched_student_copy_gets_zero(graded_lab):
-    lab, rows = graded_lab
-    row = rows["untouched"]
-    assert row["max_score"] == rows["solution"]["max_score"]
-    assert row["manual_max_score"] == rows["solution"]["manual_max_score"]
-    assert row["score"] == 0, f"{lab}: an empty submission scored {row['score']} (a test passes without work)"
+def _assert_cheat_scores_zero(lab: str, row: dict, max_score: float) -> None:
+    assert row["status"] == "graded"
+    assert row["max_score"] == max_score
+    assert row["score"] == 0, f"{lab}: the cheating copy scored {row['score']} (a test passes without work): {row['reason']}"
+    assert row["flags"] and all("was not run" in flag for flag in row["flags"]), row["flags"]
 
 
-def test_grader_restores_hidden_tests_and_passes_quick_mode_to_the_kernel(tmp_path):
-    source_dir = tmp_path / "source"
-    write_probe_master(source_dir)
+def test_cheating_copy_gets_zero_and_names_each_cheating_cell(graded_lab):
+    """Input transformer, patched check helpers and a tracer in extra cells, patched builtins and
+    helpers in every solution cell: 0 points, like the untouched copy it grades as
+    (tests/test_grading_integrity.py shows the two graded copies are the same program)."""
+    lab, rows, _ = graded_lab
+    if "cheat" not in rows:
+        pytest.skip(f"{lab}'s cheating copy runs in make test-slow (test_cheating_copy_gets_zero_on_the_slow_labs)")
+    _assert_cheat_scores_zero(lab, rows["cheat"], rows["solution"]["max_score"])
 
-    rendered = build.render(source_dir)
-    student_text, solution_text = rendered["labs/99_probe.ipynb"], rendered["solutions/99_probe.ipynb"]
-    assert "-6" not in student_text and "-6" not in solution_text, "hidden test leaked into a generated notebook"
-    assert "return 2 * x" in solution_text and "return 2 * x" not in student_text
-    cheat = nbformat.reads(student_text, as_version=4)
-    cheat.cells[1].source = "def double(x):\n    return 4 if x == 2 else 0"  # passes the visible tests only
-    paths = {"solution": solution_text, "untouched": student_text, "cheat": nbformat.writes(cheat)}
-    for name, text in paths.items():
-        (tmp_path / f"{name}.ipynb").write_text(text)
 
-    rows = grading.autograde(
-        {name: {"99_probe": tmp_path / f"{name}.ipynb"} for name in paths}, source_dir=source_dir, course_dir=tmp_path / "course"
-    )
+@pytest.mark.slow
+@pytest.mark.parametrize("lab", [lab for lab in LABS if lab not in CHEAT_RUN_IN_MAKE_TEST])
+def test_cheating_copy_gets_zero_on_the_slow_labs(lab, tmp_path):
+    rows = _grade(lab, tmp_path, {"cheat": _cheat_path(lab, tmp_path)})
+    max_score = sum(float(c.metadata["nbgrader"].get("points", 0)) for c in build.read_master(lab).cells
+                    if c.metadata.get("nbgrader", {}).get("grade"))
+    _assert_cheat_scores_zero(lab, rows["cheat"], max_score)
+    page = (tmp_path / "feedback" / "cheat" / lab / f"{lab}.html").read_text(encoding="utf-8")
+    assert "HIDDEN TESTS" not in page
 
-    scores = {row["student"]: (row["score"], row["max_score"]) for row in rows}
-    assert scores == {"cheat": (2.0, 4.0), "solution": (4.0, 4.0), "untouched": (1.0, 4.0)}, rows
-    cheat_row = next(row for row in rows if row["student"] == "cheat")
-    assert set(cheat_row["failures"]) == {"hidden"} and cheat_row["errors"] == cheat_row["failures"]
-    assert next(row for row in rows if row["student"] == "solution")["errors"] == {}
-    csv_path = tmp_path / "grades.csv"
-    grading.write_csv(rows, csv_path)
-    assert csv_path.read_text().splitlines()[0] == "student,lab,score,max_score"
-    assert "cheat" in grading.format_table(rows)
+
+def test_feedback_shows_scores_and_no_hidden_test(graded_lab):
+    lab, rows, folder = graded_lab
+    master = build.read_master(lab)
+    hidden = grading.LabCourse(lab, master, {c.metadata["nbgrader"]["grade_id"]: (c.source, "") for c in master.cells
+                                             if c.metadata.get("nbgrader", {}).get("grade")}, {}).hidden_lines()
+    assert hidden, f"{lab} has no hidden tests"
+    for student, row in rows.items():
+        page = html.unescape((folder / "feedback" / student / lab / f"{lab}.html").read_text(encoding="utf-8"))
+        assert f"{row['score']:g} / {row['max_score']:g}" in page
+        leaked = [line for line in hidden if len(line) >= 12 and line in page]
+        assert not leaked and "HIDDEN TESTS" not in page, f"{lab} feedback of {student} shows hidden tests: {leaked[:3]}"
 
 
 def test_autograde_refuses_unknown_labs(tmp_path):

@@ -85,6 +85,8 @@ def probe_batch(tmp_path_factory):
         "crashes": variant(lambda nb: _set_solution(nb, "double", SEGFAULT + "def double(x):\n    return 2 * x")),
         "tampers": variant(tamper),
         "cheats": variant(transformer),
+        # passes the visible test only: the hidden one, put back from the master, fails
+        "visible_only": variant(lambda nb: _set_solution(nb, "double", "def double(x):\n    return 4 if x == 2 else 0")),
     }
     for name, text in notebooks.items():
         _write(submissions, name, PROBE_LAB, text)
@@ -101,7 +103,8 @@ def probe_batch(tmp_path_factory):
 
 def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
     rows = probe_batch["rows"]
-    assert set(rows) == {"solved", "untouched", "looping", "exits", "crashes", "tampers", "cheats", "corrupt", "missing"}
+    assert set(rows) == {"solved", "untouched", "looping", "exits", "crashes", "tampers", "cheats", "visible_only",
+                         "corrupt", "missing"}
     scores = {name: (row["status"], float(row["score"]), float(row["max_score"])) for name, row in rows.items()}
     assert scores == {
         "solved": ("graded", 4.0, 4.0),
@@ -111,6 +114,7 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
         "crashes": ("graded", 1.0, 4.0),
         "tampers": ("graded", 1.0, 4.0),     # solved, but its two tests were deleted / emptied
         "cheats": ("graded", 1.0, 4.0),
+        "visible_only": ("graded", 2.0, 4.0),
         "corrupt": ("failed", 0.0, 4.0),
         "missing": ("failed", 0.0, 4.0),
     }, scores
@@ -122,7 +126,10 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
     assert "solution cell double was not run: line 1: imports os" in reasons["exits"]
     assert reasons["crashes"] == "kernel died in cell double"
     assert "locked cell visible was changed" in reasons["tampers"] and "locked cell hidden was deleted" in reasons["tampers"]
+    assert reasons["visible_only"] == ""
     assert probe_batch["status"] == 2, "the exit status counts the notebooks that could not be graded"
+    with open(probe_batch["out"], encoding="utf-8") as handle:
+        assert handle.readline().strip() == ",".join(grading.CSV_FIELDS)
 
 
 def test_the_batch_keeps_each_log_and_writes_feedback_without_hidden_tests(probe_batch):

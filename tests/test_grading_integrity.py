@@ -11,6 +11,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from lab_utils import cheating_copy
+
 from minillm.lab import build, feedback, grading, screen
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -183,31 +185,13 @@ def courses(tmp_path_factory):
     return grading.prepare_course(root, LABS)
 
 
-def _cheating_copy(lab: str) -> nbformat.NotebookNode:
-    """The untouched student copy plus every cheat: in extra cells, and in every solution cell."""
-    nb = nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4)
-    module = f"lab{lab[:2]}"
-    extra = [
-        "ip = get_ipython()\ndef wrap(lines):\n    return ['try:\\n'] + ['    ' + l for l in lines] + "
-        "['\\nexcept BaseException:\\n    pass\\n']\nip.input_transformers_post.append(wrap)",
-        f"for name in dir({module}):\n    if name.startswith('check'):\n        setattr({module}, name, lambda *a, **k: None)",
-        "import sys\nsys.settrace(lambda frame, event, arg: None)",
-    ]
-    for offset, source in enumerate(extra):
-        nb.cells.insert(1 + offset, nbformat.v4.new_code_cell(source))
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
-            cell.source = f"import builtins\nbuiltins.AssertionError = Warning\n{module}.check_x = print\n" + cell.source
-    return nb
-
-
 @pytest.mark.parametrize("lab", LABS)
 def test_cheating_copy_grades_as_the_untouched_copy(courses, lab):
     """Whatever the cheats, what runs is the untouched lab: extra cells dropped, every cheating
     solution cell replaced by the stub (and named), every test from the master."""
     course = courses[lab]
     untouched = grading.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
-    cheat = grading.graded_copy(_cheating_copy(lab), course)
+    cheat = grading.graded_copy(cheating_copy(lab), course)
     assert untouched.flags == [] and untouched.zeroed == {}
     assert len(cheat.notebook.cells) == len(untouched.notebook.cells)
     solution_ids = [c.metadata["nbgrader"]["grade_id"] for c in untouched.notebook.cells
