@@ -113,10 +113,17 @@ class _Guard:
                 changes.append(f"sys.modules[{name!r}]")
                 sys.modules[name] = module
             items = vars(module)
+            package = name.split(".")[0]
             for key, value in self.module_items[name].items():
-                if items.get(key, _MISSING) is not value:
-                    changes.append(f"{name}.{key}")
-                    items[key] = value
+                current = items.get(key, _MISSING)
+                if current is value:
+                    continue
+                if _from_package(current, package):
+                    # the library rebinding its own name (torch wraps manual_seed when dynamo loads)
+                    self.module_items[name][key] = current
+                    continue
+                changes.append(f"{name}.{key}")
+                items[key] = value
         if changes:
             record = {"when": when, "cell": self.current, "changes": changes}
             self.violations.append(record)
@@ -151,6 +158,12 @@ class _Guard:
 
 
 _MISSING = object()
+
+
+def _from_package(value, package: str) -> bool:
+    """Whether ``value`` is a function or class of ``package`` itself (not the notebook's, not a builtin)."""
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and (module == package or module.startswith(package + "."))
 # Builtins IPython and ipykernel swap around every cell themselves (stdin forwarding, the builtin
 # trap, the output cache): their changes are not a cell's doing.
 KERNEL_MANAGED_BUILTINS = frozenset(
