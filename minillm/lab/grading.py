@@ -250,7 +250,7 @@ def graded_copy(submission: nbformat.NotebookNode, lab: LabCourse) -> GradedCopy
             cell.source = source
             continue
         if grade_id and grade_id in lab.sources:
-            if grade_id != GUARD_CELL_ID:
+            if grade_id != GUARD_CELL_ID and cell.cell_type == "code":  # locked markdown only explains
                 expected = lab.student_source(cell)
                 if theirs is None:
                     flags.append(f"locked cell {grade_id} was deleted")
