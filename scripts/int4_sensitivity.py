@@ -12,7 +12,7 @@ the int8 head. 2026-11-30, before the lever rotated down_proj's input: all int4 
 alone +8.37%, restoring it -4.43 points; restoring qkv_proj or o_proj alone makes it worse, as
 the layers' rounding was learned together; no layer above 1.5 points, the last the largest.
 That is one calibration: two builds of one recipe differed by about 2 points.
-docs/PERFORMANCE.md.)
+docs/notes/performance-history.md.)
 """
 
 from __future__ import annotations

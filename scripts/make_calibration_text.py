@@ -2,7 +2,7 @@
 calibration text of weight_calibration="autoround" (with data/calibration.txt before it).
 
 Learned rounding needs more calibration tokens than the ~1,100 of calibration.txt: with so few
-it fits them and generalises worse than AWQ (docs/PERFORMANCE.md). No dataset can be downloaded
+it fits them and generalises worse than AWQ (docs/notes/performance-history.md). No dataset can be downloaded
 here, so the model writes its own, as data-free quantization does (LLM-QAT, Liu et al. 2023): two
 essays per topic, sampled from the model's full distribution (temperature 1, no top-p), with a
 seed each: text as varied as the model's own predictions, not the repetitive, low-perplexity prose

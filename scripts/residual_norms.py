@@ -10,7 +10,7 @@ tokens if every token's error were proportional to its size:
 
 (On SmolLM2-135M, layers 11-27: sink rms about 960 against a median of 6-30, and a 75-98% share.
 calibrate_autoround therefore divides the squared error of a token larger than the median one
-by how much larger it is; docs/PERFORMANCE.md has the measurement.)
+by how much larger it is; docs/notes/performance-history.md has the measurement.)
 """
 
 from __future__ import annotations
