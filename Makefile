@@ -34,7 +34,7 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadsc
 TIMED = start=$$(date +%s); $(MAKE) --no-print-directory setup model browser-deps && $(1); status=$$?; \
 	echo "make $@: $$(( $$(date +%s) - start )) s wall, setup included (exit $$status)"; exit $$status
 
-test:        ## the suite CI runs: everything but the tests marked slow (about 19 min on 2 cores, setup included)
+test:        ## the suite CI runs: everything but the tests marked slow (about 20 min on 2 cores, setup included)
 	@$(call TIMED,$(PYTEST) -m "not slow" -q --durations=15)
 
 test-all:    ## the whole suite, slow tests included (run it before a release)
