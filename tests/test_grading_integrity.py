@@ -50,8 +50,11 @@ CHEATS = {
     "open a file": "open('grades.csv', 'w')",
     "module dict write": "lab02.__dict__['check_in_engine'] = print",
     "metaclass": "class A(metaclass=type):\n    pass",
+    "patched test input": "llm.tokenizer.encode = lambda text: [0]",
+    "rewritten measurement": "decode['ttft_s'] = 0.0",
+    "patched test input from a function": "def double(x):\n    llm.tokenizer = None\n    return 2 * x",
 }
-PROTECTED = {"llm", "torch", "math", "lab02", "np"}
+PROTECTED = {"llm", "torch", "math", "lab02", "np", "decode"}
 MODULES = {"torch", "math", "lab02", "np"}
 
 
@@ -93,6 +96,8 @@ def test_screen_allows_ordinary_solution_code():
 
 def test_screen_lets_a_local_name_shadow_a_lab_name_inside_a_function():
     assert screen.screen_source("def f(llm):\n    llm = llm + 1\n    return llm", PROTECTED, MODULES) == []
+    assert screen.screen_source("def f(decode):\n    decode['x'] = 1\n    out = {}\n    out['y'] = 2\n    return decode",
+                                PROTECTED, MODULES) == []
     assert screen.screen_source("llm = 1", PROTECTED, MODULES)
 
 

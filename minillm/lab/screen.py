@@ -21,7 +21,8 @@ What a solution cell may not do (each rule names the cheat it closes):
   ``modules``, ``environ``, ``overrides``, ``load_inline`` ...), or use a name starting with
   ``__`` or ``_minillm``;
 - assign or delete an attribute of an imported module (``lab02.check_in_engine = ...``,
-  ``torch.allclose = ...``): patched helpers and checks;
+  ``torch.allclose = ...``) or of an object the lab's cells made (``llm.tokenizer = ...``,
+  ``decode["ttft_s"] = ...``): patched helpers, checks and test inputs;
 - rebind a builtin (``isinstance = ...``, ``def len``) or a name the master's locked cells bind
   (``llm``, ``torch``, ``lab02``, ``math`` ...), also through ``global``: the inputs and the tools
   of the tests;
@@ -131,6 +132,7 @@ class _Screen(ast.NodeVisitor):
         self.modules = set(modules)
         self.findings: list[Finding] = []
         self.depth = 0  # > 0 inside a function, lambda, comprehension or class body: local names
+        self.local_names: list[set[str]] = []  # per enclosing function: its arguments and assigned names
 
     def flag(self, node: ast.AST, what: str) -> None:
         self.findings.append(Finding(getattr(node, "lineno", 0), what))
@@ -194,6 +196,8 @@ class _Screen(ast.NodeVisitor):
             if isinstance(base, ast.Name) and base.id in self.modules:
                 self.flag(node, f"{'assigns' if isinstance(node.ctx, ast.Store) else 'deletes'} "
                                 f"{ast.unparse(node)} (patches a module the tests use)")
+            elif isinstance(base, ast.Name) and base.id in self.protected and not self._is_local(base.id):
+                self.flag(node, f"changes {ast.unparse(node)}: {base.id} is the lab's own (the tests read it)")
         self.generic_visit(node)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
@@ -203,7 +207,12 @@ class _Screen(ast.NodeVisitor):
                 base = base.value
             if isinstance(base, ast.Name) and base.id in self.modules:
                 self.flag(node, f"writes into {ast.unparse(node)} (patches a module the tests use)")
+            elif isinstance(base, ast.Name) and base.id in self.protected and not self._is_local(base.id):
+                self.flag(node, f"changes {ast.unparse(node)}: {base.id} is the lab's own (the tests read it)")
         self.generic_visit(node)
+
+    def _is_local(self, name: str) -> bool:
+        return any(name in scope for scope in self.local_names)
 
     # definitions
     def _visit_function(self, node) -> None:
@@ -213,10 +222,20 @@ class _Screen(ast.NodeVisitor):
         self.visit(node.args)
         if node.returns is not None:
             self.visit(node.returns)
+        arguments = node.args
+        names = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
+        names |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+        declared_global = {n for stmt in ast.walk(node) if isinstance(stmt, (ast.Global, ast.Nonlocal)) for n in stmt.names}
+        for statement in node.body:
+            for target in ast.walk(statement):
+                if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store):
+                    names.add(target.id)
+        self.local_names.append(names - declared_global)
         self.depth += 1
         for statement in node.body:
             self.visit(statement)
         self.depth -= 1
+        self.local_names.pop()
 
     visit_FunctionDef = _visit_function
     visit_AsyncFunctionDef = _visit_function
