@@ -190,3 +190,17 @@ def test_a_kernel_death_costs_only_its_exercise(lab00_batch):
     assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
     assert row["reason"] == "kernel died in cell count_tokens"
     assert set(row["failures"]) == {"test_count_tokens", "test_count_tokens_engine"}
+
+
+@pytest.mark.slow  # the loop costs two per-cell timeouts (77 s each for lab 00)
+def test_a_looping_exercise_costs_only_its_tests(tmp_path):
+    """tokens_per_second never returns: its two tests are interrupted at the lab's measured
+    per-cell limit, the other exercises earn their points."""
+    nb = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    _set_solution(nb, "tokens_per_second", "def tokens_per_second(num_tokens, seconds):\n    while True:\n        pass")
+    path = _write(tmp_path, "loops", LAB, nbformat.writes(nb))
+    (row,) = grading.autograde({"loops": {LAB: path}})
+    assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
+    assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more"}
+    # a plain cell that calls it later times out too (it is named by position)
+    assert "cell test_tokens_per_second timed out; cell test_tokens_per_second_more timed out" in row["reason"]

@@ -32,7 +32,7 @@ REPORT_ENV = "MINILLM_EXECUTE_REPORT"
 
 
 def _cell_name(cell, index: int) -> str:
-    return cell.metadata.get("nbgrader", {}).get("grade_id") or f"cell {index}"
+    return cell.metadata.get("nbgrader", {}).get("grade_id") or f"#{index}"  # "cell #12": the 13th cell
 
 
 def _error(ename: str, evalue: str) -> NotebookNode:
