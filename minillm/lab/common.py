@@ -246,3 +246,32 @@ def passed(name: str, num_cases: int) -> None:
     """Print a check's verdict. Checks return None: nbgrader reads the value a test cell ends on as a
     partial score (a string there is a warning now and an error in a later nbgrader)."""
     print(f"✓ {name}: all {num_cases} cases pass")
+
+
+# --- Triton kernel exercises (labs 04 and 05) ------------------------------------------------------
+def require_kernel(kernel, name: str, exercise: int) -> None:
+    """NotImplementedError while a @triton.jit kernel's body is still the exercise stub (under the
+    interpreter the stub's own raise would arrive wrapped in an InterpreterError; on a GPU it would
+    not even compile)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(getattr(kernel, "fn", kernel))
+    except (OSError, TypeError):
+        source = getattr(kernel, "src", "")
+    if "raise NotImplementedError" in source:
+        raise NotImplementedError(f"{name} is still a stub: write its body (exercise {exercise})")
+
+
+def print_interpreter_note() -> None:
+    """After a kernel run's timing on a machine without CUDA: what that time means."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("  (Triton's interpreter runs each program in numpy: this time says nothing about the GPU's speed)")
+
+
+def print_no_gpu_timing(what: str) -> None:
+    """A timing cell's output without a GPU; ``what`` ends "On a GPU this cell times your kernel ..."."""
+    print("No GPU here: the kernel ran in Triton's interpreter, which checks values, not speed.")
+    print(f"On a GPU this cell times your kernel {what}.")

@@ -30,6 +30,7 @@ import torch
 
 from ..engine.block_manager import BlockManager, PoolSizes
 from ..sampling import SamplingParams
+from . import common
 from .common import CheckFailed, Stopwatch, control_panel, format_seconds, new_figure, passed
 
 # The vLLM paper (Kwon et al., SOSP 2023, Fig. 2): in systems that reserve a contiguous region per
@@ -583,17 +584,8 @@ class ConcurrencyExplorer:
 
 # =================================================================== D. the paged decode kernel
 def require_kernel(kernel) -> None:
-    """Raise NotImplementedError while the kernel's body is still the exercise stub (under the
-    interpreter the stub's own raise would arrive wrapped in an InterpreterError; on a GPU it would
-    not even compile)."""
-    import inspect
-
-    try:
-        source = inspect.getsource(getattr(kernel, "fn", kernel))
-    except (OSError, TypeError):
-        source = getattr(kernel, "src", "")
-    if "raise NotImplementedError" in source:
-        raise NotImplementedError("paged_decode_kernel is still a stub: write its body (exercise 3)")
+    """NotImplementedError while paged_decode_kernel's body is still the exercise stub."""
+    common.require_kernel(kernel, "paged_decode_kernel", 3)
 
 
 def make_paged_inputs(seq_lens: Sequence[int], num_kv_heads: int, group: int, head_dim: int, block_size: int,
@@ -774,8 +766,7 @@ def print_kernel_run(result: dict) -> None:
     per_call = result["kernel_s"] / max(1, result["kernel_calls"])
     print(f"  {result['kernel_calls']} kernel launches (one per layer per decode step), {format_seconds(per_call)} "
           f"each, {format_seconds(result['wall_s'])} in all — {result['device']}")
-    if not torch.cuda.is_available():
-        print("  (Triton's interpreter runs each program in numpy: this time says nothing about the GPU's speed)")
+    common.print_interpreter_note()
 
 
 def time_kernels(paged_decode: Callable, seq_len: int = 2048, num_seqs: int = 32, num_kv_heads: int = 3,
@@ -806,8 +797,7 @@ def time_kernels(paged_decode: Callable, seq_len: int = 2048, num_seqs: int = 32
 
 def print_kernel_timing(result: dict) -> None:
     if result["device"] == "cpu":
-        print("No GPU here: the kernel ran in Triton's interpreter, which checks values, not speed.")
-        print("On a GPU this cell times your kernel against the engine's and the bandwidth bound.")
+        common.print_no_gpu_timing("against the engine's and the bandwidth bound")
         return
     print(f"{result['shape']} — {result['device']}")
     print(f"  K+V to read: {result['kv_bytes'] / MiB:.0f} MiB; bandwidth {result['bandwidth'] / 1e9:.0f} GB/s "

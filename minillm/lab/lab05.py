@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
 from ..sampling import SamplingParams
+from . import common
 from .common import REFERENCE_DEVICES, CheckFailed, Stopwatch, call_learner, control_panel, format_seconds, new_figure, passed
 
 MB = 1e6
@@ -396,15 +397,8 @@ def error_figure(rows: Sequence[dict], name: str):
 
 # ------------------------------------------------------------------ E. the int4 matmul kernel
 def require_kernel(kernel) -> None:
-    """NotImplementedError while the kernel's body is still the exercise stub."""
-    import inspect
-
-    try:
-        source = inspect.getsource(getattr(kernel, "fn", kernel))
-    except (OSError, TypeError):
-        source = getattr(kernel, "src", "")
-    if "raise NotImplementedError" in source:
-        raise NotImplementedError("int4_matmul_kernel is still a stub: write its body (exercise 4)")
+    """NotImplementedError while int4_matmul_kernel's body is still the exercise stub."""
+    common.require_kernel(kernel, "int4_matmul_kernel", 4)
 
 
 def make_int4_inputs(m: int, n: int, k: int, group_size: int, seed: int = 0, device: str = "cpu"):
@@ -610,8 +604,7 @@ def print_kernel_run(result: dict) -> None:
     per_call = result["kernel_s"] / max(1, result["calls"])
     print(f"  your kernel ran in {result['hooked']} of the {result['num_quantized']} int4 matmuls: {result['calls']} "
           f"launches, {format_seconds(per_call)} each; {format_seconds(result['wall_s'])} in all — {result['device']}")
-    if not torch.cuda.is_available():
-        print("  (Triton's interpreter runs each program in numpy: this time says nothing about the GPU's speed)")
+    common.print_interpreter_note()
 
 
 def time_kernel(int4_matmul: Callable, n: int = 4096, k: int = 4096, group_size: int = 128, m: int = 1) -> dict:
@@ -635,8 +628,7 @@ def time_kernel(int4_matmul: Callable, n: int = 4096, k: int = 4096, group_size:
 
 def print_kernel_timing(result: dict) -> None:
     if result["device"] == "cpu":
-        print("No GPU here: the kernel ran in Triton's interpreter, which checks values, not speed.")
-        print("On a GPU this cell times your kernel on an 8B-shaped layer against an fp16 matmul.")
+        common.print_no_gpu_timing("on an 8B-shaped layer against an fp16 matmul")
         return
     print(f"{result['shape']} — {result['device']}; bandwidth {result['bandwidth'] / 1e9:.0f} GB/s")
     for name, nbytes in (("yours", result["int4_bytes"]), ("fp16", result["fp16_bytes"])):
