@@ -17,22 +17,11 @@ from pathlib import Path
 
 import nbformat
 
+from minillm.lab.grading import hidden_line_numbers
+
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 CELL_LINE = re.compile(r"(?:Cell In\s*\[\d*\]|<ipython-input-[^>]*>|/tmp/ipykernel_\d+/\d+\.py)\D{0,12}?(\d+)")
 WITHHELD = "(message withheld: it quotes a hidden test)"
-
-
-def _hidden_line_numbers(source: str) -> set[int]:
-    """1-based line numbers of the hidden-test region of an executed test cell, markers included."""
-    numbers, inside = set(), False
-    for number, line in enumerate(source.split("\n"), 1):
-        if "BEGIN HIDDEN TESTS" in line:
-            inside = True
-        if inside:
-            numbers.add(number)
-        if "END HIDDEN TESTS" in line:
-            inside = False
-    return numbers
 
 
 def visible_message(output: dict, source: str, hidden_lines: list[str]) -> str:
@@ -40,7 +29,7 @@ def visible_message(output: dict, source: str, hidden_lines: list[str]) -> str:
     ename, evalue = output.get("ename", "Error"), str(output.get("evalue", ""))
     traceback = ANSI.sub("", "\n".join(output.get("traceback", [])))
     match = CELL_LINE.search(traceback)
-    if match and int(match.group(1)) in _hidden_line_numbers(source):
+    if match and int(match.group(1)) in hidden_line_numbers(source):
         return f"a hidden test failed ({ename})"
     if any(line in evalue for line in hidden_lines if len(line) >= 6):
         return f"{ename}: {WITHHELD}"

@@ -39,7 +39,7 @@ from pathlib import Path
 import nbformat
 
 from minillm.lab import guard, screen
-from minillm.lab.build import GRADING_DIR, SOURCE_DIR, discover_labs, dumps, generate_assignments, make_course, read_master
+from minillm.lab.build import GRADING_DIR, REMOVED_REGIONS, SOURCE_DIR, discover_labs, dumps, generate_assignments, make_course, read_master
 from minillm.lab.grading_execute import REPORT_ENV as EXECUTE_REPORT_ENV
 
 STUDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
@@ -50,7 +50,7 @@ PYTHON = sys.executable
 GUARD_CELL_ID = "minillm_grading_guard"
 GUARD_SOURCE = "import minillm.lab.guard as _minillm_guard\n_minillm_guard.install(get_ipython())"
 STUB = "raise NotImplementedError(\"minillm grading: this solution cell was not run (the grade's reason says why)\")"
-HIDDEN_BEGIN, HIDDEN_END = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
+HIDDEN_BEGIN, HIDDEN_END = REMOVED_REGIONS[0]  # the markers build.py cuts out of labs/ and solutions/
 
 # Per-cell limit and quick-mode reference per lab, measured by `python grading/autograde.py --measure`.
 QUICK_TIMES = GRADING_DIR / "quick_times.json"
@@ -134,15 +134,35 @@ class LabCourse:
         """Every line of every hidden test of this lab (for keeping them out of feedback)."""
         lines = []
         for source, _ in self.sources.values():
-            inside = False
-            for line in source.split("\n"):
-                if HIDDEN_END in line:
-                    inside = False
-                elif inside and line.strip():
-                    lines.append(line.strip())
-                elif HIDDEN_BEGIN in line:
-                    inside = True
+            numbered = source.split("\n")
+            lines += [numbered[n - 1].strip() for n in sorted(hidden_line_numbers(source))
+                      if numbered[n - 1].strip() and HIDDEN_BEGIN not in numbered[n - 1] and HIDDEN_END not in numbered[n - 1]]
         return lines
+
+
+def hidden_line_numbers(source: str) -> set[int]:
+    """1-based numbers of the lines of a test cell's hidden-test regions, marker lines included."""
+    numbers, inside = set(), False
+    for number, line in enumerate(source.split("\n"), 1):
+        if HIDDEN_BEGIN in line:
+            inside = True
+        if inside:
+            numbers.add(number)
+        if HIDDEN_END in line:
+            inside = False
+    return numbers
+
+
+def protected_names(master) -> tuple[set[str], set[str]]:
+    """(names the master's own code cells bind, those bound to modules): what a solution cell may
+    not rebind or write into (minillm/lab/screen.py)."""
+    protected, modules = set(), set()
+    for cell in master.cells:
+        if cell.cell_type == "code" and not _nbgrader(cell).get("solution"):
+            bound, bound_modules = screen.names_bound_by(cell.source)
+            protected |= bound
+            modules |= bound_modules
+    return protected, modules
 
 
 def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE_DIR) -> dict[str, LabCourse]:
@@ -169,12 +189,7 @@ def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE
                     sources[grade_id] = (source_cell.source, source_cell.checksum)
                 if _is_test(cell):
                     preambles[grade_id] = preamble(grade_id, imports)
-            protected, modules = set(), set()
-            for cell in masters[lab].cells:
-                if cell.cell_type == "code" and not _nbgrader(cell).get("solution"):
-                    bound, bound_modules = screen.names_bound_by(cell.source)
-                    protected |= bound
-                    modules |= bound_modules
+            protected, modules = protected_names(masters[lab])
             courses[lab] = LabCourse(lab, release, sources, preambles, protected, modules,
                                      float(gradebook.find_assignment(lab).max_score))
     return courses

@@ -70,8 +70,8 @@ class _Guard:
             "CustomTB": shell.CustomTB,
         }
         self.builtins = dict(vars(builtins))
-        self.modules = {name: sys.modules[name] for name in self._module_dicts()}
         self.module_items = self._module_dicts()
+        self.modules = {name: sys.modules[name] for name in self.module_items}
 
     def _lists(self):
         shell = self.shell
