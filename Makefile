@@ -44,10 +44,10 @@ test-slow:   ## only the tests marked slow
 	@$(call TIMED,$(PYTEST) -m slow -q --durations=15)
 
 labs: setup         ## regenerate labs/ and solutions/ from the instructor masters
-	$(BIN)/python -m minillm.lab.build
+	$(BIN)/python -m grading.build
 
 labs-check: setup   ## fail when labs/ or solutions/ drifted from the masters
-	$(BIN)/python -m minillm.lab.build --check
+	$(BIN)/python -m grading.build --check
 
 bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache

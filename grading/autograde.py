@@ -17,11 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-try:
-    from minillm.lab import grading
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from minillm.lab import grading
+if not __package__:  # run as a script: the pipeline is the package `grading` of the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from grading import grader  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feedback", type=Path, metavar="DIR",
                         help="write DIR/<student>/<lab>/<lab>.html for each notebook (scores, failing tests, no hidden tests)")
     parser.add_argument("--labs", nargs="+", metavar="NN_topic", help="grade only these labs")
-    parser.add_argument("--source", type=Path, default=grading.SOURCE_DIR, help="folder of instructor masters")
+    parser.add_argument("--source", type=Path, default=grader.SOURCE_DIR, help="folder of instructor masters")
     parser.add_argument("--keep", type=Path, metavar="COURSE_DIR",
                         help="build the nbgrader course here and keep it (graded copies, autograded notebooks, gradebook.db)")
     parser.add_argument("--full", action="store_true", help="run the labs in full mode, not MINILLM_QUICK=1")
@@ -42,20 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.measure:
-        measured = grading.measure_quick_times(args.labs, args.source)
-        times = {**grading.quick_times(), **measured}
-        grading.QUICK_TIMES.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        measured = grader.measure_quick_times(args.labs, args.source)
+        times = {**grader.quick_times(), **measured}
+        grader.QUICK_TIMES.write_text(json.dumps(times, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         for lab, entry in sorted(measured.items()):
             print(f"{lab}: graded in {entry['quick_s']:.1f} s ({entry['cells_s']:.1f} s in its cells), "
                   f"slowest cell {entry['slowest_cell_s']:.1f} s "
-                  f"-> cell timeout {grading.cell_timeout_for(lab, times)} s")
-        print(f"wrote {grading.QUICK_TIMES}")
+                  f"-> cell timeout {grader.cell_timeout_for(lab, times)} s")
+        print(f"wrote {grader.QUICK_TIMES}")
         return 0
     if args.submissions_dir is None:
         parser.error("give SUBMISSIONS_DIR (or --measure)")
 
-    submissions = grading.find_submissions(args.submissions_dir)
-    known = set(grading.discover_labs(args.source))
+    submissions = grader.find_submissions(args.submissions_dir)
+    known = set(grader.discover_labs(args.source))
     skipped = sorted({lab for by_lab in submissions.values() for lab in by_lab if lab not in known})
     if skipped:
         print(f"skipping folders that are not labs: {', '.join(skipped)} (labs: {', '.join(sorted(known))})", file=sys.stderr)
@@ -69,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     count = sum(len(by_lab) for by_lab in submissions.values())
     print(f"autograding {count} notebooks from {len(submissions)} students ...", flush=True)
     log_dir = args.out.with_name(args.out.stem + ".logs")
-    rows = grading.autograde(submissions, source_dir=args.source, course_dir=args.keep, quick=not args.full,
-                             cell_timeout_s=args.cell_timeout, feedback_dir=args.feedback, log_dir=log_dir,
-                             progress=True)
-    grading.write_csv(rows, args.out)
-    print(grading.format_table(rows))
+    rows = grader.autograde(submissions, source_dir=args.source, course_dir=args.keep, quick=not args.full,
+                            cell_timeout_s=args.cell_timeout, feedback_dir=args.feedback, log_dir=log_dir,
+                            progress=True)
+    grader.write_csv(rows, args.out)
+    print(grader.format_table(rows))
     failed = sum(1 for row in rows if row["status"] == "failed")
     print(f"wrote {args.out} ({len(rows)} rows), logs in {log_dir}/"
           + (f", feedback in {args.feedback}/" if args.feedback else ""))

@@ -1,17 +1,22 @@
 """nbgrader course configuration for minillm (instructors only).
 
 Run nbgrader from this directory (`cd grading && nbgrader generate_assignment 01_prefill_decode`)
-or use the scripts that wrap it: `python -m minillm.lab.build` (labs/ and solutions/) and
+or use the scripts that wrap it: `python -m grading.build` (labs/ and solutions/) and
 `python grading/autograde.py SUBMISSIONS_DIR` (grades). Both build a throwaway course in a
 temporary directory from this file, so nothing generated lands in the repository.
 """
 import os
 import re
+import sys
 
 c = get_config()  # noqa: F821 (injected by traitlets when nbgrader loads this file)
 
 GRADING_DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCE_DIR = os.path.join(GRADING_DIR, "source")
+# The grading pipeline (grading.execute below) is a package of the repository root, not of minillm.
+REPO_ROOT = os.path.dirname(GRADING_DIR)
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 # The labs are the instructor masters under source/NN_topic/NN_topic.ipynb; a new lab is picked
 # up by adding its master, nothing to register here.
@@ -33,7 +38,7 @@ c.CourseDirectory.db_url = "sqlite:///" + os.path.join(GRADING_DIR, "gradebook.d
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "*.db"]
 
 # The labs load a 135M-parameter model on CPU and measure it: a cell may run for minutes on a
-# small laptop. Autograding runs in quick mode (MINILLM_QUICK=1, set by minillm.lab.grading).
+# small laptop. Autograding runs in quick mode (MINILLM_QUICK=1, set by grading.grader).
 c.Execute.timeout = 900
 c.Execute.startup_timeout = 120
 c.Execute.interrupt_on_timeout = True
@@ -51,7 +56,7 @@ c.LimitOutput.max_lines = 1000
 from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
 from nbgrader.preprocessors import AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput, SaveAutoGrades  # noqa: E402
 
-from minillm.lab.grading_execute import GradingExecute  # noqa: E402
+from grading.execute import GradingExecute  # noqa: E402
 
 c.Autograde.autograde_preprocessors = [
     GradingExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,

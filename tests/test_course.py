@@ -13,7 +13,7 @@ import pytest
 
 from lab_utils import cheating_copy
 
-from minillm.lab import build, grading
+from grading import build, grader
 
 REPO_ROOT = build.REPO_ROOT
 LABS = build.discover_labs()
@@ -196,8 +196,8 @@ CHEAT_RUN_IN_MAKE_TEST = {"00_setup", "01_prefill_decode", "02_kv_cache", "03_ba
 
 
 def _grade(lab: str, folder: Path, students: dict[str, Path]) -> dict[str, dict]:
-    rows = grading.autograde({name: {lab: path} for name, path in students.items()},
-                             feedback_dir=folder / "feedback", log_dir=folder / "logs")
+    rows = grader.autograde({name: {lab: path} for name, path in students.items()},
+                            feedback_dir=folder / "feedback", log_dir=folder / "logs")
     return {row["student"]: row for row in rows}
 
 
@@ -267,7 +267,7 @@ def test_cheating_copy_gets_zero_on_the_slow_labs(lab, tmp_path):
 def test_feedback_shows_scores_and_no_hidden_test(graded_lab):
     lab, rows, folder = graded_lab
     master = build.read_master(lab)
-    hidden = grading.LabCourse(lab, master, {c.metadata["nbgrader"]["grade_id"]: (c.source, "") for c in master.cells
+    hidden = grader.LabCourse(lab, master, {c.metadata["nbgrader"]["grade_id"]: (c.source, "") for c in master.cells
                                              if c.metadata.get("nbgrader", {}).get("grade")}, {}).hidden_lines()
     assert hidden, f"{lab} has no hidden tests"
     for student, row in rows.items():
@@ -279,7 +279,7 @@ def test_feedback_shows_scores_and_no_hidden_test(graded_lab):
 
 def test_autograde_refuses_unknown_labs(tmp_path):
     with pytest.raises(ValueError, match="no master for lab"):
-        grading.autograde({"ada": {"77_nope": tmp_path / "77_nope.ipynb"}})
+        grader.autograde({"ada": {"77_nope": tmp_path / "77_nope.ipynb"}})
 
 
 def test_find_submissions_reads_the_documented_layout(tmp_path):
@@ -287,7 +287,7 @@ def test_find_submissions_reads_the_documented_layout(tmp_path):
         (tmp_path / student / lab).mkdir(parents=True)
         (tmp_path / student / lab / f"{lab}.ipynb").write_text("{}")
     (tmp_path / "grace" / "01_prefill_decode" / "scratch.ipynb").write_text("{}")
-    found = grading.find_submissions(tmp_path)
+    found = grader.find_submissions(tmp_path)
     assert {s: sorted(by_lab) for s, by_lab in found.items()} == {
         "ada": ["01_prefill_decode", "02_kv_cache"],
         "grace": ["01_prefill_decode"],

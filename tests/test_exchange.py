@@ -28,8 +28,8 @@ import pytest
 
 from lab_utils import PROBE_LAB, write_probe_master
 
-from minillm.lab import grading
-from minillm.lab.build import generate_assignments, make_course
+from grading import grader
+from grading.build import generate_assignments, make_course
 
 COURSE_ID = "minillm"  # as in grading/nbgrader_config.py
 HIDDEN_TEST_LINE = "assert double(-3) == -6"
@@ -113,14 +113,14 @@ def test_release_fetch_submit_collect_grade_and_return_feedback(tmp_path):
     # --- the instructor collects and grades
     nbgrader("collect", PROBE_LAB, cwd=course, env=instructor)
     submitted = course / "submitted"
-    found = grading.find_submissions(submitted)
+    found = grader.find_submissions(submitted)
     assert {s: sorted(by_lab) for s, by_lab in found.items()} == {s: [PROBE_LAB] for s in students}
     for student in students:  # what submit wrote next to the notebook, and release_feedback reads back
         assert {p.name for p in (submitted / student / PROBE_LAB).iterdir()} == {
             f"{PROBE_LAB}.ipynb", "timestamp.txt", "submission_secret.txt"}
 
     feedback_dir = course / "feedback"
-    rows = grading.autograde(found, source_dir=source_dir, quick=True, feedback_dir=feedback_dir)
+    rows = grader.autograde(found, source_dir=source_dir, quick=True, feedback_dir=feedback_dir)
     scores = {row["student"]: (row["score"], row["max_score"]) for row in rows}
     assert scores == {"ada": (4.0, 4.0), "grace": (1.0, 4.0)}, rows
 

@@ -17,7 +17,7 @@ import pytest
 
 from lab_utils import PROBE_LAB, write_probe_master
 
-from minillm.lab import build, grading
+from grading import build, grader
 
 REPO_ROOT = build.REPO_ROOT
 GRADE_SCRIPT = REPO_ROOT / "grading" / "autograde.py"
@@ -129,7 +129,7 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
     assert reasons["visible_only"] == ""
     assert probe_batch["status"] == 2, "the exit status counts the notebooks that could not be graded"
     with open(probe_batch["out"], encoding="utf-8") as handle:
-        assert handle.readline().strip() == ",".join(grading.CSV_FIELDS)
+        assert handle.readline().strip() == ",".join(grader.CSV_FIELDS)
 
 
 def test_the_batch_keeps_each_log_and_writes_feedback_without_hidden_tests(probe_batch):
@@ -173,7 +173,7 @@ def lab00_batch(tmp_path_factory):
         "crash_first": notebook(count_tokens=SEGFAULT + solved["count_tokens"]),
     }
     paths = {name: {LAB: _write(root / "submitted", name, LAB, text)} for name, text in texts.items()}
-    rows = grading.autograde(paths, feedback_dir=root / "feedback")
+    rows = grader.autograde(paths, feedback_dir=root / "feedback")
     return {row["student"]: row for row in rows}
 
 
@@ -199,7 +199,7 @@ def test_a_looping_exercise_costs_only_its_tests(tmp_path):
     nb = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
     _set_solution(nb, "tokens_per_second", "def tokens_per_second(num_tokens, seconds):\n    while True:\n        pass")
     path = _write(tmp_path, "loops", LAB, nbformat.writes(nb))
-    (row,) = grading.autograde({"loops": {LAB: path}})
+    (row,) = grader.autograde({"loops": {LAB: path}})
     assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
     assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more"}
     # a plain cell that calls it later times out too (it is named by position)

@@ -13,7 +13,7 @@ import pytest
 
 from lab_utils import cheating_copy
 
-from minillm.lab import build, feedback, grading, screen
+from grading import build, feedback, grader, screen
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LABS = build.discover_labs()
@@ -53,6 +53,8 @@ CHEATS = {
     "patched test input": "llm.tokenizer.encode = lambda text: [0]",
     "rewritten measurement": "decode['ttft_s'] = 0.0",
     "patched test input from a function": "def double(x):\n    llm.tokenizer = None\n    return 2 * x",
+    "the grader's guard": "from grading import guard\nguard.verify(None)",
+    "the grader's guard by its path": "import grading.guard as g",
 }
 PROTECTED = {"llm", "torch", "math", "lab02", "np", "decode"}
 MODULES = {"torch", "math", "lab02", "np"}
@@ -68,7 +70,7 @@ def test_screen_refuses_every_cheat_of_the_class(name):
 @pytest.mark.parametrize("lab", LABS)
 def test_screen_passes_every_committed_solution(lab):
     """The screen is strict, but not against the solutions learners are shown."""
-    protected, modules = grading.protected_names(build.read_master(lab))
+    protected, modules = grader.protected_names(build.read_master(lab))
     solution = nbformat.read(REPO_ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     for cell in solution.cells:
         meta = cell.metadata.get("nbgrader", {})
@@ -106,11 +108,11 @@ def test_screen_leaves_syntax_errors_to_python():
 def shell():
     from IPython.core.interactiveshell import InteractiveShell
 
-    from minillm.lab import guard
+    from grading import guard
 
     ip = InteractiveShell.instance()
     guard._GUARD = None
-    ip.run_cell("import minillm.lab.guard as _minillm_guard; _minillm_guard.install(get_ipython())")
+    ip.run_cell("import grading.guard as _minillm_guard; _minillm_guard.install(get_ipython())")
     yield ip
     for event in ("pre_run_cell", "post_run_cell"):
         for callback in list(ip.events.callbacks[event]):
@@ -122,7 +124,20 @@ def shell():
 
 
 def _test_cell(ip, body: str, name: str = "test_x"):
-    return ip.run_cell(f"import minillm.lab.guard as _minillm_guard; _minillm_guard.verify({name!r})\n{body}")
+    return ip.run_cell(f"import grading.guard as _minillm_guard; _minillm_guard.verify({name!r})\n{body}")
+
+
+def test_graded_kernel_finds_the_guard_from_the_course_folder(tmp_path):
+    """The graded kernel runs in a throwaway course folder, and grading/ is no part of minillm: the
+    grader's environment makes `grading.guard` importable there (its first cell imports it)."""
+    import subprocess
+    import sys
+
+    env = grader._kernel_env(quick=True)
+    source = grader.GUARD_SOURCE.split("\n")[0] + "; print(_minillm_guard.__file__)"
+    done = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == REPO_ROOT / "grading" / "guard.py"
 
 
 def test_guard_passes_an_honest_run(shell):
@@ -162,7 +177,7 @@ def test_guard_restores_and_fails_every_later_test(shell, cheat, what):
 
 
 def _guard_records():
-    from minillm.lab import guard
+    from grading import guard
 
     return guard._GUARD.violations
 
@@ -181,7 +196,7 @@ def test_guard_names_a_change_made_while_a_test_cell_ran(shell):
 def courses(tmp_path_factory):
     """The grading course of every lab, built once (generate_assignment, no execution)."""
     root = tmp_path_factory.mktemp("grading-course") / "course"
-    return grading.prepare_course(root, LABS)
+    return grader.prepare_course(root, LABS)
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -189,8 +204,8 @@ def test_cheating_copy_grades_as_the_untouched_copy(courses, lab):
     """Whatever the cheats, what runs is the untouched lab: extra cells dropped, every cheating
     solution cell replaced by the stub (and named), every test from the master."""
     course = courses[lab]
-    untouched = grading.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
-    cheat = grading.graded_copy(cheating_copy(lab), course)
+    untouched = grader.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
+    cheat = grader.graded_copy(cheating_copy(lab), course)
     assert untouched.flags == [] and untouched.zeroed == {}
     assert len(cheat.notebook.cells) == len(untouched.notebook.cells)
     solution_ids = [c.metadata["nbgrader"]["grade_id"] for c in untouched.notebook.cells
@@ -198,7 +213,7 @@ def test_cheating_copy_grades_as_the_untouched_copy(courses, lab):
     assert solution_ids
     for mine, theirs in zip(cheat.notebook.cells, untouched.notebook.cells):
         if mine.source != theirs.source:
-            assert mine.source == grading.STUB and "raise NotImplementedError()" in theirs.source
+            assert mine.source == grader.STUB and "raise NotImplementedError()" in theirs.source
     assert sum(f.startswith("solution cell") and "not run" in f for f in cheat.flags) == len(solution_ids)
     assert any("not part of the lab" in note for note in cheat.notes)
     assert cheat.zeroed == {}
@@ -210,16 +225,16 @@ def test_graded_copy_carries_the_gradebook_source_and_checksums(courses, lab):
     from nbgrader.utils import compute_checksum
 
     course = courses[lab]
-    copy_ = grading.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
-    assert copy_.notebook.cells[0].source == grading.GUARD_SOURCE
-    tests = [c for c in copy_.notebook.cells if grading._is_test(c)]
-    assert tests and any(grading.HIDDEN_BEGIN in c.source for c in tests)
+    copy_ = grader.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
+    assert copy_.notebook.cells[0].source == grader.GUARD_SOURCE
+    tests = [c for c in copy_.notebook.cells if grader._is_test(c)]
+    assert tests and any(grader.HIDDEN_BEGIN in c.source for c in tests)
     for cell in copy_.notebook.cells:
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("locked"):
             assert compute_checksum(cell) == meta["checksum"] == course.sources[meta["grade_id"]][1], meta["grade_id"]
     for cell in tests:
-        assert cell.source.startswith(f"import minillm.lab.guard as _minillm_guard; _minillm_guard.verify({cell.metadata['nbgrader']['grade_id']!r})")
+        assert cell.source.startswith(f"import grading.guard as _minillm_guard; _minillm_guard.verify({cell.metadata['nbgrader']['grade_id']!r})")
 
 
 def test_deleted_and_replaced_test_cells_are_zeroed_and_flagged(courses):
@@ -229,7 +244,7 @@ def test_deleted_and_replaced_test_cells_are_zeroed_and_flagged(courses):
     deleted, replaced = tests[0], tests[1]
     replaced.source = "pass"
     nb.cells.remove(deleted)
-    copy_ = grading.graded_copy(nb, courses[lab])
+    copy_ = grader.graded_copy(nb, courses[lab])
     deleted_id, replaced_id = deleted.metadata["nbgrader"]["grade_id"], replaced.metadata["nbgrader"]["grade_id"]
     assert set(copy_.zeroed) == {deleted_id, replaced_id}
     assert f"locked cell {deleted_id} was deleted" in copy_.flags and f"locked cell {replaced_id} was changed" in copy_.flags
@@ -249,8 +264,8 @@ def test_deleted_and_replaced_test_cells_are_zeroed_and_flagged(courses):
 def test_unreadable_submissions_say_why(tmp_path, text, reason):
     path = tmp_path / "nb.ipynb"
     path.write_bytes(text.encode("latin-1"))
-    with pytest.raises(grading.SubmissionError, match=reason.replace("(", r"\(")):
-        grading.read_submission(path)
+    with pytest.raises(grader.SubmissionError, match=reason.replace("(", r"\(")):
+        grader.read_submission(path)
 
 
 # --- feedback -----------------------------------------------------------------------------------
@@ -269,9 +284,9 @@ def test_feedback_message_hides_hidden_tests():
 
 
 def test_quick_times_give_every_lab_a_cell_timeout():
-    times = grading.quick_times()
+    times = grader.quick_times()
     assert set(times) == set(LABS), "run `python grading/autograde.py --measure` after adding a lab"
     for lab in LABS:
-        timeout = grading.cell_timeout_for(lab, times)
-        assert grading.MIN_CELL_TIMEOUT_S <= timeout <= grading.DEFAULT_CELL_TIMEOUT_S
-        assert timeout >= grading.TIMEOUT_PER_SLOWEST_CELL * times[lab]["slowest_cell_s"]
+        timeout = grader.cell_timeout_for(lab, times)
+        assert grader.MIN_CELL_TIMEOUT_S <= timeout <= grader.DEFAULT_CELL_TIMEOUT_S
+        assert timeout >= grader.TIMEOUT_PER_SLOWEST_CELL * times[lab]["slowest_cell_s"]

@@ -13,8 +13,8 @@ import torch
 
 from lab_utils import nbgrader_cells
 
+from grading.build import SOURCE_DIR
 from minillm.lab import lab02
-from minillm.lab.build import SOURCE_DIR
 from minillm.lab.common import CheckFailed
 
 MASTER = SOURCE_DIR / "02_kv_cache" / "02_kv_cache.ipynb"

@@ -9,8 +9,8 @@ import pytest
 
 from lab_utils import nbgrader_cells, run_solution_cells
 
+from grading.build import SOURCE_DIR
 from minillm.lab import lab03
-from minillm.lab.build import SOURCE_DIR
 from minillm.lab.common import CheckFailed
 
 MASTER = SOURCE_DIR / "03_batching" / "03_batching.ipynb"

@@ -17,8 +17,8 @@ import torch
 
 from lab_utils import import_file, nbgrader_cells, solution_module_fixture, solution_source
 
+from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab04
-from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "04_paged_attention" / "04_paged_attention.ipynb"

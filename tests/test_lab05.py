@@ -14,8 +14,8 @@ import torch
 
 from lab_utils import import_file, nbgrader_cells, solution_module_fixture, solution_source
 
+from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab05
-from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed
 from minillm.quant import int4 as ref_int4
 from minillm.quant import int8 as ref_int8

@@ -11,8 +11,8 @@ import pytest
 
 from lab_utils import nbgrader_cells, solution_fixture
 
+from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab06
-from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "06_prefix_caching" / "06_prefix_caching.ipynb"

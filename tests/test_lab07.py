@@ -15,8 +15,8 @@ import torch
 
 from lab_utils import nbgrader_cells, solution_fixture
 
+from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab07
-from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "07_speculative_decoding" / "07_speculative_decoding.ipynb"

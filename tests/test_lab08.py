@@ -15,8 +15,8 @@ import pytest
 
 from lab_utils import nbgrader_cells, solution_fixture
 
+from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab08
-from minillm.lab.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab.common import CheckFailed, figure_subtitle
 
 LAB = "08_serving_cost"

@@ -11,7 +11,7 @@ per-cell timeout is interrupted (nbgrader's ``CellTimeoutError``) and the rest s
 Each cell's wall time and every death go to a JSON report (``MINILLM_EXECUTE_REPORT``), which
 the grader turns into the row's reason and the measured quick-mode time of a lab.
 
-The throwaway grading course (minillm.lab.grading) and grading/nbgrader_config.py put it in
+The throwaway grading course (grading.grader) and grading/nbgrader_config.py put it in
 place of nbgrader's Execute in ``Autograde.autograde_preprocessors``.
 """
 

@@ -4,15 +4,15 @@ The grader runs only the solution cells of a submission (everything else comes f
 instructor master), and each of them is first read here, as source, outside the kernel. A cell
 that could change how *later* cells run or what the checks do is not run: it is graded as if
 the exercise were untouched (nbgrader's stub) and the row says why. Reading the source cannot be
-fooled by anything the code does at run time; the runtime guard (minillm/lab/guard.py) watches
+fooled by anything the code does at run time; the runtime guard (grading/guard.py) watches
 for what a screen of source could miss.
 
 What a solution cell may not do (each rule names the cheat it closes):
 
 - import modules that reach the interpreter, the kernel or the process (``sys``, ``os``,
   ``builtins``, ``importlib``, ``gc``, ``inspect``, ``ctypes``, ``IPython``, ``threading``,
-  ``signal``, ``subprocess``, ``pickle`` ...): input/AST transformers, tracers, excepthooks,
-  patched modules, ``os._exit``;
+  ``signal``, ``subprocess``, ``pickle`` ..., and this grader, ``grading``): input/AST transformers,
+  tracers, excepthooks, patched modules, ``os._exit``, the guard;
 - call or name ``exec``, ``eval``, ``compile``, ``__import__``, ``getattr``, ``setattr``,
   ``delattr``, ``globals``, ``vars``, ``locals``, ``get_ipython``, ``breakpoint``, ``open``,
   ``exit``, ``quit``: the indirect routes to the same;
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 FORBIDDEN_MODULES = frozenset(
     {
         "sys", "os", "posix", "nt", "builtins", "importlib", "imp", "gc", "inspect", "ctypes", "cffi",
+        "grading",  # this grader: its guard runs in the graded kernel
         "IPython", "ipykernel", "jupyter_client", "nbclient", "nbgrader", "zmq", "traitlets",
         "traceback", "types", "unittest", "atexit", "signal", "threading", "_thread",
         "multiprocessing", "concurrent", "asyncio", "subprocess", "faulthandler", "code", "codeop",
@@ -149,7 +150,7 @@ class _Screen(ast.NodeVisitor):
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             root = alias.name.split(".")[0]
-            if root in FORBIDDEN_MODULES or alias.name.startswith("minillm.lab.guard"):
+            if root in FORBIDDEN_MODULES:
                 self.flag(node, f"imports {alias.name} (it reaches the interpreter, the kernel or the process)")
             bound = (alias.asname or root)
             if not (alias.asname is None and bound in self.modules):  # `import torch` again is the same module
@@ -160,7 +161,7 @@ class _Screen(ast.NodeVisitor):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         module = node.module or ""
         root = module.split(".")[0]
-        if node.level or root in FORBIDDEN_MODULES or module.startswith("minillm.lab.guard"):
+        if node.level or root in FORBIDDEN_MODULES:
             self.flag(node, f"imports from {module or '.'} (it reaches the interpreter, the kernel or the process)")
         for alias in node.names:
             if alias.name == "*":

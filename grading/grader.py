@@ -4,12 +4,12 @@ The course is rebuilt from the instructor masters (grading/source) each time, so
 the hidden tests come from the masters, never from what a student hands in. From a submission
 only the **solution cells** are taken (matched by nbgrader ``grade_id``); every other cell comes
 from the master, and the student's own extra cells are not run. Each solution cell is screened
-as source first (minillm/lab/screen.py): one that could change how later cells run or what the
+as source first (grading/screen.py): one that could change how later cells run or what the
 checks do is replaced by the stub and named in the row. The graded copy carries a runtime guard
-(minillm/lab/guard.py) as its first cell and a check of it at the top of every test cell.
+(grading/guard.py) as its first cell and a check of it at the top of every test cell.
 
 Then ``nbgrader autograde`` runs once per (student, lab), headless, in quick mode
-(``MINILLM_QUICK=1``), with nbgrader's Execute replaced by minillm.lab.grading_execute (a dead
+(``MINILLM_QUICK=1``), with nbgrader's Execute replaced by grading.execute (a dead
 kernel costs the cell that killed it, not the lab). A test cell the student deleted or changed
 scores 0, and so does one during which the guard saw a change; the row says so.
 
@@ -38,9 +38,10 @@ from pathlib import Path
 
 import nbformat
 
-from minillm.lab import guard, screen
-from minillm.lab.build import GRADING_DIR, REMOVED_REGIONS, SOURCE_DIR, discover_labs, dumps, generate_assignments, make_course, read_master
-from minillm.lab.grading_execute import REPORT_ENV as EXECUTE_REPORT_ENV
+from grading import guard, screen
+from grading.build import (GRADING_DIR, REMOVED_REGIONS, REPO_ROOT, SOURCE_DIR, discover_labs, dumps, generate_assignments,
+                           make_course, read_master)
+from grading.execute import REPORT_ENV as EXECUTE_REPORT_ENV
 
 STUDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
 COURSE_ID = "minillm"
@@ -48,7 +49,7 @@ COURSE_ID = "minillm"
 PYTHON = sys.executable
 
 GUARD_CELL_ID = "minillm_grading_guard"
-GUARD_SOURCE = "import minillm.lab.guard as _minillm_guard\n_minillm_guard.install(get_ipython())"
+GUARD_SOURCE = "import grading.guard as _minillm_guard\n_minillm_guard.install(get_ipython())"
 STUB = "raise NotImplementedError(\"minillm grading: this solution cell was not run (the grade's reason says why)\")"
 HIDDEN_BEGIN, HIDDEN_END = REMOVED_REGIONS[0]  # the markers build.py cuts out of labs/ and solutions/
 
@@ -94,7 +95,7 @@ def _import_lines(master) -> list[str]:
 
 def preamble(grade_id: str, imports: list[str]) -> str:
     """The lines the graded copy puts at the top of test cell ``grade_id``."""
-    return "\n".join([f"import minillm.lab.guard as _minillm_guard; _minillm_guard.verify({grade_id!r})", *imports]) + "\n"
+    return "\n".join([f"import grading.guard as _minillm_guard; _minillm_guard.verify({grade_id!r})", *imports]) + "\n"
 
 
 def grading_master(master) -> nbformat.NotebookNode:
@@ -155,7 +156,7 @@ def hidden_line_numbers(source: str) -> set[int]:
 
 def protected_names(master) -> tuple[set[str], set[str]]:
     """(names the master's own code cells bind, those bound to modules): what a solution cell may
-    not rebind or write into (minillm/lab/screen.py)."""
+    not rebind or write into (grading/screen.py)."""
     protected, modules = set(), set()
     for cell in master.cells:
         if cell.cell_type == "code" and not _nbgrader(cell).get("solution"):
@@ -306,6 +307,9 @@ def _kernel_env(quick: bool) -> dict[str, str]:
     env = dict(os.environ)
     # Creating the gradebook shells out to `alembic`, found on PATH only when the venv is active.
     env["PATH"] = os.pathsep.join([str(Path(PYTHON).parent), env.get("PATH", "")])
+    # nbgrader (its config imports grading.execute) and the graded kernel (its first cell imports
+    # grading.guard) run in the throwaway course folder: the grader's package is found from here.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     if quick:
         env["MINILLM_QUICK"] = "1"
     else:
@@ -548,7 +552,7 @@ def autograde(
             rows.append(_grade_one(course_root, courses[lab], student, path, env, timeout_s, logs))
             rows[-1]["submitted_dir"] = str(path.parent)
         if feedback_dir is not None:
-            from minillm.lab import feedback
+            from grading import feedback
 
             for row in rows:
                 feedback.write(row, course_root, courses[row["lab"]], Path(feedback_dir))
@@ -592,8 +596,6 @@ def measure_quick_times(labs: list[str] | None = None, source_dir: Path = SOURCE
                         solutions_dir: Path | None = None) -> dict[str, dict]:
     """Grade each lab's committed solution in quick mode and record its time and slowest cell."""
     import platform
-
-    from minillm.lab.build import REPO_ROOT
 
     labs = discover_labs(source_dir) if labs is None else labs
     solutions_dir = REPO_ROOT / "solutions" if solutions_dir is None else Path(solutions_dir)

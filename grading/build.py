@@ -11,8 +11,8 @@ One source of truth per lab: ``grading/source/NN_topic/NN_topic.ipynb`` holds th
 
 Output is byte-deterministic, so CI can rebuild and compare::
 
-    python -m minillm.lab.build           # write labs/ and solutions/
-    python -m minillm.lab.build --check   # exit 1 and list the files that would change
+    python -m grading.build           # write labs/ and solutions/ (from the repository root)
+    python -m grading.build --check   # exit 1 and list the files that would change
 
 nbgrader runs in a throwaway course directory (configured from grading/nbgrader_config.py),
 so no gradebook or release folder lands in the repository. Before it runs, :func:`check_masters`
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import nbformat
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 GRADING_DIR = REPO_ROOT / "grading"
 SOURCE_DIR = GRADING_DIR / "source"
 COURSE_CONFIG = GRADING_DIR / "nbgrader_config.py"
@@ -522,7 +522,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minillm.lab.build", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m grading.build", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any file would change")
     parser.add_argument("--out", type=Path, default=REPO_ROOT, help="root that holds labs/ and solutions/")
     parser.add_argument("--source", type=Path, default=SOURCE_DIR, help="folder of instructor masters")
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.check:
         if changed:
-            print("generated notebooks differ from their masters; run `make labs` (python -m minillm.lab.build):")
+            print("generated notebooks differ from their masters; run `make labs` (python -m grading.build):")
             for relative in changed:
                 print(f"  {relative}")
             return 1

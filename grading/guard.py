@@ -16,7 +16,11 @@ changed; after it, the same. Each change is recorded, with the cell that made it
 then raises :class:`GradingIntegrityError` in every later test cell, so those earn nothing, and
 the grader reads the record (``MINILLM_GUARD_REPORT``) to zero a test cell during which a change
 happened. Code in the kernel can in principle undo anything in the kernel: the guard is the
-second line, behind the screen of the source (minillm/lab/screen.py) that runs outside it.
+second line, behind the screen of the source (grading/screen.py) that runs outside it.
+
+The graded kernel runs in a throwaway course folder and imports this module as ``grading.guard``:
+the grader puts the repository root on the kernel's ``PYTHONPATH`` (grading/grader.py). It uses
+the standard library only, so the kernel loads nothing else of the grader.
 """
 
 from __future__ import annotations
@@ -51,8 +55,6 @@ class _Guard:
             if module is None:
                 continue
             if name == "minillm" or name.startswith("minillm.") or name in {"math", "torch"}:
-                if name == "minillm.lab.guard":
-                    continue
                 try:
                     items = vars(module)
                 except TypeError:
