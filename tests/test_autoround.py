@@ -27,7 +27,7 @@ def test_learnable_int4_starts_at_round_to_nearest_and_exports_what_quantized_li
     assert q.dtype == torch.uint8 and q.shape == (24, 96) and int(q.max()) <= 15
     assert scale.shape == zero.shape == (24, 3)
     assert torch.equal(scale, scale.to(torch.bfloat16).float()) and torch.equal(zero, zero.to(torch.bfloat16).float())
-    layer = QuantizedLinear(w, None, "int4", 32, input_scale=s, quantized=(q, scale, zero))
+    layer = QuantizedLinear.from_float(w, None, "int4", 32, input_scale=s, quantized=(q, scale, zero))
     stored = dequantize_int4(q, scale, zero)[:, :72]   # the levels of w * s; the layer multiplies x / s by them
     assert torch.allclose(layer.dequantized_weight().float(), stored, rtol=1e-2, atol=1e-2)
     assert torch.allclose(learner.stored_weight(), stored / s)   # what calibrate_autoround feeds the next layer

@@ -14,7 +14,7 @@ from minillm.models.presets import PRESETS, preset_config
 from minillm.models.quantize import calibrate_gptq, quantize_model
 from minillm.quant import QuantizedLinear, dequantize_int4, quantize_int4
 from minillm.quant.gptq import gptq_int4, input_hessian
-from minillm.quant.linear import _int4pack_block_n, _int4pack_gather
+from minillm.quant import int4pack
 from minillm.sampling import SamplingParams
 
 
@@ -52,7 +52,7 @@ def test_gptq_beats_round_to_nearest_on_the_layer_output_and_stays_on_the_int4_g
     assert all(torch.equal(a, b) for a, b in zip((q, scale, zero), again))
     # QuantizedLinear stores the given levels unchanged on every path, and multiplies by that matrix.
     for fast in (True, False):
-        layer = QuantizedLinear(w, None, "int4", group, fast=fast, quantized=(q, scale, zero))
+        layer = QuantizedLinear.from_float(w, None, "int4", group, fast=fast, quantized=(q, scale, zero))
         assert torch.equal(layer.dequantized_weight(), w_gptq), layer.path
         assert torch.equal(layer.rows(torch.arange(n)), w_gptq), layer.path
 
@@ -64,10 +64,10 @@ def test_gptq_checks_its_inputs():
     with pytest.raises(ValueError, match="damp=1.5 must be in"):
         gptq_int4(w, torch.eye(64), 32, damp=1.5)
     with pytest.raises(ValueError, match=r"quantized= parts q \(16, 32\)"):
-        QuantizedLinear(w, None, "int4", 32, quantized=(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1),
+        QuantizedLinear.from_float(w, None, "int4", 32, quantized=(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1),
                                                          torch.zeros(16, 1)))
     with pytest.raises(ValueError, match=r"int4 levels are 0..15"):
-        QuantizedLinear(w, None, "int4", 32, quantized=(torch.full((16, 64), 16, dtype=torch.uint8),
+        QuantizedLinear.from_float(w, None, "int4", 32, quantized=(torch.full((16, 64), 16, dtype=torch.uint8),
                                                          torch.ones(16, 2), torch.zeros(16, 2)))
     with pytest.raises(ValueError, match=r"weight_calibration='gptq' needs weight_dtype='int4' \(got 'int8'\)"):
         EngineConfig(weight_dtype="int8", weight_calibration="gptq")
@@ -81,48 +81,20 @@ def test_rows_are_the_dequantized_rows_on_every_path(wd, n, k, group):
     w = torch.randn(n, k, generator=g)
     ids = torch.tensor([[0, 5, n - 1], [3, 3, 17]])
     for fast in (True, False):
-        layer = QuantizedLinear(w, None, wd, group, fast=fast)
+        layer = QuantizedLinear.from_float(w, None, wd, group, fast=fast)
         want = layer.dequantized_weight()[ids]
         assert torch.equal(layer.rows(ids), want), (wd, layer.path)
         if layer.path == "dequant" and wd != "fp8":  # the CUDA path stores the same plain buffers
             layer.path = "triton"
             assert torch.equal(layer.rows(ids), want), (wd, "triton")
     if wd == "int4":
-        packed = QuantizedLinear(w, None, wd, group)
+        packed = QuantizedLinear.from_float(w, None, wd, group)
         if packed.path == "int4pack":  # gathered from the kernel's layout, no plain copy made
             if platform.machine() in ("x86_64", "AMD64"):  # torch packs in blocks of 32 (AVX2) or 64 (AVX-512)
-                assert _int4pack_block_n() in (32, 64)
-            if _int4pack_block_n():
+                assert int4pack.block_n() in (32, 64)
+            if int4pack.block_n():
                 packed.rows(ids)
                 assert packed._int4_cache is None
-
-
-def int4pack_like_torch(q: torch.Tensor, block_n: int) -> torch.Tensor:
-    """What aten._convert_weight_to_int4pack_for_cpu(q, 1) stores on a CPU whose vectors pack rows in
-    blocks of block_n (torch's int4mm_kernel.cpp): per full block, byte (k, j) = row j | row j + block_n/2
-    << 4 (AVX2: 32; AVX-512: 64); a last, shorter block of rows holds rows 2i | 2i + 1 << 4 in byte i."""
-    n, k = q.shape
-    out = []
-    for start in range(0, n, block_n):
-        rows = q[start:start + block_n].to(torch.uint8)                   # [b, K]
-        b = rows.shape[0]
-        lo, hi = (rows[: b // 2], rows[b // 2:]) if b == block_n else (rows[0::2], rows[1::2])
-        out.append((lo | (hi << 4)).t().reshape(-1))                   # [K, b/2] flattened
-    return torch.cat(out).reshape(n, k // 2)
-
-
-@pytest.mark.parametrize("block_n", [32, 64])
-@pytest.mark.parametrize("n", [64, 96, 176, 16])
-def test_int4pack_gather_reads_both_cpu_layouts(block_n, n):
-    """rows() reads the CPU kernel's packed int4 on AVX2 (blocks of 32) and AVX-512 (64) machines alike,
-    the short last block included; the layout this machine's torch uses is checked against torch itself."""
-    g = torch.Generator().manual_seed(n * block_n)
-    q = torch.randint(0, 16, (n, 48), generator=g, dtype=torch.int32)
-    ids = torch.randperm(n, generator=g)[: min(n, 20)]
-    packed = int4pack_like_torch(q, block_n)
-    assert torch.equal(_int4pack_gather(packed, ids, 48, block_n).int(), q[ids])
-    if hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu") and _int4pack_block_n() == block_n:
-        assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), packed)
 
 
 def tied_preset(monkeypatch) -> str:

@@ -61,7 +61,7 @@ def test_int4_odd_in_features_are_refused_by_the_quantizer_and_padded_by_the_lay
     with pytest.raises(ValueError, match=r"in_features=200 is not a multiple of group_size=128"):
         quantize_int4(w, 128)
     for fast in (True, False):
-        layer = QuantizedLinear(w, None, "int4", 128, fast=fast)
+        layer = QuantizedLinear.from_float(w, None, "int4", 128, fast=fast)
         assert layer.pad == 56 and layer.dequantized_weight().shape == (16, 200)
         x = torch.randn(3, 200)
         torch.testing.assert_close(layer(x), F.linear(x, layer.dequantized_weight()), rtol=2e-2, atol=2e-2)
@@ -96,8 +96,8 @@ def test_fp8_error_is_relative(shape):
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 def test_fast_path_matches_the_dequantize_reference(kind, k):
     w = fresh((96, k), 6).t().contiguous().t()  # column-major: a layout QuantizedLinear must also accept
-    fast = QuantizedLinear(w, None, kind, 64, fast=True)
-    ref = QuantizedLinear(w, None, kind, 64, fast=False)
+    fast = QuantizedLinear.from_float(w, None, kind, 64, fast=True)
+    ref = QuantizedLinear.from_float(w, None, kind, 64, fast=False)
     assert ref.path == "dequant"
     if kind == "int4" or (kind == "int8" and k % 16 == 0):  # int4 pads K to the group size
         assert fast.path == f"{kind}pack", "torch's packed CPU kernel should be available in this torch"
@@ -118,11 +118,11 @@ def test_fast_path_matches_the_dequantize_reference(kind, k):
 def test_weight_bytes_int8_half_int4_under_30_percent_of_bf16():
     w = fresh((960, 576), 7)  # SmolLM2's qkv shape: 576 is not a multiple of 128 (padded to 640)
     bf16 = w.numel() * 2
-    assert QuantizedLinear(w, None, "int8").quantized_bytes() / bf16 == pytest.approx(0.5, abs=0.01)
+    assert QuantizedLinear.from_float(w, None, "int8").quantized_bytes() / bf16 == pytest.approx(0.5, abs=0.01)
     for group in (64, 128):
-        assert QuantizedLinear(w, None, "int4", group).quantized_bytes() / bf16 <= 0.30
+        assert QuantizedLinear.from_float(w, None, "int4", group).quantized_bytes() / bf16 <= 0.30
     # group 32: 0.5 + 2 x 2 bytes / 32 per weight = 0.625 bytes, 31% of bf16.
-    assert QuantizedLinear(w, None, "int4", 32).quantized_bytes() / bf16 == pytest.approx(0.3125)
+    assert QuantizedLinear.from_float(w, None, "int4", 32).quantized_bytes() / bf16 == pytest.approx(0.3125)
 
 
 # ------------------------------------------------------------------ config
@@ -199,10 +199,10 @@ def test_awq_scale_search_beats_round_to_nearest_on_salient_channels():
     s, alpha, errors = search_input_scale(w, x, "int4", 128)
     assert alpha > 0 and errors[0] == pytest.approx(float((x @ fake_quantize(w, "int4", 128).t() - x @ w.t()).pow(2).mean()))
     assert min(errors) < 0.8 * errors[0], f"AWQ should cut the output error of RTN: {errors}"
-    # The hook: QuantizedLinear(input_scale=s) computes (x / s) Q(W s)^T on every path.
+    # The hook: QuantizedLinear.from_float(input_scale=s) computes (x / s) Q(W s)^T on every path.
     for fast in (True, False):
-        layer = QuantizedLinear(w, None, "int4", 128, fast=fast, input_scale=s)
-        rtn = QuantizedLinear(w, None, "int4", 128, fast=fast)
+        layer = QuantizedLinear.from_float(w, None, "int4", 128, fast=fast, input_scale=s)
+        rtn = QuantizedLinear.from_float(w, None, "int4", 128, fast=fast)
         err_awq = (layer(x) - x @ w.t()).pow(2).mean()
         err_rtn = (rtn(x) - x @ w.t()).pow(2).mean()
         assert err_awq < 0.8 * err_rtn
@@ -266,7 +266,7 @@ def test_int4_parts_are_the_plain_layout_on_every_path(n, k, group):
     w = fresh((n, k), n + k)
     w[1] += 2.0  # a row far from zero: its groups' zeros are large next to their scales
     q, _, _ = quantize_int4(F.pad(w, (0, (-k) % group)), group)
-    layers = [QuantizedLinear(w, None, "int4", group, fast=f) for f in (True, False)]
+    layers = [QuantizedLinear.from_float(w, None, "int4", group, fast=f) for f in (True, False)]
     if n % 16 == 0:
         assert layers[0].path == "int4pack"  # the recovered case
     for layer in layers:
@@ -289,7 +289,7 @@ def test_int8_parts_are_q_and_a_float_scale_on_every_path():
     w = fresh((96, 200), 11)
     q_ref, scale_ref = quantize_int8(w)
     for fast in (True, False):
-        layer = QuantizedLinear(w, None, "int8", fast=fast)
+        layer = QuantizedLinear.from_float(w, None, "int8", fast=fast)
         q, scale = layer.int8_parts()
         assert torch.equal(q, q_ref) and scale.dtype == torch.float32 and scale.shape == (96,)
         torch.testing.assert_close(scale, scale_ref, rtol=2 ** -8, atol=0)  # bf16 on the int8pack path
@@ -301,7 +301,7 @@ def test_int8_parts_are_q_and_a_float_scale_on_every_path():
 def test_set_matmul_replaces_the_path_after_input_scale_and_before_bias():
     g = torch.Generator().manual_seed(12)
     w, bias, s = fresh((16, 64), 12), torch.randn(16, generator=g), torch.rand(64, generator=g) + 0.5
-    layer = QuantizedLinear(w, bias, "int4", 32, input_scale=s)
+    layer = QuantizedLinear.from_float(w, bias, "int4", 32, input_scale=s)
     x = torch.randn(2, 3, 64, generator=g)
     seen = []
 

@@ -206,7 +206,7 @@ def test_quantized_linear_triton_path_matches_its_dequantized_weight(kind, dtype
     g = torch.Generator().manual_seed(21)
     w = (torch.randn(131, 200, generator=g) * 0.05).to(dtype)
     bias = torch.randn(131, generator=g).to(dtype)
-    layer = QuantizedLinear(w.to(DEVICE), bias.to(DEVICE), kind, 64, fast=False)
+    layer = QuantizedLinear.from_float(w.to(DEVICE), bias.to(DEVICE), kind, 64, fast=False)
     layer.path = "triton"  # what a CUDA GPU picks; "dequant" stores the same buffers
     for m in (1, 20):
         x = torch.randn(1, m, 200, generator=g).to(dtype).to(DEVICE)

@@ -9,7 +9,7 @@ arithmetic. Per matrix it tries
 
 and keeps the alpha whose quantized output is closest to the float output on calibration
 activations x (alpha = 0 is plain round-to-nearest, so the search never does worse on them).
-`QuantizedLinear(..., input_scale=s)` is the hook that applies the result; the activations come
+`QuantizedLinear.from_float(..., input_scale=s)` is the hook that applies the result; the activations come
 from running the float model on calibration text (minillm/data/calibration.txt, kept apart
 from corpus.txt, which the quality harness scores), which the model
 floor does (this floor only sees tensors).
