@@ -206,7 +206,7 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
                    head_dtype: str | None = "same", clips: dict[str, torch.Tensor] | None = None,
                    quantized: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
                    head_group_size: int | None = None) -> LlamaForCausalLM:
-    """Replace the decoder Linears by QuantizedLinear(weight_dtype) and the head by QuantizedLinear(head_dtype).
+    """Replace the decoder Linears by QuantizedLinear.from_float(weight_dtype) and the head by QuantizedLinear.from_float(head_dtype).
 
     in_place=False quantizes a shallow copy and leaves `model` (e.g. another engine's fp32
     weights, LLM.with_levers) as it was; the copy shares the embedding, norms and rotary tables.
@@ -227,13 +227,13 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
             w = linear.weight.data
             if key in clips:
                 w = clip_weight(w, input_scales.get(key), clips[key], group_size)
-            setattr(layer, name, QuantizedLinear(w, None if linear.bias is None else linear.bias.data,
+            setattr(layer, name, QuantizedLinear.from_float(w, None if linear.bias is None else linear.bias.data,
                                                  weight_dtype, group_size, fast=fast,
                                                  input_scale=input_scales.get(key), quantized=quantized.get(key)))
     if head_dtype == "same":
         head_dtype = weight_dtype
     if head_dtype is not None:
-        model.quantized_head = QuantizedLinear(model.lm_head_weight, None, head_dtype, head_group_size or group_size,
+        model.quantized_head = QuantizedLinear.from_float(model.lm_head_weight, None, head_dtype, head_group_size or group_size,
                                                fast=fast, quantized=quantized.get("lm_head"))
         if model.lm_head is None:  # tied: the embedding is looked up in the quantized head (one copy)
             model.embed_tokens = None
@@ -648,7 +648,7 @@ def tune_int4_grids(model: LlamaForCausalLM, token_ids: list[int], input_scales:
         return in_scale[key] * (1 + c[key]) if key in c else in_scale[key]
 
     head = model.lm_head_weight.detach()
-    student_head = head if head_dtype is None else QuantizedLinear(head, None, "int8").dequantized_weight(head.dtype)
+    student_head = head if head_dtype is None else QuantizedLinear.from_float(head, None, "int8").dequantized_weight(head.dtype)
     tied = model.lm_head is None
 
     def weights():
