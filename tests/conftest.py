@@ -28,11 +28,22 @@ LONGEST_FIRST = ("test_course.py", "test_kernels.py", "test_combinations.py", "t
                  "test_prefix_caching.py", "test_quality.py", "test_triton_backend.py", "test_paged.py")
 
 
+NO_CUDA_REASON = ("gpu test: needs a CUDA GPU (torch.cuda.is_available() is False here); on a machine with one, "
+                  "run `pytest -m gpu` (MINILLM_GPU_TESTS_INTERPRET=1 runs them here, on tiny shapes in Triton's "
+                  "interpreter)")
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest files first (make test runs --dist loadfile: each file stays on one worker, so its
-    module-scoped fixtures, a model or an nbgrader round trip, are built once)."""
+    module-scoped fixtures, a model or an nbgrader round trip, are built once). Tests marked gpu are
+    skipped without CUDA, unless MINILLM_GPU_TESTS_INTERPRET=1 (tests/kernel_utils.py)."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+    if os.environ.get("MINILLM_GPU_TESTS_INTERPRET") != "1":
+        no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA_REASON)
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(no_gpu)
 
 
 @pytest.fixture(scope="session")

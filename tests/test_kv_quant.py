@@ -13,7 +13,7 @@ import torch
 
 import kernel_utils  # noqa: F401  first: picks the Triton interpreter before triton is imported
 from conftest import assert_engine_idle, tokenizer_files
-from kernel_utils import DEVICE, DTYPES, TOLERANCE, max_error, scattered_pool
+from kernel_utils import DEVICE, DTYPES, TOLERANCE, max_error, quantized_pools, scattered_pool
 from test_models import BASE
 
 from minillm import LLM, EngineConfig, SamplingParams
@@ -182,19 +182,6 @@ def test_store_kv_kernel_quantizes_like_the_reference(dtype, kv_dtype, num_token
         torch.testing.assert_close(g[:, kept], w[:, kept], rtol=1e-6, atol=0)
 
 
-def _quantized_pools(k_cache, v_cache, kv_dtype, gen):
-    """Quantize a NaN-poisoned fp32 pool: owned slots quantized, unowned slots random bytes with NaN
-    scales (so a kernel that reads a slot it does not own returns NaN)."""
-    owned = ~k_cache[..., 0].isnan()                                    # [heads, slots]
-    out = []
-    for pool in (k_cache, v_cache):
-        q, scale = quantize_kv(torch.nan_to_num(pool, nan=0.0), kv_dtype)
-        junk = torch.randint(-100, 100, q.shape, generator=gen).to(q.dtype)
-        q = torch.where(owned[..., None], q.view(torch.uint8), junk.view(torch.uint8)).view(q.dtype)
-        out += [q, scale.masked_fill(~owned, float("nan"))]
-    return out   # k_q, k_scale, v_q, v_scale
-
-
 def _assert_close(got, want, dtype, what):
     assert not got.isnan().any(), f"{what}: NaN in the output (a read of an unowned slot or of its scale)"
     err, tol = max_error(got, want)
@@ -217,7 +204,7 @@ def test_paged_decode_reads_quantized_pools(dtype, kv_dtype, head_dim, num_kv_he
 
     gen = torch.Generator().manual_seed(head_dim + group)
     block_tables, k_cache, v_cache = scattered_pool(seq_lens, num_kv_heads, head_dim, block_size, gen)
-    k_q, k_scale, v_q, v_scale = _quantized_pools(k_cache, v_cache, kv_dtype, gen)
+    k_q, k_scale, v_q, v_scale = quantized_pools(k_cache, v_cache, kv_dtype, gen)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q, k_q, v_q, k_scale, v_scale, block_tables, lens = (t.to(DEVICE) for t in
@@ -245,7 +232,7 @@ def test_extend_attention_reads_quantized_pools(dtype, kv_dtype, head_dim, num_k
     gen = torch.Generator().manual_seed(head_dim * 3 + group)
     seq_lens = [cached + new for cached, new in rows]
     block_tables, k_cache, v_cache = scattered_pool(seq_lens, num_kv_heads, head_dim, block_size, gen)
-    k_q, k_scale, v_q, v_scale = _quantized_pools(k_cache, v_cache, kv_dtype, gen)
+    k_q, k_scale, v_q, v_scale = quantized_pools(k_cache, v_cache, kv_dtype, gen)
     num_new = torch.tensor([new for _, new in rows], dtype=torch.int32)
     qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
     qsl[1:] = num_new.cumsum(0)
