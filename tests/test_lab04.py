@@ -280,3 +280,22 @@ def test_block_size_tradeoff_counts_last_block_waste():
     rows = {r["block_size"]: r for r in lab04.block_size_tradeoff([1, 16, 17], block_sizes=(1, 16))}
     assert rows[1]["wasted_slots"] == 0 and rows[1]["blocks"] == 34
     assert rows[16]["blocks"] == 4 and rows[16]["wasted_slots"] == 64 - 34
+
+
+def test_kernel_run_and_timing_printouts(capsys):
+    """The shared printouts (lab/common.py) with lab04's references, on a CPU result and a GPU one."""
+    run = {"tokens": [[1, 2]], "expected": [[1, 3]], "equal": False, "wall_s": 3.2, "kernel_calls": 60, "kernel_s": 1.2,
+           "text": ["Paris"], "device": "cpu: test"}
+    lab04.print_kernel_run(run)
+    out = capsys.readouterr().out
+    assert "✗ not the same as the torch backend's: [[1, 3]]" in out and "60 launches, 20 ms each" in out
+    lab04.print_kernel_run({**run, "expected": [[1, 2]], "equal": True})
+    assert "✓ the same as the torch backend's" in capsys.readouterr().out
+    lab04.print_kernel_timing({"device": "cpu"})
+    assert "No GPU here" in capsys.readouterr().out
+    kv = 50_000_000
+    lab04.print_kernel_timing({"device": "GPU", "shape": "32 seqs", "kv_bytes": kv, "bandwidth": 4e12, "bound_s": kv / 4e12,
+                               "yours_s": 50e-6, "engine_s": 12.5e-6})
+    out = capsys.readouterr().out
+    assert "yours: 50 µs  reads 50 MB (bound 12.5 µs) -> 1000 GB/s, 25% of the bound" in out
+    assert "engine: 12.5 µs" in out and "100% of the bound" in out

@@ -306,3 +306,21 @@ def test_learned_rounding_runs_only_from_the_cache_or_when_asked(default_llm, tm
     assert lab05.learned_rounding(default_llm) == {"rows": []}
     assert calls == [lab05.ROUNDING_SWEEP] * 2
     assert all(label in lab05.SWEEP_SETTINGS for label in lab05.ROUNDING_SWEEP + lab05.FULL_SWEEP)
+
+
+def test_kernel_run_and_timing_printouts(capsys):
+    """The shared printouts (lab/common.py) with lab05's references: the fp32 reference must match, the
+    engine's own int4 path may differ on a near tie."""
+    run = {"tokens": [[1, 2]], "reference": [[1, 2]], "engine": [[1, 5]], "wall_s": 2.0, "calls": 8, "kernel_s": 0.4,
+           "hooked": 4, "num_quantized": 210, "text": ["Paris"], "device": "cpu: test"}
+    lab05.print_kernel_run(run)
+    out = capsys.readouterr().out
+    assert "✓ the same as the fp32 reference matmul's" in out and "≈ not the same as the engine's own int4 path's" in out
+    assert "your kernel in 4 of the 210 int4 matmuls: 8 launches, 50 ms each" in out
+    lab05.print_kernel_run({**run, "reference": [[7, 7]]})
+    assert "✗ not the same as the fp32 reference matmul's: [[7, 7]]" in capsys.readouterr().out
+    lab05.print_kernel_timing({"device": "GPU", "shape": "x [1, 4096]", "bandwidth": 4e12, "int4_bytes": 10_000_000,
+                               "fp16_bytes": 40_000_000, "yours_s": 10e-6, "fp16_s": 20e-6})
+    out = capsys.readouterr().out
+    assert "yours: 10 µs  reads 10 MB (bound 2.5 µs) -> 1000 GB/s, 25% of the bound" in out
+    assert "fp16: 20 µs  reads 40 MB (bound 10 µs) -> 2000 GB/s, 50% of the bound" in out

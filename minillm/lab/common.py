@@ -249,18 +249,73 @@ def passed(name: str, num_cases: int) -> None:
 
 
 # --- Triton kernel exercises (labs 04 and 05) ------------------------------------------------------
-def require_kernel(kernel, name: str, exercise: int) -> None:
+# Each lab writes a kernel, plugs it into the engine (its own part: an attention backend, a matmul
+# hook) and times it on a GPU; checking for the stub, the greedy runs, and the printouts are these.
+def require_kernel(kernel) -> None:
     """NotImplementedError while a @triton.jit kernel's body is still the exercise stub (under the
     interpreter the stub's own raise would arrive wrapped in an InterpreterError; on a GPU it would
-    not even compile)."""
+    not even compile). The notebooks' launchers call it as ``labNN.require_kernel(the_kernel)``."""
     import inspect
 
+    fn = getattr(kernel, "fn", kernel)
     try:
-        source = inspect.getsource(getattr(kernel, "fn", kernel))
+        source = inspect.getsource(fn)
     except (OSError, TypeError):
         source = getattr(kernel, "src", "")
     if "raise NotImplementedError" in source:
-        raise NotImplementedError(f"{name} is still a stub: write its body (exercise {exercise})")
+        name = getattr(fn, "__name__", "the kernel")
+        raise NotImplementedError(f"{name} is still a stub: write its body (the exercise that defines {name})")
+
+
+def greedy_tokens(llm, prompts: Sequence, max_tokens: int) -> list[list[int]]:
+    """Each prompt's first ``max_tokens`` greedy tokens (EOS ignored): a run with the learner's part
+    plugged in is compared with a reference run on these."""
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(list(prompts), params)]
+
+
+def print_kernel_run(result: dict, references: Sequence[tuple[str, list, str]], calls: int, launches: str) -> None:
+    """A kernel-in-the-engine run's printout: the learner's greedy tokens (``result["tokens"]``) against
+    each reference, given as (whose, their tokens, why a difference is no bug or "" when it is one),
+    then the text, the ``calls`` launches of the kernel (``launches`` says which) and their time
+    (``result["kernel_s"]``), the run's wall time and device, and what that time means without a GPU."""
+    print(f"your kernel's tokens: {result['tokens']}")
+    for whose, tokens, tolerated in references:
+        if tokens == result["tokens"]:
+            print(f"  ✓ the same as {whose}")
+        else:
+            print(f"  {'≈' if tolerated else '✗'} not the same as {whose}: {tokens}" + (f"  ({tolerated})" if tolerated else ""))
+    print(f"  text: {result['text']}")
+    print(f"  {launches}: {calls} launches, {format_seconds(result['kernel_s'] / max(1, calls))} each; "
+          f"{format_seconds(result['wall_s'])} in all — {result['device']}")
+    print_interpreter_note()
+
+
+def gpu_seconds(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes on the GPU (Triton's do_bench: warmed up, the L2 cache flushed)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn) / 1e3
+
+
+def print_kernel_timing(result: dict, rows: Sequence[tuple[str, str]], no_gpu: str) -> None:
+    """A kernel timing's printout. Without a GPU (``result["device"] == "cpu"``) what the cell would time
+    (``no_gpu`` ends "On a GPU this cell times your kernel ..."). On a GPU: the shape, the device and its
+    measured bandwidth, then for each (name, bytes key) of ``rows`` the time ``result[name + "_s"]``,
+    the bytes that call must read (``result[bytes key]``), the time reading them takes at the measured
+    bandwidth (the bound of a memory-bound kernel) and how close the call comes to it."""
+    if result["device"] == "cpu":
+        print_no_gpu_timing(no_gpu)
+        return
+    bandwidth = result["bandwidth"]
+    print(f"{result['shape']} — {result['device']}; measured bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for name, key in rows:
+        seconds, nbytes = result[f"{name}_s"], result[key]
+        print(f"  {name:>6}: {format_seconds(seconds)}  reads {format_si(nbytes, 'B')} (bound "
+              f"{format_seconds(nbytes / bandwidth)}) -> {nbytes / seconds / 1e9:.0f} GB/s, "
+              f"{nbytes / seconds / bandwidth:.0%} of the bound")
 
 
 def print_interpreter_note() -> None:

@@ -31,7 +31,7 @@ import torch
 from ..engine.block_manager import BlockManager, PoolSizes
 from ..sampling import SamplingParams
 from . import common
-from .common import CheckFailed, Stopwatch, control_panel, format_seconds, new_figure, passed
+from .common import CheckFailed, Stopwatch, control_panel, format_seconds, greedy_tokens, new_figure, passed, require_kernel
 
 # The vLLM paper (Kwon et al., SOSP 2023, Fig. 2): in systems that reserve a contiguous region per
 # request, only 20.4% - 38.2% of the KV cache memory held the tokens' states.
@@ -583,11 +583,6 @@ class ConcurrencyExplorer:
 
 
 # =================================================================== D. the paged decode kernel
-def require_kernel(kernel) -> None:
-    """NotImplementedError while paged_decode_kernel's body is still the exercise stub."""
-    common.require_kernel(kernel, "paged_decode_kernel", 3)
-
-
 def make_paged_inputs(seq_lens: Sequence[int], num_kv_heads: int, group: int, head_dim: int, block_size: int,
                       seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", spare_blocks: int = 3):
     """Random q and a pool where each sequence's blocks are scattered at random; every slot that holds
@@ -745,28 +740,22 @@ class KernelDecodeBackend:
 
 def run_with_kernel(llm, paged_decode: Callable, prompts: Sequence, max_tokens: int) -> dict:
     """Greedy tokens with your kernel in every decode step vs the engine's torch backend."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     backend = KernelDecodeBackend(paged_decode)
     levers = dict(max_model_len=512, kv_cache_bytes=512 * llm.kv_bytes_per_token * max(2, len(prompts)),
                   max_num_seqs=len(prompts))
     yours = llm.with_levers(attention_backend=backend, **levers)
     with Stopwatch() as sw:
-        got = [list(o.outputs[0].token_ids) for o in yours.generate(list(prompts), params)]
-    reference = llm.with_levers(attention_backend="torch", **levers)
-    want = [list(o.outputs[0].token_ids) for o in reference.generate(list(prompts), params)]
+        got = greedy_tokens(yours, prompts, max_tokens)
+    want = greedy_tokens(llm.with_levers(attention_backend="torch", **levers), prompts, max_tokens)
     return {"tokens": got, "expected": want, "equal": got == want, "wall_s": sw.seconds,
             "kernel_calls": backend.num_kernel_calls, "kernel_s": backend.kernel_s,
             "text": [llm.tokenizer.decode(t) for t in got], "device": llm.engine.device_label}
 
 
 def print_kernel_run(result: dict) -> None:
-    verdict = "✓ same tokens as the torch backend" if result["equal"] else "✗ tokens differ from the torch backend"
-    print(f"{verdict}: {result['tokens']} vs {result['expected']}")
-    print(f"  text: {result['text']}")
-    per_call = result["kernel_s"] / max(1, result["kernel_calls"])
-    print(f"  {result['kernel_calls']} kernel launches (one per layer per decode step), {format_seconds(per_call)} "
-          f"each, {format_seconds(result['wall_s'])} in all — {result['device']}")
-    common.print_interpreter_note()
+    """Your kernel's tokens against the torch backend's (they must be equal)."""
+    common.print_kernel_run(result, [("the torch backend's", result["expected"], "")], result["kernel_calls"],
+                            "your kernel, one launch per layer per decode step")
 
 
 def time_kernels(paged_decode: Callable, seq_len: int = 2048, num_seqs: int = 32, num_kv_heads: int = 3,
@@ -776,8 +765,6 @@ def time_kernels(paged_decode: Callable, seq_len: int = 2048, num_seqs: int = 32
 
     if not torch.cuda.is_available():
         return {"device": "cpu"}
-    import triton.testing
-
     from ..kernels.paged_decode import paged_decode_attention
 
     q, k_cache, v_cache, tables, lens = make_paged_inputs([seq_len] * num_seqs, num_kv_heads, group, head_dim,
@@ -787,25 +774,17 @@ def time_kernels(paged_decode: Callable, seq_len: int = 2048, num_seqs: int = 32
     scale = head_dim ** -0.5
     kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_dim * k_cache.element_size()
     bandwidth = measure_memory_bandwidth("cuda")
-    yours_s = triton.testing.do_bench(lambda: paged_decode(q, k_cache, v_cache, tables, lens, scale, block_size)) / 1e3
-    engine_s = triton.testing.do_bench(
-        lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, block_size)) / 1e3
+    yours_s = common.gpu_seconds(lambda: paged_decode(q, k_cache, v_cache, tables, lens, scale, block_size))
+    engine_s = common.gpu_seconds(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, block_size))
     return {"device": torch.cuda.get_device_name(), "kv_bytes": kv_bytes, "bandwidth": bandwidth,
             "bound_s": kv_bytes / bandwidth, "yours_s": yours_s, "engine_s": engine_s,
             "shape": f"{num_seqs} seqs x {seq_len} keys, {num_kv_heads * group}/{num_kv_heads} heads, d={head_dim}, {dtype}"}
 
 
 def print_kernel_timing(result: dict) -> None:
-    if result["device"] == "cpu":
-        common.print_no_gpu_timing("against the engine's and the bandwidth bound")
-        return
-    print(f"{result['shape']} — {result['device']}")
-    print(f"  K+V to read: {result['kv_bytes'] / MiB:.0f} MiB; bandwidth {result['bandwidth'] / 1e9:.0f} GB/s "
-          f"-> bound {format_seconds(result['bound_s'])}")
-    for name in ("yours", "engine"):
-        t = result[f"{name}_s"]
-        print(f"  {name:>6}: {format_seconds(t)}  ({result['kv_bytes'] / t / 1e9:.0f} GB/s, "
-              f"{result['bound_s'] / t:.0%} of the bound)")
+    """Your kernel against the engine's split-KV kernel: both read every sequence's K and V once."""
+    common.print_kernel_timing(result, (("yours", "kv_bytes"), ("engine", "kv_bytes")),
+                               no_gpu="against the engine's and the bandwidth bound")
 
 
 def block_size_tradeoff(lengths: Sequence[int], block_sizes: Sequence[int] = (1, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:

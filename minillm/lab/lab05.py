@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
-from ..sampling import SamplingParams
 from . import common
-from .common import REFERENCE_DEVICES, CheckFailed, Stopwatch, call_learner, control_panel, format_seconds, new_figure, passed
+from .common import (REFERENCE_DEVICES, CheckFailed, Stopwatch, call_learner, control_panel, greedy_tokens, new_figure, passed,
+                     require_kernel)
 
 MB = 1e6
 GiB = 1 << 30
@@ -396,11 +396,6 @@ def error_figure(rows: Sequence[dict], name: str):
 
 
 # ------------------------------------------------------------------ E. the int4 matmul kernel
-def require_kernel(kernel) -> None:
-    """NotImplementedError while int4_matmul_kernel's body is still the exercise stub."""
-    common.require_kernel(kernel, "int4_matmul_kernel", 4)
-
-
 def make_int4_inputs(m: int, n: int, k: int, group_size: int, seed: int = 0, device: str = "cpu"):
     """x [M, K] fp32 and a random W [N, K] quantized by minillm.quant.int4: (x, packed, scale, zero)."""
     gen = torch.Generator().manual_seed(seed)
@@ -512,7 +507,6 @@ def run_with_kernel(int4_llm, int4_matmul: Callable, prompts: Sequence, max_toke
     the chosen matmuls; your kernel plugged into the same ones. num_layers: the four matmuls of the first
     `num_layers` decoder layers are plugged (the others keep the engine's path), to keep Triton's interpreter
     short on a CPU; None: every int4 matmul (int4_llm.set_quantized_matmul; the head is int8 by default)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     layers = quantized_layers(int4_llm)
     if not layers:
         raise ValueError("run_with_kernel needs an engine built with weight_dtype='int4'")
@@ -531,18 +525,14 @@ def run_with_kernel(int4_llm, int4_matmul: Callable, prompts: Sequence, max_toke
     for module in chosen:
         module.int4_parts()  # the plain layout, recovered once outside the timing
     counter: dict = {}
-
-    def generate():
-        return [list(o.outputs[0].token_ids) for o in int4_llm.generate(list(prompts), params)]
-
     try:
         int4_llm.set_quantized_matmul(None)
-        engine = generate()
+        engine = greedy_tokens(int4_llm, prompts, max_tokens)
         plug(kernel_matmul(int4_matmul_reference_launcher))
-        reference = generate()
+        reference = greedy_tokens(int4_llm, prompts, max_tokens)
         plug(kernel_matmul(int4_matmul, counter=counter))
         with Stopwatch() as sw:
-            got = generate()
+            got = greedy_tokens(int4_llm, prompts, max_tokens)
     finally:
         int4_llm.set_quantized_matmul(None)
     return {"tokens": got, "engine": engine, "reference": reference, "equal_reference": got == reference,
@@ -595,46 +585,34 @@ def compile_kernel(kernel, targets: Sequence[int] = (80, 90), timeout_s: int = 6
 
 
 def print_kernel_run(result: dict) -> None:
-    mark = "✓" if result["equal_reference"] else "✗"
-    print(f"{mark} your kernel: {result['tokens']}  fp32 reference matmul: {result['reference']}")
-    mark = "✓" if result["equal_engine"] else "≈"
-    print(f"{mark} the engine's own int4 path: {result['engine']}" +
-          ("" if result["equal_engine"] else "  (its CPU path rounds activations to bf16: a near tie can flip)"))
-    print(f"  text: {result['text']}")
-    per_call = result["kernel_s"] / max(1, result["calls"])
-    print(f"  your kernel ran in {result['hooked']} of the {result['num_quantized']} int4 matmuls: {result['calls']} "
-          f"launches, {format_seconds(per_call)} each; {format_seconds(result['wall_s'])} in all — {result['device']}")
-    common.print_interpreter_note()
+    """Your kernel's tokens against the fp32 reference matmul's (must be equal) and the engine's int4 path's."""
+    common.print_kernel_run(result, [
+        ("the fp32 reference matmul's", result["reference"], ""),
+        ("the engine's own int4 path's", result["engine"], "its CPU path rounds activations to bf16: a near tie can flip"),
+    ], result["calls"], f"your kernel in {result['hooked']} of the {result['num_quantized']} int4 matmuls")
 
 
 def time_kernel(int4_matmul: Callable, n: int = 4096, k: int = 4096, group_size: int = 128, m: int = 1) -> dict:
     """On a GPU: your kernel on an 8B-shaped layer vs dequantize-then-matmul and vs an fp16 matmul."""
     if not torch.cuda.is_available():
         return {"device": "cpu"}
-    import triton.testing
-
     from ..hardware import measure_memory_bandwidth
 
     x, packed, scale, zero = make_int4_inputs(m, n, k, group_size, device="cuda")
     w16 = ref_int4.dequantize_int4(ref_int4.unpack_int4(packed), scale, zero).half()
     x16 = x.half()
     int4_bytes = packed.numel() + 2 * 4 * scale.numel()
-    yours_s = triton.testing.do_bench(lambda: int4_matmul(x, packed, scale, zero, group_size)) / 1e3
-    fp16_s = triton.testing.do_bench(lambda: x16 @ w16.t()) / 1e3
+    yours_s = common.gpu_seconds(lambda: int4_matmul(x, packed, scale, zero, group_size))
+    fp16_s = common.gpu_seconds(lambda: x16 @ w16.t())
     return {"device": torch.cuda.get_device_name(), "shape": f"x [{m}, {k}] @ W [{n}, {k}] int4 g{group_size}",
             "bandwidth": measure_memory_bandwidth("cuda"), "int4_bytes": int4_bytes, "fp16_bytes": w16.numel() * 2,
             "yours_s": yours_s, "fp16_s": fp16_s}
 
 
 def print_kernel_timing(result: dict) -> None:
-    if result["device"] == "cpu":
-        common.print_no_gpu_timing("on an 8B-shaped layer against an fp16 matmul")
-        return
-    print(f"{result['shape']} — {result['device']}; bandwidth {result['bandwidth'] / 1e9:.0f} GB/s")
-    for name, nbytes in (("yours", result["int4_bytes"]), ("fp16", result["fp16_bytes"])):
-        t = result[f"{name}_s"]
-        print(f"  {name:>6}: {format_seconds(t)}  reads {nbytes / MB:.1f} MB -> {nbytes / t / 1e9:.0f} GB/s "
-              f"({nbytes / t / result['bandwidth']:.0%} of measured)")
+    """Your kernel, reading int4 weights, against an fp16 matmul reading about four times the bytes."""
+    common.print_kernel_timing(result, (("yours", "int4_bytes"), ("fp16", "fp16_bytes")),
+                               no_gpu="on an 8B-shaped layer against an fp16 matmul")
 
 
 # ------------------------------------------------------------------ F. the setting sweep
@@ -1005,13 +983,12 @@ def kv_figure(rows: Sequence[dict], seq_len: int, budget_bytes: int):
 
 def kv_int8_run(llm, prompts: Sequence[str], max_tokens: int) -> dict:
     """Greedy tokens with kv_dtype='int8' vs the model-dtype cache, and the engine's bytes per token."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     try:
         quantized = llm.with_levers(kv_dtype="int8")
     except (NotImplementedError, ValueError, TypeError) as exc:
         return {"available": False, "message": str(exc)}
-    base = [list(o.outputs[0].token_ids) for o in llm.generate(list(prompts), params)]
-    got = [list(o.outputs[0].token_ids) for o in quantized.generate(list(prompts), params)]
+    base = greedy_tokens(llm, prompts, max_tokens)
+    got = greedy_tokens(quantized, prompts, max_tokens)
     return {"available": True, "bytes_per_token": llm.kv_bytes_per_token, "int8_bytes_per_token": quantized.kv_bytes_per_token,
             "same": sum(a == b for a, b in zip(base, got)), "of": len(prompts), "base": base, "int8": got}
 
