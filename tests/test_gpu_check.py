@@ -1,5 +1,6 @@
 """scripts/gpu_check.py can only measure on a GPU, but every section's code runs here:
-`--dry-run` walks all six sections on tiny shapes, the Triton kernels in the interpreter."""
+`--dry-run` walks all six sections on tiny shapes, the Triton kernels in the interpreter (its
+kernels section: tests/test_gpu_kernels.py through pytest, MINILLM_GPU_TESTS_INTERPRET=1)."""
 
 import importlib.util
 import json
@@ -42,10 +43,19 @@ def test_dry_run_walks_every_section(tmp_path):
     for name, entry in sections.items():
         assert entry["error"] is None and entry["rows"], name
         assert not [r for r in entry["rows"] if r.get("error")], (name, entry["rows"])
-    kernels = {r["kernel"] for r in sections["kernels"]["rows"]}
+    # (a) is tests/test_gpu_kernels.py run by pytest (tiny shapes, the interpreter): one row per test
+    kernel_rows = sections["kernels"]["rows"]
+    kernels = {r["kernel"] for r in kernel_rows}
     assert {"store_kv", "paged_decode", "extend_attention", "rmsnorm", "rotary", "silu_and_mul",
             "int8_matmul", "int4_matmul g32", "fp8_matmul", "fp8_matmul fp8 x fp8"} <= kernels
-    assert all(r["ok"] for r in sections["kernels"]["rows"])
+    assert {"store_kv int8", "store_kv fp8", "paged_decode int8 kv", "paged_decode fp8 kv", "extend_attention int8 kv",
+            "extend_attention fp8 kv", "rmsnorm+residual", "store_kv+extend+paged_decode",
+            "engine: triton == torch backend", "engine: cuda_graphs on == off", "every kernel module has a case"} <= kernels
+    assert all(r["ok"] for r in kernel_rows)                         # none failed, none skipped
+    compared = [r for r in kernel_rows if "max_err" in r]
+    assert len(compared) >= 40 and all(r["max_err"] <= r["tol"] for r in compared)
+    assert {r["dtype"] for r in compared} == {"fp32", "bf16"} and all(r["shape"] != "-" for r in compared)
+    assert "MINILLM_GPU_SHAPES=tiny" in proc.stdout and " passed" in proc.stdout   # pytest's own summary line
     assert all(r["ok"] for r in sections["prefill"]["rows"])         # our extend kernel == SDPA
     engine = sections["engine"]["rows"]
     timed = [r for r in engine if "decode tok/s" in r]
@@ -72,3 +82,31 @@ def test_dry_run_walks_every_section(tmp_path):
                   "(f) low-bit weights", "batch-1 matrix-vector", "batch-1 decode tokens/s"):
         assert title in proc.stdout
     assert "s left]" in proc.stdout  # the time budget printout
+
+
+def test_junit_rows_read_pass_fail_and_skip(tmp_path):
+    """The kernels section's rows come from pytest's JUnit XML: the properties each gpu test records,
+    a failure's message, a skip's reason (a card without fp8, say)."""
+    xml = tmp_path / "gpu_tests.xml"
+    xml.write_text("""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.test_gpu_kernels" name="test_kernel_matches_reference[rotary-bf16-tiny]" time="0.25">
+ <properties><property name="kernel" value="rotary"/><property name="dtype" value="bf16"/>
+ <property name="shape" value="H4/2 D16"/><property name="max_err" value="0.01"/><property name="tol" value="0.05"/>
+ </properties></testcase>
+<testcase classname="tests.test_gpu_kernels" name="test_kernel_matches_reference[paged_decode-fp16-tiny]" time="1.5">
+ <properties><property name="kernel" value="paged_decode"/><property name="dtype" value="fp16"/>
+ <property name="shape" value="H4/2 D16 L70"/><property name="max_err" value="0.5"/><property name="tol" value="0.002"/>
+ </properties><failure message="AssertionError: paged_decode fp16: max error 0.5 &gt; 0.002 at index [1, 0, 3]">trace
+ </failure></testcase>
+<testcase classname="tests.test_gpu_kernels" name="test_quant_matmul_matches_reference[fp8-M1-bf16-tiny]" time="0">
+ <properties><property name="kernel" value="fp8_matmul"/><property name="dtype" value="bf16"/>
+ <property name="shape" value="M1 N99 K56"/></properties>
+ <skipped type="pytest.skip" message="sm_80: the fp8 weight kernels run on sm_90+">skip</skipped></testcase>
+</testsuite></testsuites>""")
+    rows = load_script().junit_rows(xml)
+    assert rows[0] == {"kernel": "rotary", "dtype": "bf16", "shape": "H4/2 D16", "ok": True, "max_err": 0.01,
+                       "tol": 0.05, "s": 0.25}
+    assert rows[1]["ok"] is False and rows[1]["max_err"] == 0.5
+    assert rows[1]["error"].startswith("AssertionError: paged_decode fp16: max error 0.5 > 0.002 at index [1, 0, 3]")
+    assert rows[2]["ok"] is None and rows[2]["note"] == "skipped: sm_80: the fp8 weight kernels run on sm_90+"
+    assert "error" not in rows[2]   # a skip is not a failed row

@@ -182,10 +182,11 @@ def test_engine_cuda_graphs_give_eager_tokens(tiny_graphs, eager_tokens, lengths
 
 
 # ---------------------------------------------------------------- coverage (runs on any machine)
-def test_every_kernel_module_has_a_gpu_case():
+def test_every_kernel_module_has_a_gpu_case(record_property):
     """A file in minillm/kernels with a @triton.jit kernel and a torch reference has a case above
     (softmax.py holds the attention kernels' shared online-softmax step, checked through them).
     Not marked gpu: it reads files only, and CI runs it."""
+    describe(record_property, "every kernel module has a case", "-", "minillm/kernels/*.py")
     covered = {case.module for case in ku.GPU_KERNEL_CASES.values()} | {"quant_matmul"}
     kernel_files = {path.stem for path in KERNELS_DIR.glob("*.py")
                     if "@triton.jit" in path.read_text() and "_reference(" in path.read_text()}
