@@ -8,6 +8,7 @@ from test_gptq import correlated_inputs, output_error
 from minillm import LLM, EngineConfig
 from minillm.layers.attention import AttentionMetadata, TorchAttentionBackend
 from minillm.models import quantize as quantize_module
+from minillm.models.calibrate import cache as cache_module
 from minillm.models.quantize import calibrate_autoround, calibrate_awq, quantize_model
 from minillm.quant import QuantizedLinear, dequantize_int4
 from minillm.quant.int4 import unpack_int4
@@ -110,9 +111,9 @@ def test_autoround_brings_a_random_model_closer_than_awq_and_leaves_it_as_it_was
 
 
 def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, monkeypatch):
-    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 4)
-    monkeypatch.setattr(quantize_module, "E2E_STEPS", 2)
+    monkeypatch.setattr(cache_module, "calibration_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cache_module, "AUTOROUND_STEPS", 4)
+    monkeypatch.setattr(cache_module, "E2E_STEPS", 2)
     levers = dict(weight_dtype="int4", weight_group_size=32, weight_calibration="autoround")
     float_model = LLM("random:tiny-llama", max_num_seqs=2).engine.model
     assert not quantize_module.autoround_is_cached(float_model, None, 32)
@@ -129,8 +130,8 @@ def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, mon
     def must_not_run(*args, **kwargs):
         raise AssertionError("the cached calibration should have been read")
 
-    monkeypatch.setattr(quantize_module, "calibrate_autoround", must_not_run)
-    monkeypatch.setattr(quantize_module, "tune_int4_grids", must_not_run)
+    monkeypatch.setattr(cache_module, "calibrate_autoround", must_not_run)
+    monkeypatch.setattr(cache_module, "tune_int4_grids", must_not_run)
     again = LLM("random:tiny-llama", max_num_seqs=2, **levers).engine.model.layers[0].qkv_proj
     assert torch.equal(again.dequantized_weight(), first.dequantized_weight())
     # The same entry serves the int4 head: its GPTQ'd matrix was stored beside the layers (int8 head above).
@@ -139,7 +140,7 @@ def test_autoround_lever_calibrates_once_and_reads_the_cache_after(tmp_path, mon
     assert head4.weight_dtype == "int4" and llm.engine.model.quantized_head.weight_dtype == "int8"
     assert torch.equal(head4.dequantized_weight(), dequantize_int4(unpack_int4(saved[0]), *saved[1:])[:, :64].to(torch.float32))
     # Another recipe (more steps) is another cache entry, not a stale read.
-    monkeypatch.setattr(quantize_module, "AUTOROUND_STEPS", 5)
+    monkeypatch.setattr(cache_module, "AUTOROUND_STEPS", 5)
     with pytest.raises(AssertionError, match="cached calibration"):
         LLM("random:tiny-llama", max_num_seqs=2, **levers)
     out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=4, temperature=0.0))

@@ -187,10 +187,11 @@ def test_gptq_lever_with_an_int4_head_calibrates_the_head_too(monkeypatch):
 
 def test_gptq_tuned_lever_calibrates_once_then_reads_its_cache_and_serves_both_heads(tmp_path, monkeypatch):
     from minillm.models import quantize as quantize_module
+    from minillm.models.calibrate import cache as cache_module
     from minillm.quant.int4 import unpack_int4
 
-    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(quantize_module, "E2E_STEPS", 3)
+    monkeypatch.setattr(cache_module, "calibration_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cache_module, "E2E_STEPS", 3)
     levers = dict(weight_dtype="int4", weight_group_size=32, weight_calibration="gptq-tuned")
     float_model = LLM("random:tiny-llama", max_num_seqs=2).engine.model
     path = quantize_module.gptq_tuned_cache_path(float_model, None, 32)
@@ -213,8 +214,8 @@ def test_gptq_tuned_lever_calibrates_once_then_reads_its_cache_and_serves_both_h
     def must_not_run(*args, **kwargs):
         raise AssertionError("the cached calibration should have been read")
 
-    monkeypatch.setattr(quantize_module, "calibrate_gptq", must_not_run)
-    monkeypatch.setattr(quantize_module, "tune_int4_grids", must_not_run)
+    monkeypatch.setattr(cache_module, "calibrate_gptq", must_not_run)
+    monkeypatch.setattr(cache_module, "tune_int4_grids", must_not_run)
     again = LLM("random:tiny-llama", max_num_seqs=2, **levers).engine.model
     assert torch.equal(again.layers[0].qkv_proj.dequantized_weight(), served.qkv_proj.dequantized_weight())
     assert again.quantized_head.weight_dtype == "int8"

@@ -288,8 +288,10 @@ def test_weight_table_and_sweep_widget(default_llm):
 
 def test_learned_rounding_runs_only_from_the_cache_or_when_asked(default_llm, tmp_path, monkeypatch, capsys):
     from minillm.models import quantize as quantize_module
+    from minillm.models.calibrate import cache as cache_module
 
-    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(quantize_module, "calibration_cache_dir", lambda: tmp_path)   # what lab05 prints
+    monkeypatch.setattr(cache_module, "calibration_cache_dir", lambda: tmp_path)      # where the cache is read
     calls = []
     monkeypatch.setattr(lab05, "sweep", lambda llm, labels, **kwargs: calls.append(tuple(labels)) or {"rows": []})
     assert lab05.learned_rounding(default_llm, run=True, quick=True) is None
