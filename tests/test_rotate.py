@@ -1,5 +1,5 @@
 """Hadamard rotation of down_proj's input and of the norm outputs (minillm/quant/rotate.py;
-rotate_down_proj, rotate_norm_outputs and int4_rotated in minillm/models/quantize.py). The first
+rotate_down_proj, rotate_norm_outputs and int4_rotated in minillm/models/calibrate/rotate.py). The first
 step of weight_calibration="autoround" (down_proj's input) and "gptq" (both)."""
 
 import pytest

@@ -3,7 +3,7 @@
 With `use_triton` set (the model sets it for attention_backend="triton"), the fused Triton
 kernel runs instead (kernels/rmsnorm.py), and `add_and_norm` fuses the residual add into it.
 
-With `rotation` set (a b x b orthonormal matrix; models/quantize.py's rotate_norm_outputs sets it
+With `rotation` set (a b x b orthonormal matrix; models/calibrate/rotate.py's rotate_norm_outputs sets it
 for weight_calibration="gptq"), the normed output leaves rotated block by block
 (quant/rotate.py): the matrices it feeds store W H instead of W, so the float model is unchanged.
 """

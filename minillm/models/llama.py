@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
         self.use_triton = False  # Triton SiLU-and-mul (set with the model's use_triton_ops)
         # [b, b] Hadamard when down_proj's input is rotated within blocks of b channels (rotate_down_proj
-        # in models/quantize.py, weight_calibration="autoround"); None: not rotated
+        # in models/calibrate/rotate.py, weight_calibration="autoround"); None: not rotated
         self.register_buffer("down_rotation", None, persistent=False)
 
     def forward(self, positions, hidden, meta: AttentionMetadata) -> torch.Tensor:

@@ -15,7 +15,7 @@ round() passes gradients straight through (the straight-through estimator). Each
 every parameter by the learning rate times the sign of its gradient, the update SignRound uses:
 the offsets only need a direction, and the step size bounds how far they travel in total.
 
-LearnableInt4 holds one matrix's parameters; models/quantize.py calibrate_autoround runs the
+LearnableInt4 holds one matrix's parameters; models/calibrate/autoround.py calibrate_autoround runs the
 layer-by-layer training. The stored format is minillm's ordinary int4 (quant/int4.py): export()
 returns (q, scale, zero) as QuantizedLinear takes them.
 """
