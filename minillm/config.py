@@ -20,7 +20,7 @@ WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
 WEIGHT_CALIBRATIONS = ("awq", "gptq", "gptq-tuned", "autoround")    # or None: round-to-nearest
 SPECULATIVE_METHODS = ("ngram", "self", "draft")  # proposers (engine/speculative.py)
 MAX_SPECULATIVE_TOKENS = 16
-WEIGHT_HEAD_DTYPES = ("auto", "model", "int8", "int4", "fp8")  # lm_head storage (models/quantize.py head_dtype_for)
+WEIGHT_HEAD_DTYPES = ("auto", "model") + WEIGHT_DTYPES  # lm_head storage (models/quantize.py head_dtype_for)
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
 

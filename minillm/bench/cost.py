@@ -33,10 +33,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..config import WEIGHT_DTYPES
 from ..sampling import SamplingParams
 from .workloads import Request, shipped_corpus, shipped_prompts
 
-QUANT_CHOICES = ("int8", "int4", "fp8")
+QUANT_CHOICES = WEIGHT_DTYPES   # the quantization stage's weight_dtype
 
 
 def cost_per_million(tokens_per_s: float, hourly_usd: float) -> float:

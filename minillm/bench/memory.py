@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from ..models.config import ModelConfig
 from ..models.quantize import HEAD_INT4_GROUP_SIZE, head_dtype_for
+from ..quant.linear import quantized_matrix_bytes  # the formula QuantizedLinear.quantized_bytes uses
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # label -> (float dtype of the unquantized tensors or None for the base dtype, weight_dtype, group size)
@@ -58,16 +59,6 @@ def decoder_matrices(cfg: ModelConfig) -> list[tuple[int, int, int]]:
         (2 * i, h, 2 * i if cfg.mlp_bias else 0),             # gate_up_proj
         (h, i, h if cfg.mlp_bias else 0),                     # down_proj
     ]
-
-
-def quantized_matrix_bytes(out_features: int, in_features: int, weight_dtype: str, group_size: int = 128) -> int:
-    """Bytes of one [out, in] matrix as QuantizedLinear.quantized_bytes counts them (no bias, no input scale)."""
-    if weight_dtype in ("int8", "fp8"):
-        return out_features * in_features + 4 * out_features
-    if weight_dtype == "int4":
-        k = in_features + (-in_features) % group_size
-        return out_features * k // 2 + 2 * 2 * out_features * (k // group_size)
-    raise ValueError(f"weight_dtype={weight_dtype!r} is not one of ('int8', 'int4', 'fp8')")
 
 
 def weight_bytes(cfg: ModelConfig, weight_dtype: str | None = None, group_size: int = 128,

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..hardware import GPU_FEATURES, gpu_capability, missing_gpu_feature
+from ..hardware import gpu_capability, missing_gpu_feature
 from .paged_decode import dot_in_fp32
 
 GEMV_MAX_M = 16           # x rows up to which the GEMV kernel runs (decode batches); more: the GEMM
@@ -68,7 +68,6 @@ GEMM_LAUNCH = {
     torch.float16: (64, 64, 64, 4, 3),
 }
 FP8_MAX = 448.0           # largest finite e4m3 value
-FP8_MIN_CAPABILITY = GPU_FEATURES["fp8_matmul"][0]  # the fp8 kernels: Hopper (sm_90) and newer
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -543,8 +542,10 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 
 
 def fp8_supported(device: torch.device | str) -> bool:
-    """Whether the fp8 kernels run on `device`: a CUDA GPU of compute capability FP8_MIN_CAPABILITY (sm_90)
-    or newer, or the interpreter (tests)."""
+    """Whether fp8_matmul runs the Triton kernels on `device`. A CUDA device: whether its card has
+    hardware.GPU_FEATURES["fp8_matmul"] (sm_90+; MINILLM_FAKE_CAPABILITY stands in for the card).
+    Any other device: whether the Triton interpreter runs the kernels (TRITON_INTERPRET=1, tests).
+    Where it is False, fp8_matmul computes fp8_matmul_reference and Fp8Linear keeps its "dequant" path."""
     device = torch.device(device)
     if device.type != "cuda":
         return _interpreted()
@@ -555,7 +556,7 @@ def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_activa
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (q float8_e4m3fn [N, K] * scale [N, None])^T -> [M, N] in x's dtype.
 
-    On sm_90+ GPUs (FP8_MIN_CAPABILITY): the GEMV for M <= GEMV_MAX_M, the
+    Where fp8_supported (sm_90+ GPUs): the GEMV for M <= GEMV_MAX_M, the
     tl.dot GEMM above (fp8_activations=True: fp8 x fp8 dots, x quantized per row). Elsewhere
     the fallback: dequantize to x's dtype, then torch's matmul."""
     _channel_check(x, q, scale, "fp8", "fp8_matmul")

@@ -45,6 +45,18 @@ from ..config import WEIGHT_GROUP_SIZES as GROUP_SIZES
 _FORMATS: dict[str, type[QuantizedLinear]] = {}  # weight_dtype -> its class, filled as each is defined
 
 
+def quantized_matrix_bytes(out_features: int, in_features: int, weight_dtype: str, group_size: int | None = 128) -> int:
+    """Bytes of one stored [out, in] matrix (no bias, no input scale): int8 / fp8 one byte per weight
+    and an fp32 scale per row; int4 half a byte per weight (in_features padded to the group) and a
+    bf16 scale and zero per group (group_size: int4's only)."""
+    if weight_dtype in ("int8", "fp8"):
+        return out_features * in_features + 4 * out_features
+    if weight_dtype == "int4":
+        k = in_features + (-in_features) % group_size
+        return out_features * k // 2 + 2 * 2 * out_features * (k // group_size)
+    raise ValueError(f"weight_dtype={weight_dtype!r} is not one of {WEIGHT_DTYPES}")
+
+
 class QuantizedLinear(nn.Module):
     """The base of the per-format layers: input scale, bias, plug-in matmul and forward's dispatch.
     Build one with `QuantizedLinear.from_float(...)` (or a subclass directly)."""
@@ -131,7 +143,7 @@ class QuantizedLinear(nn.Module):
 
     def quantized_bytes(self) -> int:
         """Bytes of the stored weight: quantized values + scales (+ zeros) (+ bias) (+ input scale)."""
-        total = self._stored_bytes()
+        total = quantized_matrix_bytes(self.out_features, self.in_features, self.weight_dtype, self.group_size)
         if self.bias is not None:
             total += self.bias.numel() * self.bias.element_size()
         if self.inv_input_scale is not None:
@@ -179,9 +191,6 @@ class ChannelLinear(QuantizedLinear):
 
     def _rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.dequantize(self.q[ids], self.scale[ids], dtype)
-
-    def _stored_bytes(self) -> int:
-        return self.out_features * self.in_features + 4 * self.out_features
 
 
 def weight_bytes(model: nn.Module) -> int:

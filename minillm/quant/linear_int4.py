@@ -99,10 +99,6 @@ class Int4Linear(QuantizedLinear):
             q, scale, zero = got
         return dequantize_int4(q, scale, zero)[:, : self.in_features].to(dtype)
 
-    def _stored_bytes(self) -> int:
-        n, k = self.out_features, self.in_features + self.pad
-        return n * k // 2 + 2 * 2 * n * (k // self.group_size)
-
     def _cpu_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         xb = x2d.to(torch.bfloat16)
         return int4pack.matmul(F.pad(xb, (0, self.pad)) if self.pad else xb, self.packed, self.group_size,
