@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .seams import check_attention_backend
+
 # Example on-demand price of one H100 80GB hour in USD (late 2025 cloud list prices
 # cluster around 2-4 USD). Learners change it to their own hardware's price.
 DEFAULT_GPU_HOURLY_USD = 2.50
@@ -47,7 +49,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
 
     # Kernels.
-    attention_backend: Any = "torch"    # "torch" | "triton" | an object (see layers/attention.py)
+    attention_backend: Any = "torch"    # "torch" | "triton" | an object of an attention protocol (minillm/seams.py)
 
     # Cost model.
     gpu_hourly_usd: float | None = None  # None -> DEFAULT_GPU_HOURLY_USD on GPU, DEFAULT_CPU_HOURLY_USD on CPU
@@ -109,10 +111,9 @@ class EngineConfig:
         if isinstance(self.attention_backend, str):
             need(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS} "
-                 "(or an object with store_kv() and attend())")
+                 "(or an object of an attention protocol, minillm/seams.py)")
         else:
-            need(hasattr(self.attention_backend, "attend") and hasattr(self.attention_backend, "store_kv"),
-                 "attention_backend must be 'torch', 'triton' or an object with store_kv() and attend()")
+            check_attention_backend(self.attention_backend)
         if self.attention_backend == "triton" and not self.kv_cache:
             raise ValueError("attention_backend='triton' needs kv_cache=True: its kernels read the paged KV pool")
         if self.chunked_prefill and not self.kv_cache:

@@ -7,7 +7,8 @@ from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
 from .config import EngineConfig
-from .engine.engine import Engine, validate_cache_salt
+from .engine.builder import EngineParts, build_engine
+from .engine.engine import validate_cache_salt
 from .engine.metrics import RunStats
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -16,31 +17,41 @@ PromptType = str | dict
 
 
 class LLM:
-    """`LLM(model=None, **levers)`: None loads the default model (SmolLM2-135M-Instruct).
+    """`LLM(model=None, **levers, **parts)`: None loads the default model (SmolLM2-135M-Instruct).
 
     >>> llm = LLM(kv_cache=True)
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     >>> out[0].outputs[0].text
+
+    Levers are EngineConfig's fields. Parts replace the engine's own (protocols in minillm/seams.py,
+    each checked when the engine is built): `attention_backend=` (a lever: "torch", "triton" or an
+    object), `block_manager=` (a factory (num_blocks, block_size, contiguous) -> allocator),
+    `scheduling_policy=`, `proposer=`, `verifier=` (with speculative=...), `sampler=`.
     """
 
-    def __init__(self, model: str | None = None, _share_weights_with: "LLM | None" = None, **engine_config: Any):
-        self.config = EngineConfig.from_kwargs(model=model, **engine_config)
+    def __init__(self, model: str | None = None, _share_weights_with: "LLM | None" = None, **levers_and_parts: Any):
+        parts = EngineParts(**{name: levers_and_parts.pop(name) for name in EngineParts.names()
+                               if name in levers_and_parts})
+        self.config = EngineConfig.from_kwargs(model=model, **levers_and_parts)
         donor = _share_weights_with.engine if _share_weights_with is not None else None
-        self.engine = Engine(self.config, share_weights_with=donor)
+        self.engine = build_engine(self.config, parts, share_weights_with=donor)
         self.tokenizer = self.engine.tokenizer
 
     def with_levers(self, **changes: Any) -> "LLM":
-        """A second engine with some levers changed that shares this one's weights (no reload).
+        """A second engine with some levers (or parts) changed that shares this one's weights (no reload).
 
         >>> no_cache = llm.with_levers(kv_cache=False)
-        Each engine keeps its own KV pool and scheduler; only the read-only weights are shared.
+        >>> mine = llm.with_levers(speculative="ngram", proposer=MyProposer())
+        Each engine keeps its own KV pool and scheduler; only the read-only weights are shared. Parts
+        not named carry over from this engine (give `part=None` for the engine's own).
         """
-        import dataclasses
-
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        model = fields.pop("model")
-        fields.update(changes)
-        return LLM(model, _share_weights_with=self, **fields)
+        levers = {**self._levers(), **{k: v for k, v in changes.items() if k not in EngineParts.names()}}
+        inherited = {name: getattr(self.engine.parts, name) for name in EngineParts.names()}
+        if levers["speculative"] is None:      # parts the new levers leave unused are not carried over
+            inherited.update(proposer=None, verifier=None)
+        if not levers["kv_cache"]:
+            inherited.update(block_manager=None)
+        return LLM(self.config.model, _share_weights_with=self, **{**levers, **inherited, **changes})
 
     # ------------------------------------------------------------ inputs
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -195,8 +206,20 @@ class LLM:
         return count
 
     def set_attention_backend(self, backend) -> None:
-        """Plug in an attention backend (an object with store_kv() and attend()), e.g. a lab's."""
-        if not isinstance(backend, str):
-            EngineConfig.from_kwargs(model=self.config.model, attention_backend=backend)
+        """Plug an attention backend into this engine: "torch", "triton" or an object of one of the
+        attention protocols (minillm/seams.py), e.g. a lab's. Refused, and nothing changes, when the
+        object misses its layout or a method."""
+        EngineConfig.from_kwargs(model=self.config.model, **{**self._levers(), "attention_backend": backend})
         self.engine.runner.set_attention_backend(backend)
         self.config.attention_backend = backend
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no running request holds (prefix_caching=True), as vLLM's."""
+        if self.engine.block_manager is None or not self.config.prefix_caching:
+            raise ValueError("reset_prefix_cache() needs prefix_caching=True (and kv_cache=True)")
+        self.engine.block_manager.reset_prefix_cache()
+
+    def _levers(self) -> dict:
+        import dataclasses
+
+        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config) if f.name != "model"}

@@ -209,6 +209,8 @@ def test_unsupported_architecture(tmp_path):
 class BrokenBackend:
     """An attention backend that fails on its nth call (as a learner's half-written one might)."""
 
+    layout = "sequence"
+
     def __init__(self, fail_at: int):
         from minillm.layers.attention import TorchAttentionBackend
 

@@ -7,14 +7,14 @@ import time
 
 import torch
 
+from dataclasses import dataclass
+
 from ..config import DEFAULT_CPU_HOURLY_USD, DEFAULT_GPU_HOURLY_USD, EngineConfig
-from ..hardware import device_name, resolve_device, resolve_dtype
-from ..models.loader import load_model, load_model_config, load_tokenizer, read_generation_eos, resolve_model_path
-from ..models.quantize import head_dtype_for, quantize_for_config
+from ..hardware import device_name
 from ..quant import weight_bytes
 from ..sampling import SamplingParams
-from .block_manager import BlockManager
-from .kv_cache import KVCache, kv_bytes_per_token, kv_quantized, pool_bytes
+from ..seams import BlockAllocator
+from .kv_cache import KVCache, kv_bytes_per_token, kv_quantized
 from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -28,104 +28,42 @@ def validate_cache_salt(cache_salt) -> None:
                          "never share prefix-cached blocks)")
 
 
-class Engine:
-    def __init__(self, config: EngineConfig, share_weights_with: "Engine | None" = None):
-        self.config = config
-        self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs a CUDA device, but this engine runs on {self.device.type!r} "
-                             f"(device={config.device!r}); CUDA graphs replay GPU kernel launches. "
-                             "Leave cuda_graphs=False on this machine.")
-        donor = share_weights_with
-        self.model_path = donor.model_path if donor is not None else resolve_model_path(config.model)
-        self.model_config = mcfg = load_model_config(self.model_path)
-        limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:  # keep every sequence inside the window: full attention is exact there
-            limit = min(limit, mcfg.sliding_window)
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {limit} tokens")
-        self.max_model_len = config.max_model_len or limit
-        wd = config.weight_dtype if config.weight_dtype != "auto" else None
-        self.weight_format = (wd, config.weight_group_size if wd == "int4" else None,
-                              config.weight_calibration if wd else None,
-                              head_dtype_for(wd, config.weight_head_dtype) if wd else None)
-        compatible = donor is not None and (donor.device, donor.dtype) == (self.device, self.dtype) \
-            and donor.max_model_len >= self.max_model_len
-        if compatible and donor.weight_format == self.weight_format:
-            self.model, self.tokenizer = donor.model, donor.tokenizer  # same weights, own cache and scheduler
-        elif compatible and donor.weight_format[0] is None:
-            # Quantize the donor's float weights in memory (a shallow copy: the donor keeps its own).
-            self.tokenizer = donor.tokenizer
-            self.model = quantize_for_config(donor.model, wd, config.weight_group_size, config.weight_calibration,
-                                             self.tokenizer, in_place=False, head_dtype=config.weight_head_dtype)
-        else:
-            self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
-            self.tokenizer = load_tokenizer(self.model_path)
-            if wd is not None:
-                quantize_for_config(self.model, wd, config.weight_group_size, config.weight_calibration,
-                                    self.tokenizer, in_place=True, head_dtype=config.weight_head_dtype)
-        self.eos_token_ids = set(mcfg.eos_token_ids) | set(read_generation_eos(self.model_path))
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+@dataclass(eq=False)
+class Weights:
+    """What engines sharing weights share (LLM.with_levers): read-only after loading."""
 
-        self.kv_cache: KVCache | None = None
-        self.block_manager: BlockManager | None = None
-        if config.kv_cache:
-            size = pool_bytes(mcfg, self.dtype, self.device, config.max_num_seqs, self.max_model_len,
-                              config.kv_cache_bytes, config.kv_cache_memory_fraction, config.kv_dtype)
-            per_block = self.kv_bytes_per_token * config.block_size
-            num_blocks = size // per_block
-            if num_blocks < 1:
-                raise ValueError(f"the KV pool of {size} bytes holds no block of {per_block} bytes; "
-                                 "raise kv_cache_bytes or kv_cache_memory_fraction")
-            if not config.paged and num_blocks * config.block_size < self.max_model_len:
-                raise ValueError(
-                    f"paged=False reserves max_model_len={self.max_model_len} tokens per request, but the KV pool "
-                    f"of {size} bytes holds {num_blocks * config.block_size} tokens; lower max_model_len, raise "
-                    "kv_cache_bytes, or use paged=True")
-            self.block_manager = BlockManager(num_blocks, config.block_size, contiguous=not config.paged)
-            self.kv_cache = KVCache(mcfg, num_blocks, config.block_size, self.dtype, self.device, config.kv_dtype)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.device, self.block_manager, self.kv_cache, config.attention_backend)
-        if config.cuda_graphs:
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
-        self.draft = self._load_draft() if config.speculative == "draft" else None
-        self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, config.num_speculative_tokens, self.runner, self.block_manager, self.max_model_len,
-            config.draft_num_layers, self.draft)
+    model_path: str
+    model_config: object
+    model: object                 # LlamaForCausalLM
+    tokenizer: object | None      # None for random-weight presets
+    format: tuple                 # (weight_dtype, group size, calibration, head dtype): builder.weight_format
+    eos_token_ids: set[int]
+
+
+class Engine:
+    """The step loop over parts that minillm.engine.builder.build_engine wires together."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, weights: Weights,
+                 max_model_len: int, block_manager: BlockAllocator | None, kv_cache: KVCache | None,
+                 scheduler: Scheduler, runner: ModelRunner, parts=None, draft: DraftWorker | None = None,
+                 speculator: Speculator | None = None):
+        self.config, self.device, self.dtype = config, device, dtype
+        self.weights = weights
+        self.model_path, self.model_config = weights.model_path, weights.model_config
+        self.model, self.tokenizer, self.eos_token_ids = weights.model, weights.tokenizer, weights.eos_token_ids
+        self.max_model_len = max_model_len
+        self.block_manager, self.kv_cache = block_manager, kv_cache
+        self.scheduler, self.runner = scheduler, runner
+        self.parts = parts              # the EngineParts it was built with (with_levers passes them on)
+        self.draft, self.speculator = draft, speculator
+        self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
-            DEFAULT_GPU_HOURLY_USD if self.device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
-        self.device_label = device_name(self.device)
+            DEFAULT_GPU_HOURLY_USD if device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
+        self.device_label = device_name(device)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.stats = RunStats(self.device_label, self.hourly_usd)
-        if self.speculator is not None:
-            self.speculator.stats = self.stats.spec
         self._preemptions_at_reset = 0
         self._prefix_at_reset = (0, 0, 0)
-
-    def _load_draft(self) -> DraftWorker:
-        """speculative="draft": the second model, on this engine's device and dtype, with a KV pool
-        of as many blocks as the target's. It must share the target's tokenizer (same vocabulary:
-        a proposal is a token id the target scores) and cover max_model_len positions."""
-        config, mcfg = self.config, self.model_config
-        path = resolve_model_path(config.draft_model)
-        dcfg = load_model_config(path)
-        if dcfg.vocab_size != mcfg.vocab_size:
-            raise ValueError(f"draft_model={config.draft_model!r} has a vocabulary of {dcfg.vocab_size} tokens, the "
-                             f"target {mcfg.vocab_size}: the draft must share the target's tokenizer")
-        if dcfg.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"draft_model={config.draft_model!r} has a context of {dcfg.max_position_embeddings} "
-                             f"tokens, shorter than max_model_len={self.max_model_len}; lower max_model_len")
-        if self.tokenizer is not None:
-            draft_tokenizer = load_tokenizer(path)
-            if draft_tokenizer is not None and draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
-                raise ValueError(f"draft_model={config.draft_model!r} has another tokenizer than the target "
-                                 "(same size, different tokens): its proposals would mean other text")
-        model = load_model(path, self.dtype, self.device, self.max_model_len)
-        return DraftWorker(model, dcfg, self.device, self.dtype, self.block_manager.num_blocks,
-                           self.block_manager.block_size, config.attention_backend)
 
     # ----------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -149,7 +87,8 @@ class Engine:
             if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
                 raise ValueError(
                     f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots; the pool holds "
-                    f"{self.block_manager.capacity_tokens}. Lower max_tokens or raise kv_cache_bytes."
+                    f"{self.block_manager.num_blocks * self.block_manager.block_size}. Lower max_tokens or raise "
+                    "kv_cache_bytes."
                 )
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -311,8 +250,6 @@ class Engine:
 
     def reset_stats(self) -> RunStats:
         self.stats = RunStats(self.device_label, self.hourly_usd)
-        if self.speculator is not None:
-            self.speculator.stats = self.stats.spec
         self._preemptions_at_reset = self.scheduler.num_preemptions
         sched = self.scheduler
         self._prefix_at_reset = (sched.prefix_queries, sched.prefix_hits, sched.prefix_cached_prompt_tokens)

@@ -1,36 +1,77 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples tokens."""
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples tokens.
+
+The attention metadata comes from one builder per attention layout (minillm/seams.py): every
+layout gets the flat batch (query_lens, num_cached, slot_mapping); "sequence" adds the slots each
+sequence reads, "padded_decode" the same except on decode steps of several sequences (one padded
+[B, L] slot matrix and mask instead), "block_tables" the whole batch's block tables.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..hardware import gpu_capability, missing_gpu_feature, sm_name
 from ..layers.attention import AttentionMetadata, resolve_backend
-from ..layers.sampler import sample
+from ..layers.sampler import TorchSampler
+from ..seams import Sampler
 from .block_manager import BlockManager
 from .cuda_graph import DecodeGraphs
 from .sequence import Sequence
 
 
+def _sequence_reads(meta: AttentionMetadata, kv_read: list, device) -> None:
+    """layout "sequence": the pool slots of each sequence's keys (a slice for a contiguous reservation)."""
+    meta.kv_read = [r if isinstance(r, slice) else torch.tensor(r, dtype=torch.long, device=device) for r in kv_read]
+
+
+def _padded_reads(meta: AttentionMetadata, kv_read: list, device) -> None:
+    """layout "padded_decode": a decode step of several sequences reads one padded [B, L] slot matrix
+    (padding repeats a sequence's first slot, masked out); any other step reads per sequence."""
+    if len(kv_read) < 2 or max(meta.query_lens) != 1:
+        return _sequence_reads(meta, kv_read, device)
+    width = max(c + 1 for c in meta.num_cached)
+    read, mask = [], []
+    for r, c in zip(kv_read, meta.num_cached):
+        seq_slots = list(range(r.start, r.stop)) if isinstance(r, slice) else r
+        read.append(seq_slots + [seq_slots[0]] * (width - c - 1))
+        mask.append([True] * (c + 1) + [False] * (width - c - 1))
+    meta.decode_read = torch.tensor(read, dtype=torch.long, device=device)
+    meta.decode_mask = torch.tensor(mask, dtype=torch.bool, device=device)[:, None, None, :]
+
+
+def _block_tables(meta: AttentionMetadata, seqs: list[Sequence], block_size: int, device) -> None:
+    """layout "block_tables": tables padded with block 0, keys per sequence, query offsets.
+    Contiguous reservations are runs of blocks, so they have block tables too."""
+    width = max(len(s.block_table) for s in seqs)
+    meta.block_size = block_size
+    meta.block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                     dtype=torch.int32, device=device)
+    meta.seq_lens = torch.tensor([c + n for c, n in zip(meta.num_cached, meta.query_lens)], dtype=torch.int32,
+                                 device=device)
+    starts = [0]
+    for n in meta.query_lens:
+        starts.append(starts[-1] + n)
+    meta.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    meta.max_query_len = max(meta.query_lens)
+
+
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_manager: BlockManager | None, kv_cache=None,
-                 attention_backend="torch"):
+                 attention_backend="torch", sampler: Sampler | None = None):
         self.model = model
         self.device = device
         self.block_manager = block_manager
         self.kv_cache = kv_cache
+        self.sampler = sampler if sampler is not None else TorchSampler()
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend) -> None:
-        self.backend = resolve_backend(backend)
-        kv_dtype = getattr(self.kv_cache, "kv_dtype", None)
-        if kv_dtype == "fp8" and getattr(self.backend, "name", None) == "triton" and self.device.type == "cuda":
-            capability = gpu_capability(self.device)
-            lacks_fp8 = missing_gpu_feature(capability, "fp8")
-            if lacks_fp8:
-                raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' on {sm_name(capability)}: "
-                                 f"{lacks_fp8}. Use kv_dtype='int8', or attention_backend='torch'.")
+        """"torch", "triton" or an object of one of the attention protocols (checked here)."""
+        kv_dtype = self.kv_cache.kv_dtype if self.kv_cache is not None else None
+        self.backend = resolve_backend(backend, kv_dtype, self.device)
+        # The Triton backend brings the model's other Triton ops along (RMSNorm, rotary, SiLU-and-mul);
+        # only its captured decode steps are replayed as CUDA graphs.
+        self.triton_ops = backend == "triton"
         self.model.bound_runner = None
         if self.graphs is not None:  # captured graphs hold the old backend's launches
             self.graphs.reset()
@@ -50,7 +91,7 @@ class ModelRunner:
 
         Engines may share one model's weights (LLM.with_levers); each binds before it runs.
         """
-        if getattr(self.model, "bound_runner", None) is self:
+        if self.model.bound_runner is self:
             return
         for i, layer in enumerate(self.model.attention_layers()):
             layer.backend = self.backend
@@ -59,12 +100,12 @@ class ModelRunner:
             # int8 / fp8 pools: the per-token-and-head scales (None for a model-dtype pool).
             layer.k_scale = self.kv_cache.k_scale[i] if self.kv_cache is not None else None
             layer.v_scale = self.kv_cache.v_scale[i] if self.kv_cache is not None else None
-        # The Triton backend brings the model's other Triton ops along (RMSNorm, rotary, SiLU-and-mul).
-        self.model.use_triton_ops = getattr(self.backend, "name", None) == "triton"
+        self.model.use_triton_ops = self.triton_ops
         self.model.bound_runner = self
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat input ids and positions, the attention metadata, and each sequence's last row."""
+        """Flat input ids and positions, the attention metadata (built for the backend's layout), and
+        each sequence's last row."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -94,38 +135,20 @@ class ModelRunner:
                     slots.extend(seq_slots[start:])
                     kv_read.append(seq_slots)
         dev = self.device
-        decode_batch = use_cache and len(seqs) > 1 and max(query_lens) == 1 and hasattr(self.backend, "decode_batch")
         meta = AttentionMetadata(
             query_lens=query_lens,
             num_cached=num_cached,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev) if use_cache else None,
-            # A batched decode step reads decode_read instead: no per-sequence tensors for it.
-            kv_read=[] if decode_batch else
-            [r if isinstance(r, slice) else torch.tensor(r, dtype=torch.long, device=dev) for r in kv_read],
             use_cache=use_cache,
         )
-        if decode_batch:
-            # A decode step: one padded gather and one attention call per layer for the whole batch.
-            width = max(c + 1 for c in num_cached)
-            read, mask = [], []
-            for r, c in zip(kv_read, num_cached):
-                seq_slots = list(range(r.start, r.stop)) if isinstance(r, slice) else r
-                read.append(seq_slots + [seq_slots[0]] * (width - c - 1))
-                mask.append([True] * (c + 1) + [False] * (width - c - 1))
-            meta.decode_read = torch.tensor(read, dtype=torch.long, device=dev)
-            meta.decode_mask = torch.tensor(mask, dtype=torch.bool, device=dev)[:, None, None, :]
-        if use_cache and getattr(self.backend, "batched", False):
-            # Contiguous reservations are runs of blocks, so they have block tables too.
-            width = max(len(s.block_table) for s in seqs)
-            meta.block_size = bm.block_size
-            meta.block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                             dtype=torch.int32, device=dev)
-            meta.seq_lens = torch.tensor([c + n for c, n in zip(num_cached, query_lens)], dtype=torch.int32, device=dev)
-            starts = [0]
-            for n in query_lens:
-                starts.append(starts[-1] + n)
-            meta.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
-            meta.max_query_len = max(query_lens)
+        if use_cache:
+            layout = self.backend.layout
+            if layout == "block_tables":
+                _block_tables(meta, seqs, bm.block_size, dev)
+            elif layout == "padded_decode":
+                _padded_reads(meta, kv_read, dev)
+            else:
+                _sequence_reads(meta, kv_read, dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, last_rows)
 
@@ -133,7 +156,7 @@ class ModelRunner:
     def logits(self, seqs: list[Sequence], rows: list[int] | None = None) -> torch.Tensor:
         """Next-token logits [len(rows or seqs), vocab] in fp32 (rows: which sequences need them)."""
         self.bind()
-        if self.graphs is not None and getattr(self.backend, "name", None) == "triton" and self.graphs.can_run(seqs):
+        if self.graphs is not None and self.triton_ops and self.graphs.can_run(seqs):
             logits = self.graphs.logits(seqs)  # a decode step: one token per sequence
             return logits if rows is None else logits[rows]
         input_ids, positions, meta, last_rows = self.prepare(seqs)
@@ -156,5 +179,5 @@ class ModelRunner:
         else:
             rows = [i for i, s in enumerate(seqs) if s in done]
             logits = self.logits(seqs, rows)
-        tokens = iter(sample(logits, [s.params for s in done], [s.generator for s in done]))
+        tokens = iter(self.sampler.sample(logits, [s.params for s in done], [s.generator for s in done]))
         return [next(tokens) if s in done else None for s in seqs]

@@ -14,13 +14,38 @@ from __future__ import annotations
 from collections import deque
 
 from ..config import EngineConfig
-from .block_manager import BlockManager
+from ..seams import BlockAllocator, SchedulingPolicy
 from .sequence import Sequence, SequenceStatus
 
 
+class ContinuousBatching:
+    """Admit waiting requests whenever a slot is free; preempt the most recently admitted request."""
+
+    def may_admit(self, running) -> bool:
+        return True
+
+    def preemption_victim(self, running, keep):
+        for seq in reversed(running):
+            if seq not in keep:
+                return seq
+        raise RuntimeError("no running sequence left to preempt")
+
+
+class StaticBatching(ContinuousBatching):
+    """Hold the batch until its longest member finishes, then admit the next one."""
+
+    def may_admit(self, running) -> bool:
+        return not running
+
+
+POLICIES = {"continuous": ContinuousBatching, "static": StaticBatching}
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | None, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockAllocator | None, max_model_len: int,
+                 policy: SchedulingPolicy | None = None):
         self.config = config
+        self.policy = policy if policy is not None else POLICIES[config.batching]()
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -137,8 +162,7 @@ class Scheduler:
     def _schedule_whole(self) -> tuple[list[Sequence], bool]:
         cfg = self.config
         batch: list[Sequence] = []
-        # Static batching holds the batch until its longest member finishes.
-        admit = cfg.batching == "continuous" or not self.running
+        admit = self.policy.may_admit(self.running)
         num_tokens = 0
         while admit and self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -169,7 +193,7 @@ class Scheduler:
         while queue and (limit is None or len(scheduled) < limit):
             seq = queue.pop(0)
             while not bm.can_grow(seq.block_table, len(seq)):
-                victim = self._newest_running(exclude=scheduled)
+                victim = self.policy.preemption_victim(self.running, scheduled)
                 if victim in queue:
                     queue.remove(victim)
                 self.preempt(victim)
@@ -179,12 +203,6 @@ class Scheduler:
                 bm.grow(seq.block_table, len(seq))
                 scheduled.append(seq)
         return scheduled
-
-    def _newest_running(self, exclude: list[Sequence]) -> Sequence:
-        for seq in reversed(self.running):
-            if seq not in exclude:
-                return seq
-        raise RuntimeError("no running sequence left to preempt")
 
     def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
         """Chunked prefill: one token budget per step, shared by decodes and prompt chunks.
@@ -211,7 +229,7 @@ class Scheduler:
             seq.num_scheduled_tokens = n
             chunks.append(seq)
             budget -= n
-        admit = cfg.batching == "continuous" or not self.running
+        admit = self.policy.may_admit(self.running)
         while admit and budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = self._match(seq)

@@ -27,11 +27,13 @@ step inside the same pass. Proposals never run past max_tokens or max_model_len.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..layers.sampler import filter_logits
+from ..seams import Proposer, Verifier
 from ..spec.ngram import ngram_propose
 from ..spec.verify import greedy_verify, rejection_sample
 from .block_manager import BlockManager
@@ -81,60 +83,53 @@ class DraftWorker:
             self.block_manager.free(state.block_table)
 
 
-class Speculator:
-    def __init__(self, method: str, num_speculative_tokens: int, runner, block_manager, max_model_len: int,
-                 draft_num_layers: int | None = None, draft: DraftWorker | None = None):
-        if method not in PROPOSERS:
-            raise ValueError(f"speculative={method!r} is not one of {PROPOSERS}")
-        if (method == "draft") != (draft is not None):
-            raise ValueError("speculative='draft' needs a DraftWorker (and only it does)")
-        self.method = method
-        self.draft = draft
-        num_layers = len(runner.model.layers)
-        if method == "self":
-            draft_num_layers = draft_num_layers or max(1, num_layers // 4)
-            if not 1 <= draft_num_layers < num_layers:
-                raise ValueError(f"draft_num_layers={draft_num_layers} must be in [1, {num_layers - 1}]: the draft is "
-                                 f"the first layers of this {num_layers}-layer model")
-        self.draft_num_layers = draft_num_layers
-        self.k = num_speculative_tokens
-        self.runner = runner
-        self.block_manager = block_manager
-        self.max_model_len = max_model_len
-        self.stats = SpecStats()
+def draft_loop(seqs: list[Sequence], budgets: list[int], forward, stats: SpecStats) -> tuple[list[list[int]], list]:
+    """Up to max(budgets) draft passes over the batch; pass j proposes token j of every sequence
+    whose budget exceeds j. `forward(active, drafts, j) -> logits [len(active), vocab]`. Returns the
+    proposals and, for sampled sequences, the draft's probabilities [k_i, vocab]."""
+    drafts: list[list[int]] = [[] for _ in seqs]
+    probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for j in range(max(budgets, default=0)):
+        active = [i for i, b in enumerate(budgets) if b > j]
+        logits = forward(active, drafts, j)
+        stats.num_draft_passes += 1
+        for row, i in enumerate(active):
+            p = seqs[i].params
+            if p.temperature == 0.0:
+                drafts[i].append(int(logits[row].argmax()))
+            else:
+                q = filter_logits(logits[row], p.temperature, p.top_k, p.top_p).softmax(-1)
+                drafts[i].append(int(torch.multinomial(q, 1, generator=seqs[i].generator).item()))
+                probs[i].append(q)
+    return drafts, [torch.stack(p) if p else None for p in probs]
 
-    def _budget(self, seq: Sequence) -> int:
-        """Proposals that can still become output: the last kept token is always the target's own."""
-        left_tokens = seq.params.max_tokens - seq.num_output_tokens - 1
-        left_context = self.max_model_len - len(seq) - 1
-        return max(0, min(self.k, left_tokens, left_context))
 
-    def _propose_ngram(self, seqs: list[Sequence], budgets: list[int]) -> list[list[int]]:
-        return [ngram_propose(seq.token_ids, b) if b else [] for seq, b in zip(seqs, budgets)]
+class NgramProposer:
+    """speculative="ngram": prompt lookup (minillm/spec/ngram.py), no model. `propose_fn(token_ids, k)`
+    is the per-sequence lookup (a lab passes the learner's)."""
 
-    def _draft_loop(self, seqs: list[Sequence], budgets: list[int], forward) -> tuple[list[list[int]], list]:
-        """Up to max(budgets) draft passes over the batch; pass j proposes token j of every
-        sequence whose budget exceeds j. `forward(active, drafts, j) -> logits [len(active), vocab]`.
-        Returns the proposals and, for sampled sequences, the draft's probabilities [k_i, vocab]."""
-        drafts: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(max(budgets, default=0)):
-            active = [i for i, b in enumerate(budgets) if b > j]
-            logits = forward(active, drafts, j)
-            self.stats.num_draft_passes += 1
-            for row, i in enumerate(active):
-                p = seqs[i].params
-                if p.temperature == 0.0:
-                    drafts[i].append(int(logits[row].argmax()))
-                else:
-                    q = filter_logits(logits[row], p.temperature, p.top_k, p.top_p).softmax(-1)
-                    drafts[i].append(int(torch.multinomial(q, 1, generator=seqs[i].generator).item()))
-                    probs[i].append(q)
-        return drafts, [torch.stack(p) if p else None for p in probs]
+    def __init__(self, propose_fn=None):
+        self.propose_fn = propose_fn or ngram_propose
 
-    def _propose_self(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
-        """Draft with the target's first layers, feeding each sequence's newest token (the real
-        last one, then each draft) on top of the target's own cache."""
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
+        return [self.propose_fn(seq.token_ids, b) if b else [] for seq, b in zip(seqs, budgets)], [None] * len(seqs)
+
+    def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class SelfDraftProposer:
+    """speculative="self": the target's first `num_layers` layers, its final norm and its head draft,
+    on top of the target's own cache (an early exit, as in LayerSkip)."""
+
+    def __init__(self, runner: ModelRunner, num_layers: int, stats: Callable[[], SpecStats]):
+        self.runner, self.num_layers, self.stats = runner, num_layers, stats   # stats(): the run's counters
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
+        """Feed each sequence's newest token (the real last one, then each draft)."""
         runner, model = self.runner, self.runner.model
         saved = [(len(seq), seq.num_cached_tokens, seq.num_scheduled_tokens) for seq in seqs]
 
@@ -147,23 +142,37 @@ class Speculator:
                 seq.num_cached_tokens = len(seq) - 1
                 seq.num_scheduled_tokens = 1
             input_ids, positions, meta, last_rows = runner.prepare(batch)
-            hidden = model(input_ids, positions, meta, num_layers=self.draft_num_layers)
+            hidden = model(input_ids, positions, meta, num_layers=self.num_layers)
             return model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)])
 
         try:
-            return self._draft_loop(seqs, budgets, forward)
+            return draft_loop(seqs, budgets, forward, self.stats())
         finally:
             for seq, (n, cached, scheduled) in zip(seqs, saved):
                 del seq.token_ids[n:]
                 seq.num_cached_tokens, seq.num_scheduled_tokens = cached, scheduled
 
-    def _propose_draft(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
-        """Draft with the second model. Pass 0 feeds each sequence the tokens its draft state has
-        not cached yet (the whole prompt the first time; afterwards the target's last token and
-        any accepted proposals the draft never fed); later passes feed the previous proposal."""
-        worker = self.draft
+    def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """speculative="draft": the second model of a DraftWorker, with its own pool and block tables."""
+
+    def __init__(self, worker: DraftWorker, stats: Callable[[], SpecStats]):
+        self.worker, self.stats = worker, stats   # stats(): the run's counters
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
+        """Pass 0 feeds each sequence the tokens its draft state has not cached yet (the whole prompt
+        the first time; afterwards the target's last token and any accepted proposals the draft never
+        fed); later passes feed the previous proposal."""
+        worker = self.worker
         bm = worker.block_manager
         states: dict[int, DraftState] = {}
+        budgets = list(budgets)
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
             if not budget:
                 continue
@@ -192,7 +201,51 @@ class Speculator:
                 state.num_cached_tokens = len(state)
             return logits
 
-        return self._draft_loop(seqs, budgets, forward)
+        return draft_loop(seqs, budgets, forward, self.stats())
+
+    def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
+        """The draft cached the sequence and proposals 1..k-1; what stays valid is the sequence plus
+        the accepted proposals among those (the rest is overwritten later)."""
+        state = self.worker.states[seq.seq_id]
+        state.num_cached_tokens = min(state.num_cached_tokens, num_before + num_kept - 1)
+        del state.token_ids[state.num_cached_tokens:]
+
+    def release(self, seq: Sequence) -> None:
+        self.worker.release(seq)
+
+
+class SpecVerifier:
+    """Greedy verification and rejection sampling (minillm/spec/verify.py); a lab passes its own functions."""
+
+    def __init__(self, greedy_fn=None, sample_fn=None):
+        self.greedy_fn = greedy_fn or greedy_verify
+        self.sample_fn = sample_fn or rejection_sample
+
+    def greedy(self, proposal: list[int], target_argmax: list[int]) -> list[int]:
+        return self.greedy_fn(proposal, target_argmax)
+
+    def sample(self, proposal: list[int], draft_probs, target_probs, generator) -> list[int]:
+        return self.sample_fn(proposal, draft_probs, target_probs, generator=generator)
+
+
+class Speculator:
+    """One speculative decode step for the batch: propose (a Proposer), score every proposal in one
+    target pass, keep what the Verifier accepts."""
+
+    def __init__(self, num_speculative_tokens: int, runner: ModelRunner, block_manager, max_model_len: int,
+                 proposer: Proposer, verifier: Verifier, stats: Callable[[], SpecStats]):
+        self.k = num_speculative_tokens
+        self.runner = runner
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.proposer, self.verifier = proposer, verifier
+        self.stats = stats   # stats(): the engine's counters of the current run
+
+    def _budget(self, seq: Sequence) -> int:
+        """Proposals that can still become output: the last kept token is always the target's own."""
+        left_tokens = seq.params.max_tokens - seq.num_output_tokens - 1
+        left_context = self.max_model_len - len(seq) - 1
+        return max(0, min(self.k, left_tokens, left_context))
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -208,12 +261,12 @@ class Speculator:
             if budget:
                 bm.grow(seq.block_table, len(seq) + budget)
             budgets.append(budget)
-        if self.method == "self":
-            proposals, draft_probs = self._propose_self(seqs, budgets)
-        elif self.method == "draft":
-            proposals, draft_probs = self._propose_draft(seqs, budgets)
-        else:
-            proposals, draft_probs = self._propose_ngram(seqs, budgets), [None] * len(seqs)
+        proposals, draft_probs = self.proposer.propose(seqs, budgets)
+        for seq, proposal, budget in zip(seqs, proposals, budgets):
+            if len(proposal) > budget:
+                raise ValueError(f"proposer {type(self.proposer).__name__} proposed {len(proposal)} tokens for "
+                                 f"request {seq.request_id!r}; its budget was {budget} (num_speculative_tokens, "
+                                 "max_tokens and max_model_len bound it)")
         # Feed last token + proposals: extend chunks that start at num_cached_tokens = len - 1.
         saved = [len(seq) for seq in seqs]
         for seq, proposal in zip(seqs, proposals):
@@ -238,28 +291,23 @@ class Speculator:
         for seq, proposal, q, (a, b), n_before in zip(seqs, proposals, draft_probs, spans, saved):
             p = seq.params
             if p.temperature == 0.0:
-                tokens = greedy_verify(proposal, greedy_ids[a:b])
+                tokens = self.verifier.greedy(proposal, greedy_ids[a:b])
             else:
                 probs = torch.stack([filter_logits(logits[r], p.temperature, p.top_k, p.top_p).softmax(-1)
                                      for r in range(a, b)])
-                tokens = rejection_sample(proposal, q, probs, generator=seq.generator)
-            st = self.stats
+                tokens = self.verifier.sample(proposal, q, probs, seq.generator)
+            st = self.stats()
             st.num_passes += 1
             st.num_proposed += len(proposal)
             st.num_accepted += len(tokens) - 1
             st.num_emitted += len(tokens)
             kept.append(tokens)
-            if self.method == "draft" and proposal:
-                # The draft cached the sequence and proposals 1..k-1; what stays valid is the
-                # sequence plus the accepted proposals among those (the rest is overwritten later).
-                state = self.draft.states[seq.seq_id]
-                state.num_cached_tokens = min(state.num_cached_tokens, n_before + len(tokens) - 1)
-                del state.token_ids[state.num_cached_tokens:]
+            if proposal:
+                self.proposer.accepted(seq, n_before, len(tokens))
         return kept
 
     def release_finished(self, seqs: list[Sequence]) -> None:
-        """Free the draft states of finished sequences (no-op for proposers without a model)."""
-        if self.draft is not None:
-            for seq in seqs:
-                if seq.is_finished:
-                    self.draft.release(seq)
+        """Let the proposer free what it holds for finished sequences (a draft model's blocks)."""
+        for seq in seqs:
+            if seq.is_finished:
+                self.proposer.release(seq)

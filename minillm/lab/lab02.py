@@ -108,9 +108,9 @@ def reveal_predictions(cfg, predicted_flops_ratio_at_256=None, predicted_growth_
 
 # =================================================================== 2. build: the adapter
 class LabAttentionBackend:
-    """An attention backend (the engine's `store_kv` / `attend` protocol) made of lab functions."""
+    """An attention backend of layout "sequence" (minillm/seams.py: `store_kv` / `attend`) made of lab functions."""
 
-    name = "lab02"
+    layout = "sequence"
 
     def __init__(self, append_kv: Callable, attend_with_cache: Callable):
         self.append_kv = append_kv

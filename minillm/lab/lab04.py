@@ -376,14 +376,17 @@ class AllocatorBlockManager(PoolSizes):
 
 
 def plug_in_allocator(llm, allocator_cls, **levers):
-    """A fresh paged engine sharing `llm`'s weights whose scheduler and runner use your allocator."""
-    fresh = llm.with_levers(paged=True, **levers)
-    bm = fresh.engine.block_manager
-    adapter = AllocatorBlockManager(allocator_cls(bm.num_blocks, bm.block_size), bm.num_blocks, bm.block_size)
-    fresh.engine.block_manager = adapter
-    fresh.engine.scheduler.block_manager = adapter
-    fresh.engine.runner.block_manager = adapter
-    return fresh, adapter
+    """A fresh paged engine sharing `llm`'s weights, built with your allocator as its block manager:
+    `block_manager=` takes a factory (num_blocks, block_size, contiguous) -> an object of the engine's
+    BlockAllocator protocol (minillm/seams.py), here the adapter over your class."""
+    built = []
+
+    def factory(num_blocks: int, block_size: int, contiguous: bool) -> AllocatorBlockManager:
+        built.append(AllocatorBlockManager(allocator_cls(num_blocks, block_size), num_blocks, block_size))
+        return built[-1]
+
+    fresh = llm.with_levers(paged=True, block_manager=factory, **levers)
+    return fresh, built[-1]
 
 
 def run_with_allocator(llm, allocator_cls, prompts: Sequence, max_tokens: int, pool_blocks: int,
@@ -396,7 +399,7 @@ def run_with_allocator(llm, allocator_cls, prompts: Sequence, max_tokens: int, p
     yours, adapter = plug_in_allocator(llm, allocator_cls, **levers)
     got = [list(o.outputs[0].token_ids) for o in yours.generate(list(prompts), params)]
     stats = yours.stats
-    engine = llm.with_levers(paged=True, **levers)
+    engine = llm.with_levers(paged=True, block_manager=None, **levers)
     want = [list(o.outputs[0].token_ids) for o in engine.generate(list(prompts), params)]
     return {"tokens": got, "expected": want, "equal": got == want, "allocator_calls": adapter.num_calls,
             "peak_used_blocks": adapter.peak_used_blocks, "pool_blocks": adapter.num_blocks,
@@ -697,11 +700,11 @@ def check_paged_decode(paged_decode: Callable, cases=KERNEL_CASES, seed: int = 0
 
 # ------------------------------------------------------------------ the kernel inside the engine
 class KernelDecodeBackend:
-    """A batched attention backend: K/V stored with torch, decode steps through your kernel,
-    prefill (several queries per sequence) through torch's scaled_dot_product_attention."""
+    """An attention backend of layout "block_tables" (minillm/seams.py): K/V stored with torch, decode
+    steps through your kernel, prefill (several queries per sequence) through torch's
+    scaled_dot_product_attention over each sequence's blocks."""
 
-    name = "lab04"
-    batched = True
+    layout = "block_tables"
 
     def __init__(self, paged_decode: Callable):
         from ..layers.attention import TorchAttentionBackend
@@ -711,22 +714,18 @@ class KernelDecodeBackend:
         self.num_kernel_calls = 0
         self.kernel_s = 0.0
 
-    # The per-sequence interface too (the engine's config asks for it); batched backends use forward_batch.
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
         self.torch.store_kv(k_cache, v_cache, k, v, slot_mapping)
 
-    def attend(self, q, k, v, scale, num_cached):
-        return self.torch.attend(q, k, v, scale, num_cached)
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        with Stopwatch() as sw:
+            out = self.paged_decode(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                    meta.block_size)
+        self.num_kernel_calls += 1
+        self.kernel_s += sw.seconds
+        return out
 
-    def forward_batch(self, q, k, v, k_cache, v_cache, meta, scale):
-        self.torch.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if meta.max_query_len == 1:
-            with Stopwatch() as sw:
-                out = self.paged_decode(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                        meta.block_size)
-            self.num_kernel_calls += 1
-            self.kernel_s += sw.seconds
-            return out
+    def extend(self, q, k_cache, v_cache, meta, scale):
         outs = []
         starts = meta.query_start_loc.tolist()
         for i, seq_len in enumerate(meta.seq_lens.tolist()):

@@ -20,6 +20,7 @@ import random
 import statistics
 from collections.abc import Callable, Hashable, Sequence
 
+from ..engine.block_manager import BlockManager
 from ..sampling import SamplingParams
 from .common import CheckFailed, call_learner, expect_number, format_seconds, new_figure, passed
 
@@ -263,11 +264,15 @@ class ChainHash:
 
 def plug_in_hash(llm, block_hashes: Callable, **levers):
     """A fresh engine with prefix caching on, sharing `llm`'s weights, whose BlockManager keys
-    blocks with your hash chain."""
-    fresh = llm.with_levers(prefix_caching=True, **levers)
-    bm = fresh.engine.block_manager
-    bm.hash_fn = ChainHash(block_hashes, bm.block_size)
-    return fresh, bm.hash_fn
+    blocks with your hash chain (`block_manager=` takes a factory (num_blocks, block_size, contiguous))."""
+    chains = []
+
+    def factory(num_blocks: int, block_size: int, contiguous: bool) -> BlockManager:
+        chains.append(ChainHash(block_hashes, block_size))
+        return BlockManager(num_blocks, block_size, contiguous, hash_fn=chains[-1])
+
+    fresh = llm.with_levers(prefix_caching=True, block_manager=factory, **levers)
+    return fresh, chains[-1]
 
 
 def chat_prompts(llm, system: str, questions: Sequence[str]) -> list[dict]:
@@ -357,7 +362,7 @@ def document_questions(llm, doc: Sequence[int], num_questions: int) -> list[dict
 def _warm(engine) -> None:
     """First-call overheads (allocator, lazy imports) out of the timings; then an empty cache."""
     engine.generate({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
 
 
 def measure_shared_document(llm, prompts: Sequence[dict], max_tokens: int = 8) -> dict:
@@ -429,7 +434,7 @@ def measure_sensitivity(llm, doc: Sequence[int], fractions: Sequence[float] = (0
     with tqdm(total=repeats * (1 + len(fractions)), desc="first read + one-word edits", unit="read",
               leave=False) as bar:
         for _ in range(repeats):
-            engine.engine.block_manager.reset_prefix_cache()
+            engine.reset_prefix_cache()
             out = engine.generate({"prompt_token_ids": list(doc)}, params)[0]
             first.append(out.metrics.ttft_s)
             bar.update()

@@ -9,8 +9,8 @@ The learner writes, with fixed signatures:
     rejection_sample(proposal, draft_probs, target_probs, generator) -> kept tokens
     expected_tokens_per_pass(alpha, k) -> float
 
-The engine (minillm/engine/speculative.py) looks its proposer and verifiers up as module-level
-names; `plugged` swaps the learner's functions in for the duration of a `with` block.
+The engine takes a Proposer and a Verifier as parts (`llm.with_levers(proposer=, verifier=)`,
+protocols in minillm/seams.py); `plugged` wraps the learner's functions into them and records each call.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from ..sampling import SamplingParams
 from ..spec.ngram import ngram_propose as ref_ngram_propose
 from ..spec.verify import greedy_verify as ref_greedy_verify
+from ..spec.verify import rejection_sample as ref_rejection_sample
 from ..spec.verify import residual_distribution
 from .common import CheckFailed, new_figure, passed
 
@@ -39,16 +40,16 @@ OPEN_QUESTIONS = ("Why is the sky blue? Explain it to a child.",
 # =================================================================== engine plumbing
 @contextlib.contextmanager
 def plugged(propose: Callable | None = None, verify: Callable | None = None, sample: Callable | None = None):
-    """Swap the learner's proposer / greedy verifier / rejection sampler into the engine for the
-    `with` block (the engine's own functions come back afterwards, even on an error). Yields a
-    record: 'rounds' (one dict per greedy verification: proposal, target_argmax, kept) and call counts."""
-    from ..engine import speculative as spec_mod
+    """The learner's proposer / greedy verifier / rejection sampler as engine parts, for the `with`
+    block. Yields a record: 'parts' (pass them on: `llm.with_levers(speculative="ngram", **record["parts"])`
+    — a Proposer and a Verifier, minillm/seams.py), 'rounds' (one dict per greedy verification:
+    proposal, target_argmax, kept) and call counts. None takes minillm.spec's own function."""
+    from ..engine.speculative import NgramProposer, SpecVerifier
 
     record = {"rounds": [], "propose_calls": 0, "verify_calls": 0, "sample_calls": 0}
-    saved = {name: getattr(spec_mod, name) for name in ("ngram_propose", "greedy_verify", "rejection_sample")}
-    proposer = propose or saved["ngram_propose"]
-    verifier = verify or saved["greedy_verify"]
-    sampler = sample or saved["rejection_sample"]
+    proposer = propose or ref_ngram_propose
+    verifier = verify or ref_greedy_verify
+    sampler = sample or ref_rejection_sample
 
     def propose_wrapper(token_ids, k):
         record["propose_calls"] += 1
@@ -78,14 +79,9 @@ def plugged(propose: Callable | None = None, verify: Callable | None = None, sam
             generator = cpu_generators[id(generator)][1]
         return [int(t) for t in sampler(list(proposal), draft_probs, target_probs, generator)]
 
-    spec_mod.ngram_propose = propose_wrapper
-    spec_mod.greedy_verify = verify_wrapper
-    spec_mod.rejection_sample = sample_wrapper
-    try:
-        yield record
-    finally:
-        for name, fn in saved.items():
-            setattr(spec_mod, name, fn)
+    record["parts"] = {"proposer": NgramProposer(propose_wrapper),
+                       "verifier": SpecVerifier(verify_wrapper, sample_wrapper)}
+    yield record
 
 
 def repeat_prompt(llm, sentence: str = TOY_SENTENCE) -> dict:
@@ -102,9 +98,9 @@ def open_prompt(llm, question: str = OPEN_QUESTIONS[0]) -> dict:
 def toy_rounds(llm, k: int = 3, rounds: int = 3) -> dict:
     """Greedy speculative decoding with the engine's n-gram proposer: the prefill's token, then
     `rounds` rounds of k proposals + one target pass each; every round recorded."""
-    engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k, max_num_seqs=1)
     params = SamplingParams(max_tokens=1 + rounds * (k + 1), temperature=0)
     with plugged() as record:
+        engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k, max_num_seqs=1, **record["parts"])
         out = engine.generate(repeat_prompt(llm), params, use_tqdm=False)[0]
     spec = engine.stats.spec
     return {"k": k, "rounds": record["rounds"], "tokens": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
@@ -278,8 +274,8 @@ def run_plugged(llm, greedy_verify: Callable, ngram_propose: Callable, prompts: 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     off = llm.with_levers(speculative=None) if llm.config.speculative else llm
     want = [list(o.outputs[0].token_ids) for o in off.generate(prompts, params, use_tqdm=False)]
-    on = llm.with_levers(speculative="ngram", num_speculative_tokens=k)
     with plugged(propose=ngram_propose, verify=greedy_verify) as record:
+        on = llm.with_levers(speculative="ngram", num_speculative_tokens=k, **record["parts"])
         outs = on.generate(prompts, params, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
     spec = on.stats.spec
@@ -475,9 +471,9 @@ def distribution_figure(report: dict, wrong: dict | None = None, position: int =
 def run_sampled(llm, rejection_sample: Callable, prompt: dict, k: int = 4, max_tokens: int = 24,
                 temperature: float = 0.7, seed: int = 0) -> dict:
     """The engine sampling with your rejection sampler (a seeded request)."""
-    engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     with plugged(sample=rejection_sample) as record:
+        engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k, **record["parts"])
         out = engine.generate(prompt, params, use_tqdm=False)[0]
     spec = engine.stats.spec
     return {"text": out.outputs[0].text, "calls": record["sample_calls"], "acceptance_rate": spec.acceptance_rate,

@@ -4,23 +4,19 @@ Batch metadata arrives as one small dataclass (`AttentionMetadata`), built by th
 runner for every step: which slice of the flat token batch belongs to which sequence,
 where its new K/V go in the cache (`slot_mapping`) and which cache slots it reads.
 
-A backend is any object with two methods (labs plug a learner's version in here):
+A backend is any object that declares its `layout` and has that layout's methods (the
+protocols are in minillm/seams.py; labs plug a learner's version in here):
 
-    store_kv(k_cache, v_cache, k, v, slot_mapping) -> None
-        k_cache, v_cache: [num_kv_heads, num_slots, head_dim]   one layer's pool
-        k, v:             [num_tokens, num_kv_heads, head_dim]  this step's new keys/values
-        slot_mapping:     [num_tokens] int64                    pool slot of each new token
-    attend(q, k, v, scale, num_cached) -> [num_q, num_heads, head_dim]
-        q:    [num_q, num_heads, head_dim]   one sequence's new queries
-        k, v: [num_kv_heads, num_keys, head_dim]  every key it may see, oldest first
-        num_cached: keys before the first query (query i sits at position num_cached + i)
-
-Optional: `decode_batch(q, k_cache, v_cache, read, mask, scale)` serves a whole decode step
-in one call (the torch backend has it); a backend without it gets `attend` per sequence.
+    layout "sequence"       store_kv(k_cache, v_cache, k, v, slot_mapping); attend(q, k, v, scale, num_cached),
+                            called once per sequence with the keys it may see
+    layout "padded_decode"  the same, plus decode_padded(q, k_cache, v_cache, read, mask, scale) for a
+                            decode step of several sequences (the torch reference)
+    layout "block_tables"   store_kv, then decode(q, k_cache, v_cache, meta, scale) or extend(...) over the
+                            whole batch, walking block tables in place (the Triton kernels)
 
 Quantized KV (kv_dtype="int8" / "fp8", see engine/kv_cache.py): the pools hold int8 / fp8 and
 each layer also has k_scale, v_scale [num_kv_heads, num_slots] fp32. The layer then calls
-`store_kv(..., k_scale=, v_scale=)` (and `decode_batch(..., k_scale=, v_scale=)`): the backend
+`store_kv(..., k_scale=, v_scale=)` (and `decode_padded` / `decode` / `extend` with them): the backend
 quantizes each new token per head as it writes it. `attend` is unchanged: the layer gathers a
 sequence's slots and dequantizes them (K = q * scale, in the model dtype) before calling it.
 Every attention reads the cache, a fresh prompt's prefill included: prefill sees the same
@@ -38,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant.kv import dequantize_kv, quantize_kv
+from ..seams import check_attention_backend
 
 
 @dataclass
@@ -49,13 +46,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None     # [num_tokens] pool slot for each new token
     kv_read: list[slice | torch.Tensor] = field(default_factory=list)  # pool slots each sequence reads
     use_cache: bool = True                # False: no cache, attend over this step's keys only
-    # Whole-batch layout for kernels that walk block tables (built only for such backends):
+    # layout "block_tables": the whole batch's tables (built only for such backends).
     block_size: int = 0
     block_tables: torch.Tensor | None = None     # [num_seqs, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor | None = None         # [num_seqs] int32, keys per sequence after this step
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32, offsets of each sequence's queries
     max_query_len: int = 0
-    # Decode steps of backends with decode_batch(): every sequence's key slots, padded to one width.
+    # layout "padded_decode", decode steps: every sequence's key slots, padded to one width.
     decode_read: torch.Tensor | None = None      # [num_seqs, max_keys] int64 pool slots (padding repeats a slot)
     decode_mask: torch.Tensor | None = None      # [num_seqs, 1, 1, max_keys] bool, False on the padding
 
@@ -71,6 +68,7 @@ class TorchAttentionBackend:
     """The reference backend: index_copy into the pool, scaled_dot_product_attention over it."""
 
     name = "torch"
+    layout = "padded_decode"
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
         if k_scale is None:
@@ -101,7 +99,7 @@ class TorchAttentionBackend:
         )
         return out.squeeze(0).transpose(0, 1)  # [num_q, H, D]
 
-    def decode_batch(self, q, k_cache, v_cache, read, mask, scale, k_scale=None, v_scale=None):
+    def decode_padded(self, q, k_cache, v_cache, read, mask, scale, k_scale=None, v_scale=None):
         """A whole decode step at once. q: [B, Hq, D]; read: [B, L] pool slots; mask: [B, 1, 1, L]
         -> [B, Hq, D]. Padded keys are masked out, so each row equals attend() on its own keys.
         k_scale, v_scale: [Hkv, num_slots] for int8 / fp8 pools (dequantized after the gather)."""
@@ -137,14 +135,20 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
-    batched = True  # wants the whole batch (block tables) instead of one sequence at a time
+    layout = "block_tables"
 
-    def __init__(self):
+    def __init__(self, kv_dtype: str | None = None, device: torch.device | None = None):
         import os
         import sys
 
-        import torch
+        if device is not None and device.type == "cuda" and kv_dtype == "fp8":
+            from ..hardware import gpu_capability, missing_gpu_feature, sm_name
 
+            capability = gpu_capability(device)
+            lacks_fp8 = missing_gpu_feature(capability, "fp8")
+            if lacks_fp8:
+                raise ValueError(f"kv_dtype='fp8' with attention_backend='triton' on {sm_name(capability)}: "
+                                 f"{lacks_fp8}. Use kv_dtype='int8', or attention_backend='torch'.")
         if not torch.cuda.is_available():
             if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
                 raise RuntimeError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 set before triton "
@@ -156,24 +160,27 @@ class TritonAttentionBackend:
         self._decode = paged_decode.paged_decode_attention
         self._extend = extend_attention.extend_attention
 
-    def forward_batch(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                      k_scale=None, v_scale=None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: [Hkv, num_slots] fp32
-        for int8 / fp8 pools (the store kernel quantizes, the attention kernels dequantize)."""
-        self._store_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        if meta.max_query_len == 1:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.block_size,
-                                k_scale=k_scale, v_scale=v_scale)
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
+        """k_scale, v_scale: [Hkv, num_slots] fp32 for int8 / fp8 pools (the kernel quantizes as it stores)."""
+        self._store_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
+        return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.block_size,
+                            k_scale=k_scale, v_scale=v_scale)
+
+    def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
         return self._extend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
                             meta.block_size, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
 
 
-def resolve_backend(backend) -> object:
+def resolve_backend(backend, kv_dtype: str | None = None, device: torch.device | None = None):
+    """A backend object for "torch" / "triton" (the Triton one refuses fp8 KV on cards without fp8);
+    any other object is checked against its layout's protocol (minillm/seams.py)."""
     if backend == "torch":
         return TorchAttentionBackend()
     if backend == "triton":
-        return TritonAttentionBackend()
-    return backend
+        return TritonAttentionBackend(kv_dtype, device)
+    return check_attention_backend(backend)
 
 
 class Attention(nn.Module):
@@ -196,13 +203,16 @@ class Attention(nn.Module):
         # Scales go to the backend only for a quantized pool, so backends that know nothing of
         # them (a lab's) keep their signatures.
         quant = {} if self.k_scale is None or not meta.use_cache else {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        if getattr(self.backend, "batched", False):
-            return self.backend.forward_batch(q, k, v, self.k_cache, self.v_cache, meta, self.scale, **quant)
+        backend = self.backend
+        if backend.layout == "block_tables":
+            backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
+            attend = backend.decode if meta.max_query_len == 1 else backend.extend
+            return attend(q, self.k_cache, self.v_cache, meta, self.scale, **quant)
         if meta.use_cache:
-            self.backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
-        if meta.decode_read is not None and hasattr(self.backend, "decode_batch"):
-            return self.backend.decode_batch(q, self.k_cache, self.v_cache, meta.decode_read, meta.decode_mask,
-                                             self.scale, **quant)
+            backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
+        if meta.decode_read is not None:   # layout "padded_decode", a decode step of several sequences
+            return backend.decode_padded(q, self.k_cache, self.v_cache, meta.decode_read, meta.decode_mask,
+                                         self.scale, **quant)
         outs = []
         start = 0
         for i, num_q in enumerate(meta.query_lens):
@@ -214,6 +224,6 @@ class Attention(nn.Module):
             else:
                 k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
                 num_cached = 0
-            outs.append(self.backend.attend(q[start:end], k_seq, v_seq, self.scale, num_cached))
+            outs.append(backend.attend(q[start:end], k_seq, v_seq, self.scale, num_cached))
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

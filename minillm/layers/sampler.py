@@ -37,3 +37,11 @@ def sample(logits: torch.Tensor, params: list, generators: list) -> list[int]:
         probs = filter_logits(logits[row], p.temperature, p.top_k, p.top_p).softmax(-1)
         out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out
+
+
+class TorchSampler:
+    """The engine's sampler (the Sampler protocol, minillm/seams.py): greedy rows take the argmax,
+    the others draw from the filtered distribution with their request's generator."""
+
+    def sample(self, logits: torch.Tensor, params: list, generators: list) -> list[int]:
+        return sample(logits, params, generators)

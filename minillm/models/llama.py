@@ -90,6 +90,9 @@ class LlamaForCausalLM(nn.Module):
         # weight_dtype lever: the head as a QuantizedLinear (set by models/quantize.py). A tied
         # embedding is then dropped (embed_tokens None) and looked up in the head's storage.
         self.quantized_head = None
+        # The model runner whose KV pool and attention backend the layers point at now (engines
+        # sharing these weights rebind before they run: ModelRunner.bind).
+        self.bound_runner = None
 
     @property
     def use_triton_ops(self) -> bool:

@@ -1,0 +1,255 @@
+"""The plug-in seams: every part of the engine a lab (or a later lever) replaces, as a protocol.
+
+A part is any object with the methods of its protocol; nothing has to inherit from anything.
+The engine checks each part once, when it is built (`check_part`), and refuses one that misses
+a method with the missing name and the signature the protocol expects. After that the engine
+calls the methods the protocol names and nothing else: it never probes a part with hasattr.
+
+    part                protocol(s)                          passed as
+    attention backend   SequenceAttention | PaddedDecodeAttention | BlockTableAttention
+                                                             LLM(attention_backend=...)
+    block allocator     BlockAllocator (+ PrefixCache with prefix_caching=True, + Truncation
+                        with speculative=...), built by a factory (num_blocks, block_size, contiguous)
+                                                             LLM(block_manager=...)
+    scheduling policy   SchedulingPolicy                     LLM(scheduling_policy=...)
+    proposer            Proposer (speculative=...)           LLM(proposer=...)
+    verifier            Verifier (speculative=...)           LLM(verifier=...)
+    sampler             Sampler                              LLM(sampler=...)
+
+The engine's own implementations are the references: TorchAttentionBackend and
+TritonAttentionBackend (layers/attention.py), BlockManager (engine/block_manager.py),
+ContinuousBatching / StaticBatching (engine/scheduler.py), NgramProposer / SelfDraftProposer /
+DraftModelProposer and SpecVerifier (engine/speculative.py), TorchSampler (layers/sampler.py).
+
+Floor 0: this module imports nothing of minillm (the annotations name types of higher floors
+as strings only).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar, Protocol
+
+# =================================================================== attention backends
+# A backend declares `layout`: which batch metadata the model runner builds for it.
+#   "sequence"      store_kv + attend, one call per sequence (the simplest to write)
+#   "padded_decode" "sequence", plus decode_padded for decode steps: every sequence's key slots
+#                   padded to one width, one call for the whole batch
+#   "block_tables"  store_kv + decode + extend over the whole batch, reading block tables in place
+ATTENTION_LAYOUTS = ("sequence", "padded_decode", "block_tables")
+
+
+class SequenceAttention(Protocol):
+    """layout = "sequence": the layer gathers each sequence's keys and calls attend once per sequence.
+
+    Quantized KV pools (kv_dtype="int8" / "fp8") pass k_scale= and v_scale= ([num_kv_heads, num_slots]
+    fp32) to store_kv, which then quantizes each new token per head; attend always gets model-dtype keys.
+    """
+
+    layout: ClassVar[str]
+
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        """k_cache, v_cache: [num_kv_heads, num_slots, head_dim] one layer's pool;
+        k, v: [num_tokens, num_kv_heads, head_dim] this step's new keys/values;
+        slot_mapping: [num_tokens] int64, the pool slot of each new token."""
+
+    def attend(self, q, k, v, scale, num_cached):
+        """q: [num_q, num_heads, head_dim] one sequence's new queries; k, v: [num_kv_heads, num_keys,
+        head_dim] every key it may see, oldest first; num_cached: keys before the first query (query i
+        sits at position num_cached + i) -> [num_q, num_heads, head_dim]."""
+
+
+class PaddedDecodeAttention(SequenceAttention, Protocol):
+    """layout = "padded_decode": "sequence", and a decode step of several sequences in one call."""
+
+    def decode_padded(self, q, k_cache, v_cache, read, mask, scale):
+        """q: [B, num_heads, head_dim]; read: [B, L] int64 pool slots (padding repeats a slot);
+        mask: [B, 1, 1, L] bool, False on the padding -> [B, num_heads, head_dim]."""
+
+
+class BlockTableAttention(Protocol):
+    """layout = "block_tables": whole-batch kernels that walk block tables (AttentionMetadata's
+    block_tables, seq_lens, query_start_loc, max_query_len, block_size). The layer calls store_kv,
+    then decode when every sequence has one new token, else extend (prefill, chunks, mixed steps)."""
+
+    layout: ClassVar[str]
+
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        """As SequenceAttention.store_kv."""
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        """q: [B, num_heads, head_dim], one query per sequence -> [B, num_heads, head_dim]."""
+
+    def extend(self, q, k_cache, v_cache, meta, scale):
+        """q: [T, num_heads, head_dim], each sequence's new tokens after its cached ones -> [T, num_heads, head_dim]."""
+
+
+ATTENTION_PROTOCOLS = {"sequence": SequenceAttention, "padded_decode": PaddedDecodeAttention,
+                       "block_tables": BlockTableAttention}
+
+
+# =================================================================== KV blocks
+class BlockAllocator(Protocol):
+    """The KV pool's bookkeeping: which blocks each sequence's table holds. A table is a list of block
+    ids; token t of a sequence lives in slot table[t // block_size] * block_size + t % block_size.
+    contiguous=True hands each request one run of consecutive blocks for max_model_len tokens."""
+
+    num_blocks: int
+    block_size: int
+    contiguous: bool
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether allocate(num_tokens) would succeed now."""
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """A new table holding num_tokens tokens."""
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        """Whether grow(table, num_tokens) would succeed now."""
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Append blocks to `table` (in place) until it holds num_tokens tokens."""
+
+    def free(self, table: list[int]) -> None:
+        """Give a table's blocks back to the pool."""
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens."""
+
+    def usage(self, real_tokens: int):
+        """A BlockUsage (engine/block_manager.py): blocks in use, reserved slots, utilization."""
+
+
+class Truncation(Protocol):
+    """speculative=...: proposals are written to the cache, then the rejected ones are dropped."""
+
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Free the blocks of `table` (in place) past the first num_tokens tokens."""
+
+
+class PrefixCache(Protocol):
+    """prefix_caching=True: full blocks are keyed by a hash chain and shared between requests."""
+
+    def hash_block(self, parent: Hashable | None, token_ids: Sequence[int], salt: str | None) -> Hashable:
+        """The key of a full block: its parent block's key, its tokens and the request's cache salt."""
+
+    def match(self, token_ids: Sequence[int], keys: Sequence[Hashable], salt: str | None) -> list[int]:
+        """The cached blocks holding the longest run of `keys` (reads only)."""
+
+    def can_allocate_cached(self, prefix: list[int], num_tokens: int) -> bool:
+        """Whether allocate_cached(prefix, num_tokens) would succeed now."""
+
+    def allocate_cached(self, prefix: list[int], num_tokens: int) -> list[int]:
+        """A new table that shares the cached blocks `prefix`, then new blocks up to num_tokens."""
+
+    def register(self, block: int, key: Hashable, token_ids: Sequence[int], salt: str | None,
+                 parent: int | None) -> None:
+        """Offer a full block (its K/V written) to the cache under `key`."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no running request holds."""
+
+
+# =================================================================== scheduling
+class SchedulingPolicy(Protocol):
+    """When new requests join the running batch, and which running one gives its blocks back when
+    the pool runs out (it is prefilled again later). Requests are admitted in arrival order."""
+
+    def may_admit(self, running: Sequence) -> bool:
+        """Whether waiting requests may join now, given the running sequences."""
+
+    def preemption_victim(self, running: Sequence, keep: Sequence):
+        """The running sequence to preempt (not one in `keep`, which already got blocks this step)."""
+
+
+# =================================================================== speculative decoding
+class Proposer(Protocol):
+    """speculative=...: up to budgets[i] next tokens for each decoding sequence."""
+
+    def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list]:
+        """-> (proposals, draft_probs): proposals[i] has at most budgets[i] token ids; draft_probs[i] is
+        the proposer's distribution [len(proposals[i]), vocab] for sampled requests, or None when the
+        proposal is deterministic (all of q's mass on the proposed token)."""
+
+    def accepted(self, seq, num_before: int, num_kept: int) -> None:
+        """The target pass kept num_kept tokens after the sequence's first num_before: a proposer with
+        its own cache keeps what stays valid."""
+
+    def release(self, seq) -> None:
+        """A sequence finished: free whatever the proposer holds for it."""
+
+
+class Verifier(Protocol):
+    """speculative=...: which proposed tokens a target pass keeps (always 1 to k + 1)."""
+
+    def greedy(self, proposal: list[int], target_argmax: list[int]) -> list[int]:
+        """The agreeing prefix of `proposal`, then the target's own next token (target_argmax has k + 1)."""
+
+    def sample(self, proposal: list[int], draft_probs, target_probs, generator) -> list[int]:
+        """Rejection sampling: draft_probs [k, vocab] or None, target_probs [k + 1, vocab]."""
+
+
+# =================================================================== sampling
+class Sampler(Protocol):
+    """Next-token logits -> one token id per sequence."""
+
+    def sample(self, logits, params: list, generators: list) -> list[int]:
+        """logits: [B, vocab] fp32; params: B SamplingParams; generators: B torch.Generator or None."""
+
+
+# =================================================================== the check
+class PartError(TypeError, ValueError):
+    """A part that misses an attribute or a method of its protocol (raised when the engine is built)."""
+
+
+def protocol_members(protocol: type) -> tuple[list[str], list[str]]:
+    """(methods, attributes) a protocol declares, its bases' included, in declaration order."""
+    methods, attributes = [], []
+    for klass in reversed(protocol.__mro__):
+        if klass is object or klass is Protocol or not getattr(klass, "_is_protocol", False):
+            continue
+        for name in getattr(klass, "__annotations__", {}):
+            if not name.startswith("_") and name not in attributes:
+                attributes.append(name)
+        for name, value in vars(klass).items():
+            if not name.startswith("_") and callable(value) and name not in methods:
+                methods.append(name)
+    return methods, attributes
+
+
+def describe(protocol: type) -> str:
+    """The protocol as a learner would write it: its attributes and method signatures."""
+    methods, attributes = protocol_members(protocol)
+    lines = [f"class {protocol.__name__}:"]
+    lines += [f"    {name} = ..." for name in attributes]
+    for name in methods:
+        fn = next(vars(k)[name] for k in protocol.__mro__ if name in vars(k))
+        lines.append(f"    def {name}{inspect.signature(fn)}: ...")
+    return "\n".join(lines)
+
+
+def check_part(part: Any, protocols: type | Sequence[type], role: str) -> Any:
+    """Refuse `part` unless it has every attribute and method of `protocols` (methods callable).
+    Returns the part. `role` names the argument in the message (e.g. "block_manager")."""
+    protocols = [protocols] if isinstance(protocols, type) else list(protocols)
+    for protocol in protocols:
+        methods, attributes = protocol_members(protocol)
+        missing = [name for name in attributes if not hasattr(part, name)]
+        missing += [f"{name}()" for name in methods if not callable(getattr(part, name, None))]
+        if missing:
+            raise PartError(f"{role}={type(part).__name__} object is missing {', '.join(missing)}; "
+                            f"a {protocol.__name__} has:\n{describe(protocol)}")
+    return part
+
+
+def check_attention_backend(backend: Any) -> Any:
+    """An attention backend declares its layout, then has that layout's methods."""
+    layout = getattr(backend, "layout", None)
+    if layout not in ATTENTION_PROTOCOLS:
+        raise PartError(f"attention_backend={type(backend).__name__} object has layout={layout!r}; an attention "
+                        f"backend declares `layout`, one of {ATTENTION_LAYOUTS}, and has that layout's methods: "
+                        "'sequence': store_kv() and attend(); 'padded_decode': store_kv() and attend() and "
+                        "decode_padded(); 'block_tables': store_kv(), decode() and extend():\n"
+                        + "\n".join(describe(p) for p in ATTENTION_PROTOCOLS.values()))
+    return check_part(backend, ATTENTION_PROTOCOLS[layout], "attention_backend")
