@@ -213,11 +213,13 @@ class LLM:
         self.engine.runner.set_attention_backend(backend)
         self.config.attention_backend = backend
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block no running request holds (prefix_caching=True), as vLLM's."""
-        if self.engine.block_manager is None or not self.config.prefix_caching:
-            raise ValueError("reset_prefix_cache() needs prefix_caching=True (and kv_cache=True)")
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no running request holds, as vLLM's. False: this engine has no
+        prefix cache (prefix_caching=False, kv_cache=False or paged=False), so there was nothing to forget."""
+        if self.engine.block_manager is None or not (self.config.prefix_caching and self.config.paged):
+            return False
         self.engine.block_manager.reset_prefix_cache()
+        return True
 
     def _levers(self) -> dict:
         import dataclasses
