@@ -177,11 +177,24 @@ class QuantizedLinear(nn.Module):
 
 
 class ChannelLinear(QuantizedLinear):
-    """The per-output-channel formats (int8, fp8): q [N, K] and scale [N], W = q * scale[:, None]."""
+    """The per-output-channel formats (int8, fp8): q [N, K] and scale [N], W = q * scale[:, None].
+    Each sets quantize / dequantize (its quant/<format>.py functions) and may override choose_path."""
 
-    @staticmethod
-    def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError  # each format's dequantize_* (quant/int8.py, quant/fp8.py)
+    quantize: staticmethod     # w [N, K] fp32 -> (q [N, K], scale fp32 [N])
+    dequantize: staticmethod   # (q, scale, dtype) -> W [N, K]
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fast: bool = True,
+                 input_scale: torch.Tensor | None = None):
+        super().__init__(weight, bias, input_scale)
+        q, scale = self.quantize(self.float_weight(weight, input_scale))
+        self.path = self.choose_path(fast, weight)
+        self.register_buffer("q", q)
+        if self.path.endswith("pack"):   # the CPU kernels take bf16 scales
+            scale = scale.to(torch.bfloat16)
+        self.register_buffer("scale", scale)
+
+    def choose_path(self, fast: bool, weight: torch.Tensor) -> str:
+        return self.gpu_path(fast, weight)
 
     @torch.no_grad()
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:

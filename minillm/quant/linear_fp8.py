@@ -14,22 +14,21 @@ from .linear import ChannelLinear
 
 
 class Fp8Linear(ChannelLinear):
-    """Built from a float weight [out_features, in_features] (the weight is not kept)."""
+    """Built from a float weight [out_features, in_features] (the weight is not kept):
+    Fp8Linear(weight, bias=None, fast=True, input_scale=None)."""
 
     weight_dtype = "fp8"
+    quantize = staticmethod(quantize_fp8)
     dequantize = staticmethod(dequantize_fp8)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fast: bool = True,
-                 input_scale: torch.Tensor | None = None):
-        super().__init__(weight, bias, input_scale)
-        q, scale = quantize_fp8(self.float_weight(weight, input_scale))
-        self.path = self.gpu_path(fast, weight)
-        if self.path == "triton":
-            from ..kernels.quant_matmul import fp8_supported  # imported late, as forward does
-
-            self.path = "triton" if fp8_supported(weight.device) else "dequant"
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale)
+    def choose_path(self, fast: bool, weight: torch.Tensor) -> str:
+        return "triton" if self.gpu_path(fast, weight) == "triton" and _has_fp8_kernels(weight.device) else "dequant"
 
     def _triton_matmul(self, quant_matmul, x2d: torch.Tensor) -> torch.Tensor:
         return quant_matmul.fp8_matmul(x2d, self.q, self.scale)
+
+
+def _has_fp8_kernels(device: torch.device) -> bool:
+    from ..kernels.quant_matmul import fp8_supported  # imported late, as forward imports the kernels
+
+    return fp8_supported(device)

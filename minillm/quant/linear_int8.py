@@ -14,22 +14,17 @@ from .linear import ChannelLinear
 
 
 class Int8Linear(ChannelLinear):
-    """Built from a float weight [out_features, in_features] (the weight is not kept)."""
+    """Built from a float weight [out_features, in_features] (the weight is not kept):
+    Int8Linear(weight, bias=None, fast=True, input_scale=None)."""
 
     weight_dtype = "int8"
+    quantize = staticmethod(quantize_int8)
     dequantize = staticmethod(dequantize_int8)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fast: bool = True,
-                 input_scale: torch.Tensor | None = None):
-        super().__init__(weight, bias, input_scale)
-        q, scale = quantize_int8(self.float_weight(weight, input_scale))
-        self.register_buffer("q", q)
+    def choose_path(self, fast: bool, weight: torch.Tensor) -> str:
         if fast and weight.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and self.in_features % 16 == 0:
-            self.path = "int8pack"
-            scale = scale.to(torch.bfloat16)
-        else:
-            self.path = self.gpu_path(fast, weight)
-        self.register_buffer("scale", scale)
+            return "int8pack"
+        return self.gpu_path(fast, weight)
 
     @torch.no_grad()
     def int8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
