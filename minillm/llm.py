@@ -190,13 +190,17 @@ class LLM:
     def device(self) -> str:
         return self.engine.device_label
 
-    def set_quantized_matmul(self, fn, weight_dtype: str = "int4") -> int:
+    def set_quantized_matmul(self, fn, weight_dtype: str = "int4", num_layers: int | None = None) -> int:
         """Plug in a quantized matmul y = fn(x2d, layer) (e.g. a lab's int4 Triton kernel reading
-        layer.int4_parts()) on every `weight_dtype` layer; None restores the built-in paths. Engines
-        sharing this quantized model (with_levers) see it too. Returns the number of layers hooked."""
+        layer.int4_parts()) on every `weight_dtype` layer, or only on the first `num_layers` decoder
+        layers' (the head keeps its path); None restores the built-in paths. Engines sharing this
+        quantized model (with_levers) see it too. Returns the number of layers hooked."""
         from .models.quantize import set_quantized_matmul
 
-        count = set_quantized_matmul(self.engine.model, fn, weight_dtype)
+        layers = len(self.engine.model.layers)
+        if num_layers is not None and not (isinstance(num_layers, int) and 1 <= num_layers <= layers):
+            raise ValueError(f"num_layers={num_layers!r} must be None or an integer in [1, {layers}]")
+        count = set_quantized_matmul(self.engine.model, fn, weight_dtype, num_layers)
         if count == 0:
             raise ValueError(f"set_quantized_matmul(weight_dtype={weight_dtype!r}): this model has no {weight_dtype} "
                              f"layers (its weight_dtype is {self.config.weight_dtype!r}); build the LLM with "

@@ -245,7 +245,10 @@ def test_kernel_check_names_the_mistake():
 
 # --------------------------------------------------------------------- the real engine
 def test_engine_runs_on_the_learner_allocator_with_the_same_tokens(default_llm, solution):
-    result = lab04.run_with_allocator(default_llm, solution.BlockAllocator, ["The capital of France is", "1, 2, 3,"],
+    def block_manager(num_blocks, block_size, contiguous):   # the notebook's factory
+        return lab04.AllocatorBlockManager(solution.BlockAllocator(num_blocks, block_size), num_blocks, block_size)
+
+    result = lab04.run_with_allocator(default_llm, block_manager, ["The capital of France is", "1, 2, 3,"],
                                       max_tokens=5, pool_blocks=5, block_size=4)
     assert result["equal"], result
     assert result["free_after"] == result["pool_blocks"] == 5

@@ -172,16 +172,24 @@ def test_stubs_raise_not_implemented():
 
 
 # --------------------------------------------------------------------- the engine and the measurements
+def _block_manager(block_hashes):
+    """The notebook's factory: a BlockManager keyed by the learner's chain."""
+    from minillm.engine.block_manager import BlockManager
+
+    return lambda num_blocks, block_size, contiguous: BlockManager(
+        num_blocks, block_size, contiguous, hash_fn=lab06.ChainHash(block_hashes, block_size))
+
+
 def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_llm, solution, passes):
     prompts = [{"prompt_token_ids": list(range(300, 341))}, {"prompt_token_ids": list(range(300, 333)) + [7, 8]},
                {"prompt_token_ids": list(range(300, 316)) + [9] * 9}]
-    run = lab06.run_with_hash(default_llm, solution["block_hashes"], prompts, max_tokens=2, block_size=8)
+    run = lab06.run_with_hash(default_llm, _block_manager(solution["block_hashes"]), prompts, max_tokens=2, block_size=8)
     assert passes(lab06.check_hash_run, run).startswith("✓")
     assert run["cached_tokens"] == [0, 32, 16] == run["expected_cached_tokens"]
     # A different first block: nothing matches, although blocks 1-2 hold the same tokens (the chain).
     repeated = [{"prompt_token_ids": [5] * 8 + list(range(40, 56)) + [1]},
                 {"prompt_token_ids": [6] * 8 + list(range(40, 56)) + [2]}]
-    good = lab06.run_with_hash(default_llm, solution["block_hashes"], repeated, max_tokens=1, block_size=8)
+    good = lab06.run_with_hash(default_llm, _block_manager(solution["block_hashes"]), repeated, max_tokens=1, block_size=8)
     assert good["equal"] and good["cached_tokens"] == [0, 0]
 
 

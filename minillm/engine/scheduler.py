@@ -181,8 +181,8 @@ class Scheduler:
     def _schedule_decode(self, limit: int | None = None) -> list[Sequence]:
         """Every running sequence that has finished its prefill decodes (at most `limit`).
 
-        With paged blocks, one that needs a new block and finds none preempts the most
-        recently admitted sequence (its K/V are recomputed later), possibly itself.
+        With paged blocks, one that needs a new block and finds none preempts the policy's victim
+        (the most recently admitted sequence by default; its K/V are recomputed later), possibly itself.
         """
         bm = self.block_manager
         decoding = [s for s in self.running if len(s) - s.num_cached_tokens <= 1 or bm is None]

@@ -327,7 +327,8 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
 
 # ------------------------------------------------------------------ the engine on your allocator
 class AllocatorBlockManager(PoolSizes):
-    """The engine's BlockManager interface (paged) over a learner's BlockAllocator."""
+    """The engine's BlockAllocator protocol (minillm/seams.py; paged) over a learner's BlockAllocator
+    (allocate / append / free / fork / slot), counting the calls and the peak of blocks in use."""
 
     contiguous = False
 
@@ -375,28 +376,16 @@ class AllocatorBlockManager(PoolSizes):
         pass
 
 
-def plug_in_allocator(llm, allocator_cls, **levers):
-    """A fresh paged engine sharing `llm`'s weights, built with your allocator as its block manager:
-    `block_manager=` takes a factory (num_blocks, block_size, contiguous) -> an object of the engine's
-    BlockAllocator protocol (minillm/seams.py), here the adapter over your class."""
-    built = []
-
-    def factory(num_blocks: int, block_size: int, contiguous: bool) -> AllocatorBlockManager:
-        built.append(AllocatorBlockManager(allocator_cls(num_blocks, block_size), num_blocks, block_size))
-        return built[-1]
-
-    fresh = llm.with_levers(paged=True, block_manager=factory, **levers)
-    return fresh, built[-1]
-
-
-def run_with_allocator(llm, allocator_cls, prompts: Sequence, max_tokens: int, pool_blocks: int,
+def run_with_allocator(llm, block_manager: Callable, prompts: Sequence, max_tokens: int, pool_blocks: int,
                        block_size: int = 16) -> dict:
-    """Greedy generation on your allocator vs the engine's own, in the same small pool (so blocks are
-    freed and handed out again). Returns the tokens, the block-table traffic, and whether they agree."""
+    """Greedy generation on an engine built with `block_manager=` (the notebook's factory over your
+    allocator) vs the engine's own, in the same small pool (so blocks are freed and handed out again).
+    Returns the tokens, the block-table traffic, and whether they agree."""
     levers = dict(kv_cache_bytes=pool_blocks * block_size * llm.kv_bytes_per_token, block_size=block_size,
                   max_num_seqs=len(prompts), max_model_len=pool_blocks * block_size)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    yours, adapter = plug_in_allocator(llm, allocator_cls, **levers)
+    yours = llm.with_levers(paged=True, block_manager=block_manager, **levers)
+    adapter = yours.engine.block_manager
     got = [list(o.outputs[0].token_ids) for o in yours.generate(list(prompts), params)]
     stats = yours.stats
     engine = llm.with_levers(paged=True, block_manager=None, **levers)

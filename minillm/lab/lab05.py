@@ -490,10 +490,13 @@ def kernel_matmul(int4_matmul: Callable, counter: dict | None = None) -> Callabl
     return fn
 
 
-def quantized_layers(int4_llm) -> list:
+def quantized_layers(int4_llm, num_layers: int | None = None) -> list:
+    """The int4 QuantizedLinear modules (with num_layers: those of the first num_layers decoder layers)."""
     from ..quant import QuantizedLinear
 
-    return [m for m in int4_llm.engine.model.modules() if isinstance(m, QuantizedLinear) and m.weight_dtype == "int4"]
+    model = int4_llm.engine.model
+    scope = model if num_layers is None else model.layers[:num_layers]
+    return [m for m in scope.modules() if isinstance(m, QuantizedLinear) and m.weight_dtype == "int4"]
 
 
 def int4_matmul_reference_launcher(x, packed, scale, zero, group_size):
@@ -510,18 +513,11 @@ def run_with_kernel(int4_llm, int4_matmul: Callable, prompts: Sequence, max_toke
     layers = quantized_layers(int4_llm)
     if not layers:
         raise ValueError("run_with_kernel needs an engine built with weight_dtype='int4'")
-    if num_layers is None:
-        chosen = layers
+    chosen = layers if num_layers is None else quantized_layers(int4_llm, num_layers)
 
-        def plug(fn):
-            int4_llm.set_quantized_matmul(fn)
-    else:
-        chosen = [getattr(layer, name) for layer in int4_llm.engine.model.layers[:num_layers]
-                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    def plug(fn):
+        int4_llm.set_quantized_matmul(fn, num_layers=num_layers)
 
-        def plug(fn):
-            for module in chosen:
-                module.set_matmul(fn)
     for module in chosen:
         module.int4_parts()  # the plain layout, recovered once outside the timing
     counter: dict = {}

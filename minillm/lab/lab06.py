@@ -20,7 +20,6 @@ import random
 import statistics
 from collections.abc import Callable, Hashable, Sequence
 
-from ..engine.block_manager import BlockManager
 from ..sampling import SamplingParams
 from .common import CheckFailed, call_learner, expect_number, format_seconds, new_figure, passed
 
@@ -262,19 +261,6 @@ class ChainHash:
         return key
 
 
-def plug_in_hash(llm, block_hashes: Callable, **levers):
-    """A fresh engine with prefix caching on, sharing `llm`'s weights, whose BlockManager keys
-    blocks with your hash chain (`block_manager=` takes a factory (num_blocks, block_size, contiguous))."""
-    chains = []
-
-    def factory(num_blocks: int, block_size: int, contiguous: bool) -> BlockManager:
-        chains.append(ChainHash(block_hashes, block_size))
-        return BlockManager(num_blocks, block_size, contiguous, hash_fn=chains[-1])
-
-    fresh = llm.with_levers(prefix_caching=True, block_manager=factory, **levers)
-    return fresh, chains[-1]
-
-
 def chat_prompts(llm, system: str, questions: Sequence[str]) -> list[dict]:
     """One system prompt, then a question each, in the model's chat template (token ids)."""
     return [{"prompt_token_ids": llm.chat_token_ids([{"role": "system", "content": system},
@@ -295,12 +281,17 @@ def _one_by_one(llm, prompts: Sequence, params: SamplingParams, desc: str | None
     return rows
 
 
-def run_with_hash(llm, block_hashes: Callable, prompts: Sequence, max_tokens: int, block_size: int = 16) -> dict:
-    """Greedy tokens, requests one after another: cache off, cache on with your hash chain, and cache
-    on with the engine's SHA-256 chain (the hits yours should get)."""
+def run_with_hash(llm, block_manager: Callable, prompts: Sequence, max_tokens: int, block_size: int = 16) -> dict:
+    """Greedy tokens, requests one after another: cache off, cache on with an engine built with
+    `block_manager=` (the notebook's factory: a BlockManager keyed by your chain through ChainHash), and
+    cache on with the engine's SHA-256 chain (the hits yours should get)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     off = _one_by_one(llm.with_levers(prefix_caching=False, block_size=block_size), prompts, params)
-    yours, hash_fn = plug_in_hash(llm, block_hashes, block_size=block_size)
+    yours = llm.with_levers(prefix_caching=True, block_size=block_size, block_manager=block_manager)
+    hash_fn = yours.engine.block_manager.hash_fn
+    if not isinstance(hash_fn, ChainHash):
+        raise CheckFailed("block_manager(...) must key its blocks with lab06.ChainHash(block_hashes, block_size): "
+                          f"its hash_fn is {hash_fn!r}")
     got = _one_by_one(yours, prompts, params)
     engine = _one_by_one(llm.with_levers(prefix_caching=True, block_size=block_size), prompts, params)
     return {"tokens": [r["tokens"] for r in got], "expected": [r["tokens"] for r in off],

@@ -100,18 +100,19 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
     return model
 
 
-def set_quantized_matmul(model: LlamaForCausalLM, fn, weight_dtype: str = "int4") -> int:
+def set_quantized_matmul(model: LlamaForCausalLM, fn, weight_dtype: str = "int4", num_layers: int | None = None) -> int:
     """Plug y = fn(x2d, layer) into every QuantizedLinear of `weight_dtype` (the quantized head
-    included; see QuantizedLinear.set_matmul); fn=None restores their own paths. Returns the
-    number of layers hooked (0: the model has no such layer). A lab's kernel reads the layer's
-    plain layout: layer.int4_parts() / layer.int8_parts()."""
+    included; see QuantizedLinear.set_matmul), or with `num_layers` only into those of the first
+    num_layers decoder layers; fn=None restores their own paths everywhere. Returns the number of
+    layers hooked (0: the model has no such layer). A lab's kernel reads the layer's plain layout:
+    layer.int4_parts() / layer.int8_parts()."""
+    scope = model if num_layers is None or fn is None else model.layers[:num_layers]
     count = 0
-    for module in model.modules():
+    for module in scope.modules():
         if isinstance(module, QuantizedLinear) and module.weight_dtype == weight_dtype:
             module.set_matmul(fn)
             count += 1
     return count
-
 
 
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,
