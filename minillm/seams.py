@@ -218,14 +218,26 @@ def protocol_members(protocol: type) -> tuple[list[str], list[str]]:
     return methods, attributes
 
 
+def signature(fn) -> str:
+    """`(self, table: list[int], num_tokens: int) -> None`, annotations as written."""
+    sig = inspect.signature(fn)
+    params = []
+    for p in sig.parameters.values():
+        text = p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
+        params.append(text if p.default is inspect.Parameter.empty else f"{text} = {p.default!r}")
+    returns = "" if sig.return_annotation is inspect.Signature.empty else f" -> {sig.return_annotation}"
+    return f"({', '.join(params)}){returns}"
+
+
 def describe(protocol: type) -> str:
     """The protocol as a learner would write it: its attributes and method signatures."""
     methods, attributes = protocol_members(protocol)
     lines = [f"class {protocol.__name__}:"]
-    lines += [f"    {name} = ..." for name in attributes]
+    annotations = {k: v for klass in reversed(protocol.__mro__) for k, v in vars(klass).get("__annotations__", {}).items()}
+    lines += [f"    {name}: {str(annotations[name]).removeprefix('ClassVar[').removesuffix(']')}" for name in attributes]
     for name in methods:
         fn = next(vars(k)[name] for k in protocol.__mro__ if name in vars(k))
-        lines.append(f"    def {name}{inspect.signature(fn)}: ...")
+        lines.append(f"    def {name}{signature(fn)}: ...")
     return "\n".join(lines)
 
 

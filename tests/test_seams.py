@@ -227,12 +227,12 @@ def _without(cls, name):
     ("attention_backend", _without(BlockTableBackend, "extend")(), "extend()",
      "def extend(self, q, k_cache, v_cache, meta, scale)"),
     ("scheduling_policy", _without(OldestFirstPolicy, "preemption_victim")(), "preemption_victim()",
-     "def preemption_victim(self, running: 'Sequence', keep: 'Sequence')"),
+     "def preemption_victim(self, running: Sequence, keep: Sequence)"),
     ("sampler", _without(ArgmaxSampler, "sample")(), "sample()",
-     "def sample(self, logits, params: 'list', generators: 'list') -> 'list[int]'"),
-    ("proposer", _without(RepeatLastProposer, "release")(), "release()", "def release(self, seq) -> 'None'"),
+     "def sample(self, logits, params: list, generators: list) -> list[int]"),
+    ("proposer", _without(RepeatLastProposer, "release")(), "release()", "def release(self, seq) -> None"),
     ("verifier", _without(PrefixVerifier, "greedy")(), "greedy()",
-     "def greedy(self, proposal: 'list[int]', target_argmax: 'list[int]') -> 'list[int]'"),
+     "def greedy(self, proposal: list[int], target_argmax: list[int]) -> list[int]"),
 ])
 def test_a_part_missing_a_method_is_refused_with_its_name_and_signature(argument, part, missing, signature):
     levers = dict(speculative="ngram") if argument in ("proposer", "verifier") else {}
@@ -246,7 +246,7 @@ def test_an_allocator_missing_a_method_is_refused_when_the_pool_is_built():
     LLM("random:tiny-llama", **LEVERS, block_manager=bare)     # fine without speculation
     with pytest.raises(PartError, match=r"truncate\(\).*\n.*class Truncation") as err:
         LLM("random:tiny-llama", **LEVERS, speculative="ngram", block_manager=bare)
-    assert "def truncate(self, table: 'list[int]', num_tokens: 'int') -> 'None'" in str(err.value)
+    assert "def truncate(self, table: list[int], num_tokens: int) -> None" in str(err.value)
     with pytest.raises(PartError, match=r"hash_block\(\), match\(\)"):
         LLM("random:tiny-llama", **LEVERS, prefix_caching=True, block_manager=FreeListAllocator)
     with pytest.raises(ValueError, match=r"proposer=RepeatLastProposer needs speculative="):
