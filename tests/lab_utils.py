@@ -8,6 +8,7 @@ every test file.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +40,30 @@ def solution_fixture(master: Path, namespace: dict):
         return run_solution_cells(master, dict(namespace))
 
     return solution
+
+
+def notebook_functions(master: Path, *names: str, **namespace) -> dict:
+    """{name: function} for experiments a master notebook defines in its own (not solution) code cells:
+    the labs keep every experiment of about 30 lines in the notebook, where the learner reads it, and the
+    tests call those very functions. Each `def` is run after every import of the notebook's code cells,
+    in one namespace (seeded with `namespace`, e.g. the learner's functions it calls); a function may use
+    only its arguments, imports and the seeded names."""
+    nb = nbformat.read(master, as_version=4)
+    imports, defs = [], {}
+    for cell in nb.cells:
+        if cell.cell_type != "code" or cell.metadata.get("nbgrader", {}).get("solution"):
+            continue
+        for node in ast.parse(cell.source).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imports.append(node)
+            elif isinstance(node, ast.FunctionDef) and node.name in names:
+                defs[node.name] = node
+    missing = [name for name in names if name not in defs]
+    assert not missing, f"{master.name} defines no {missing} in its code cells"
+    scope = dict(namespace)
+    exec(compile(ast.Module(body=imports + [defs[name] for name in names], type_ignores=[]), str(master), "exec"),
+         scope)
+    return {name: scope[name] for name in names}
 
 
 def solution_source(master: Path, header: str, launcher_prefix: str) -> str:
