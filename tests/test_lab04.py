@@ -15,7 +15,7 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import import_file, nbgrader_cells, solution_module_fixture, solution_source
+from lab_utils import import_file, nbgrader_cells, notebook_functions, solution_module_fixture, solution_source
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab04
@@ -34,6 +34,12 @@ BLOCK_SIZE = 16
 
 LAUNCHER = "def paged_decode("  # the code cell that launches the kernel, kept with the solution cells
 solution = solution_module_fixture(MASTER, MODULE_HEADER, LAUNCHER, "lab04_solution")
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The experiments the notebook writes in its own cells (not in minillm.lab.lab04), as functions."""
+    return notebook_functions(MASTER, "run_with_allocator", "measure_waste", "run_with_kernel", "block_size_tradeoff")
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
@@ -244,25 +250,26 @@ def test_kernel_check_names_the_mistake():
 
 
 # --------------------------------------------------------------------- the real engine
-def test_engine_runs_on_the_learner_allocator_with_the_same_tokens(default_llm, solution):
+def test_engine_runs_on_the_learner_allocator_with_the_same_tokens(default_llm, solution, experiments):
     def block_manager(num_blocks, block_size, contiguous):   # the notebook's factory
         return lab04.AllocatorBlockManager(solution.BlockAllocator(num_blocks, block_size), num_blocks, block_size)
 
-    result = lab04.run_with_allocator(default_llm, block_manager, ["The capital of France is", "1, 2, 3,"],
-                                      max_tokens=5, pool_blocks=5, block_size=4)
+    result = experiments["run_with_allocator"](default_llm, block_manager, ["The capital of France is", "1, 2, 3,"],
+                                               max_tokens=5, pool_blocks=5, block_size=4)
     assert result["equal"], result
     assert result["free_after"] == result["pool_blocks"] == 5
     assert result["allocator_calls"] > 4 and result["peak_used_blocks"] == 5
 
 
-def test_engine_runs_the_learner_kernel_with_the_torch_backend_tokens(default_llm, solution):
-    result = lab04.run_with_kernel(default_llm, solution.paged_decode, ["The capital of France is"], 2)
+def test_engine_runs_the_learner_kernel_with_the_torch_backend_tokens(default_llm, solution, experiments):
+    result = experiments["run_with_kernel"](default_llm, solution.paged_decode, ["The capital of France is"], 2)
     assert result["equal"] and result["kernel_calls"] == default_llm.model_config.num_layers, result
 
 
-def test_waste_measurement_shows_paging_wins_and_the_slider_updates(default_llm, solution):
+def test_waste_measurement_shows_paging_wins_and_the_slider_updates(default_llm, solution, experiments):
     prompts = [{"prompt_token_ids": list(range(100, 120))}, {"prompt_token_ids": list(range(200, 230))}]
-    waste = lab04.measure_waste(default_llm, prompts, max_tokens=2, max_model_len=64, budget_tokens=64, block_size=16)
+    waste = experiments["measure_waste"](default_llm, prompts, max_tokens=2, max_model_len=64, budget_tokens=64,
+                                         block_size=16)
     contiguous, paged = waste["contiguous (paged=False)"], waste["paged (paged=True)"]
     assert contiguous["tokens"] == paged["tokens"]
     assert contiguous["stats"].peak_running == 1 and paged["stats"].peak_running == 2
@@ -279,8 +286,8 @@ def test_waste_measurement_shows_paging_wins_and_the_slider_updates(default_llm,
     assert explorer.current["paged"] == 1 and explorer.current["contiguous"] == 0 and "∞" in explorer.label.value
 
 
-def test_block_size_tradeoff_counts_last_block_waste():
-    rows = {r["block_size"]: r for r in lab04.block_size_tradeoff([1, 16, 17], block_sizes=(1, 16))}
+def test_block_size_tradeoff_counts_last_block_waste(experiments):
+    rows = {r["block_size"]: r for r in experiments["block_size_tradeoff"]([1, 16, 17], block_sizes=(1, 16))}
     assert rows[1]["wasted_slots"] == 0 and rows[1]["blocks"] == 34
     assert rows[16]["blocks"] == 4 and rows[16]["wasted_slots"] == 64 - 34
 

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import import_file, nbgrader_cells, solution_module_fixture, solution_source
+from lab_utils import import_file, nbgrader_cells, notebook_functions, solution_module_fixture, solution_source
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab05
@@ -34,6 +34,14 @@ GRADED = {"test_int8": 2, "test_int4": 2, "test_pack": 1, "test_int4_matmul_rows
 
 LAUNCHER = "def int4_matmul("  # the code cell that launches the kernel, kept with the solution cells
 solution = solution_module_fixture(MASTER, MODULE_HEADER, LAUNCHER, "lab05_solution")
+EXPERIMENTS = ("weight_table", "error_sweep", "run_with_kernel", "collect_linear_inputs", "layer_ablation",
+               "ablation_perplexity", "kv_table", "kv_int8_run")
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The experiments the notebook writes in its own cells (not in minillm.lab.lab05), as functions."""
+    return notebook_functions(MASTER, *EXPERIMENTS)
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
@@ -227,54 +235,56 @@ def test_kv_checks_name_the_mistake():
 
 
 # --------------------------------------------------------------------- measurements on the real model
-def test_q4_1_alignment_makes_group_32_nearly_lossless(default_llm):
-    rows = {r["label"]: r for r in lab05.error_sweep(lab05.layer_weight(default_llm, "layers.3.gate_up_proj"))}
+def test_q4_1_alignment_makes_group_32_nearly_lossless(default_llm, experiments):
+    rows = {r["label"]: r for r in experiments["error_sweep"](lab05.layer_weight(default_llm, "layers.3.gate_up_proj"))}
     aligned, shifted, g128 = rows["int4 g32"], rows["int4 g32, shifted 16"], rows["int4 g128"]
     assert aligned["real"] < 0.1 * shifted["real"], rows      # the GGUF's blocks re-found
     assert aligned["random"] > 0.5 * shifted["random"]        # no such effect on a never-quantized matrix
     assert g128["real"] > aligned["real"] and g128["random"] > aligned["random"]
 
 
-def test_kernel_in_the_engine_gives_the_reference_tokens(default_llm, solution):
+def test_kernel_in_the_engine_gives_the_reference_tokens(default_llm, solution, experiments):
+    run_with_kernel = experiments["run_with_kernel"]
     int4_llm = default_llm.with_levers(weight_dtype="int4")
-    result = lab05.run_with_kernel(int4_llm, solution.int4_matmul, ["The capital of France is"], 2, num_layers=1)
+    result = run_with_kernel(int4_llm, solution.int4_matmul, ["The capital of France is"], 2, num_layers=1)
     assert result["equal_reference"] and result["hooked"] == 4 and result["calls"] == 8, result
     assert all(m.matmul_fn is None for m in lab05.quantized_layers(int4_llm)), "the hook must be removed"
 
     def broken(x, packed, scale, zero, group_size):
         return solution.int4_matmul(x, packed, scale, zero, group_size) * 0.0
-    assert not lab05.run_with_kernel(int4_llm, broken, ["The capital of France is"], 2, num_layers=2)["equal_reference"]
+    assert not run_with_kernel(int4_llm, broken, ["The capital of France is"], 2, num_layers=2)["equal_reference"]
 
 
-def test_ablation_ranks_salient_above_random(default_llm, solution):
+def test_ablation_ranks_salient_above_random(default_llm, solution, experiments):
     corpus_ids = default_llm.tokenizer.encode("The lighthouse keeper climbed the stairs. " * 30)
     name = "layers.3.gate_up_proj"
-    inputs = lab05.collect_linear_inputs(default_llm, corpus_ids[:128], names=[name])
+    inputs = experiments["collect_linear_inputs"](default_llm, corpus_ids[:128], names=[name])
     rows = {r["label"]: r["output_error"] for r in
-            lab05.layer_ablation(lab05.layer_weight(default_llm, name), inputs[name], solution.salient_channels)}
+            experiments["layer_ablation"](lab05.layer_weight(default_llm, name), inputs[name], solution.salient_channels)}
     assert rows["1% salient kept fp32"] < rows["round-to-nearest"]
     assert rows["1% salient kept fp32"] < rows["1% random kept fp32"]
     before = default_llm.engine.model.get_submodule(name).weight.clone()
-    ppl = lab05.ablation_perplexity(default_llm, solution.salient_channels, inputs, corpus_ids, window=64, max_windows=1)
+    ppl = experiments["ablation_perplexity"](default_llm, solution.salient_channels, inputs, corpus_ids, window=64,
+                                             max_windows=1)
     assert torch.equal(default_llm.engine.model.get_submodule(name).weight, before), "weights must be restored"
     assert [r["label"] for r in ppl][0].startswith("fp32") and len(ppl) == 5
 
 
-def test_kv_bytes_agree_with_the_engine_and_int8_halves(default_llm, solution, passes):
+def test_kv_bytes_agree_with_the_engine_and_int8_halves(default_llm, solution, passes, experiments):
     assert passes(lab05.check_kv_bytes_per_token, solution.kv_bytes_per_token, default_llm).startswith("✓")
-    rows = lab05.kv_table(solution.kv_bytes_per_token, solution.sequences_that_fit)
+    rows = experiments["kv_table"](solution.kv_bytes_per_token, solution.sequences_that_fit)
     llama = {(r["model"], r["dtype"]): r for r in rows}
     assert llama[("Llama-3-8B (GQA 32:8)", "bf16")]["bytes_per_token"] == 131072
     assert llama[("Llama-3-8B (GQA 32:8)", "bf16")]["fit"] == 4 * llama[("Llama-3-8B as MHA (32:32)", "bf16")]["fit"]
-    run = lab05.kv_int8_run(default_llm, ["The capital of France is"], 2)
+    run = experiments["kv_int8_run"](default_llm, ["The capital of France is"], 2)
     if run["available"]:
         assert run["int8_bytes_per_token"] < run["bytes_per_token"] / 2
 
 
-def test_weight_table_and_sweep_widget(default_llm):
-    rows = {r["label"]: r for r in lab05.weight_table(default_llm, {"fp32": {}, "int8": {"weight_dtype": "int8"},
-                                                                    "int4 g128": {"weight_dtype": "int4"}},
-                                                      bandwidth=1e10)}
+def test_weight_table_and_sweep_widget(default_llm, experiments):
+    rows = {r["label"]: r for r in experiments["weight_table"](default_llm, {"fp32": {}, "int8": {"weight_dtype": "int8"},
+                                                                             "int4 g128": {"weight_dtype": "int4"}},
+                                                               bandwidth=1e10)}
     assert rows["int8"]["decode_bytes"] < 0.3 * rows["fp32"]["decode_bytes"]
     assert rows["int4 g128"]["decode_bytes"] < rows["int8"]["decode_bytes"]
     result = lab05.sweep(default_llm, ["fp32", "int8"], quick=True, decode_tokens=0, num_generations=0, progress=False)

@@ -1,6 +1,8 @@
 """Lab 04 helpers — PagedAttention: allocator checks (against the engine's BlockManager), the
-engine running on the learner's allocator, reserved-vs-real KV measurements, the concurrency
-explorer, and the paged decode kernel's checks, engine backend and timing.
+adapter that plugs the learner's allocator into the engine, the reserved-vs-real KV printout and
+figure, the concurrency explorer, and the paged decode kernel's checks, engine backend and timing.
+The experiments themselves (run_with_allocator, measure_waste, run_with_kernel, block_size_tradeoff)
+are written in the notebook, next to the cells that call them.
 
 The learner writes, with fixed signatures:
 
@@ -29,9 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..engine.block_manager import BlockManager, PoolSizes
-from ..sampling import SamplingParams
 from . import common
-from .common import CheckFailed, Stopwatch, control_panel, format_seconds, greedy_tokens, new_figure, passed, require_kernel
+from .common import CheckFailed, Stopwatch, control_panel, format_seconds, new_figure, passed, require_kernel
 
 # The vLLM paper (Kwon et al., SOSP 2023, Fig. 2): in systems that reserve a contiguous region per
 # request, only 20.4% - 38.2% of the KV cache memory held the tokens' states.
@@ -376,26 +377,6 @@ class AllocatorBlockManager(PoolSizes):
         pass
 
 
-def run_with_allocator(llm, block_manager: Callable, prompts: Sequence, max_tokens: int, pool_blocks: int,
-                       block_size: int = 16) -> dict:
-    """Greedy generation on an engine built with `block_manager=` (the notebook's factory over your
-    allocator) vs the engine's own, in the same small pool (so blocks are freed and handed out again).
-    Returns the tokens, the block-table traffic, and whether they agree."""
-    levers = dict(kv_cache_bytes=pool_blocks * block_size * llm.kv_bytes_per_token, block_size=block_size,
-                  max_num_seqs=len(prompts), max_model_len=pool_blocks * block_size)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    yours = llm.with_levers(paged=True, block_manager=block_manager, **levers)
-    adapter = yours.engine.block_manager
-    got = [list(o.outputs[0].token_ids) for o in yours.generate(list(prompts), params)]
-    stats = yours.stats
-    engine = llm.with_levers(paged=True, block_manager=None, **levers)
-    want = [list(o.outputs[0].token_ids) for o in engine.generate(list(prompts), params)]
-    return {"tokens": got, "expected": want, "equal": got == want, "allocator_calls": adapter.num_calls,
-            "peak_used_blocks": adapter.peak_used_blocks, "pool_blocks": adapter.num_blocks,
-            "free_after": adapter.num_free_blocks, "preemptions": stats.num_preemptions,
-            "engine_preemptions": engine.stats.num_preemptions}
-
-
 def print_allocator_run(result: dict) -> None:
     verdict = "✓ the same tokens as the engine's BlockManager" if result["equal"] else "✗ tokens differ"
     print(f"{verdict}: {len(result['tokens'])} requests x {len(result['tokens'][0])} tokens")
@@ -407,35 +388,11 @@ def print_allocator_run(result: dict) -> None:
 
 
 # =================================================================== B. waste: reserved vs real
-MODES = {"contiguous (paged=False)": False, "paged (paged=True)": True}
-
-
 def chat_prompts(llm, num_requests: int) -> list[dict]:
     """Chat-template prompts built from data/prompts.txt (the bench's chat workload)."""
     from ..bench.workloads import chat_workload
 
     return [r.prompt for r in chat_workload(num_requests, 1, llm.tokenizer)]
-
-
-def measure_waste(llm, prompts: Sequence, max_tokens: int, max_model_len: int, budget_tokens: int,
-                  block_size: int = 16) -> dict:
-    """The same requests, contiguous then paged, in the same KV pool of `budget_tokens` slots."""
-    from tqdm.auto import tqdm
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    results = {}
-    for label, paged in tqdm(list(MODES.items()), desc="paged=False / True"):
-        engine = llm.with_levers(paged=paged, max_model_len=max_model_len, block_size=block_size,
-                                 kv_cache_bytes=budget_tokens * llm.kv_bytes_per_token, max_num_seqs=len(prompts))
-        with Stopwatch() as sw:
-            outs = engine.generate(list(prompts), params)
-        results[label] = {"paged": paged, "stats": engine.stats, "wall_s": sw.seconds,
-                          "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                          "lengths": [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs]}
-    results["_meta"] = {"max_model_len": max_model_len, "budget_tokens": budget_tokens, "block_size": block_size,
-                        "bytes_per_token": llm.kv_bytes_per_token, "num_requests": len(prompts),
-                        "max_tokens": max_tokens, "device": llm.engine.device_label}
-    return results
 
 
 def _modes(results: dict) -> dict:
@@ -726,20 +683,6 @@ class KernelDecodeBackend:
         return torch.cat(outs)
 
 
-def run_with_kernel(llm, paged_decode: Callable, prompts: Sequence, max_tokens: int) -> dict:
-    """Greedy tokens with your kernel in every decode step vs the engine's torch backend."""
-    backend = KernelDecodeBackend(paged_decode)
-    levers = dict(max_model_len=512, kv_cache_bytes=512 * llm.kv_bytes_per_token * max(2, len(prompts)),
-                  max_num_seqs=len(prompts))
-    yours = llm.with_levers(attention_backend=backend, **levers)
-    with Stopwatch() as sw:
-        got = greedy_tokens(yours, prompts, max_tokens)
-    want = greedy_tokens(llm.with_levers(attention_backend="torch", **levers), prompts, max_tokens)
-    return {"tokens": got, "expected": want, "equal": got == want, "wall_s": sw.seconds,
-            "kernel_calls": backend.num_kernel_calls, "kernel_s": backend.kernel_s,
-            "text": [llm.tokenizer.decode(t) for t in got], "device": llm.engine.device_label}
-
-
 def print_kernel_run(result: dict) -> None:
     """Your kernel's tokens against the torch backend's (they must be equal)."""
     common.print_kernel_run(result, [("the torch backend's", result["expected"], "")], result["kernel_calls"],
@@ -773,16 +716,6 @@ def print_kernel_timing(result: dict) -> None:
     """Your kernel against the engine's split-KV kernel: both read every sequence's K and V once."""
     common.print_kernel_timing(result, (("yours", "kv_bytes"), ("engine", "kv_bytes")),
                                no_gpu="against the engine's and the bandwidth bound")
-
-
-def block_size_tradeoff(lengths: Sequence[int], block_sizes: Sequence[int] = (1, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
-    """Per block size: slots wasted in last blocks, and block-table entries to walk (the indirections)."""
-    rows = []
-    for bs in block_sizes:
-        blocks = sum(-(-n // bs) for n in lengths)
-        rows.append({"block_size": bs, "blocks": blocks, "wasted_slots": blocks * bs - sum(lengths),
-                     "utilization": sum(lengths) / (blocks * bs)})
-    return rows
 
 
 def print_block_size_tradeoff(rows: list[dict]) -> None:

@@ -1,7 +1,10 @@
-"""Lab 05 helpers — quantization: weight bytes per setting, the int8 / int4 quantizer checks (against
-minillm.quant), the error-vs-group-size measurement, the int4 dequantizing matmul kernel's checks and
-its run inside the engine, the setting sweep widget (minillm.bench.quality), the salient-channel
-ablation (AWQ's observation) and the KV-cache size arithmetic (GQA, int8 KV).
+"""Lab 05 helpers — quantization: the weight-bytes printout, the int8 / int4 quantizer checks (against
+minillm.quant), fake_quantize and the error printout, the int4 dequantizing matmul kernel's checks, its
+engine hook and timing, the setting sweep widget (minillm.bench.quality), the salient-channel checks and
+the ablation's protected weights (AWQ's observation), and the KV-cache size checks (GQA, int8 KV).
+The experiments themselves (weight_table, error_sweep, run_with_kernel, collect_linear_inputs,
+layer_ablation, ablation_perplexity, kv_table, kv_int8_run) are written in the notebook, next to the
+cells that call them.
 
 The learner writes, with fixed signatures:
 
@@ -29,58 +32,12 @@ import torch.nn.functional as F
 from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
 from . import common
-from .common import (REFERENCE_DEVICES, CheckFailed, Stopwatch, call_learner, control_panel, greedy_tokens, new_figure, passed,
-                     require_kernel)
+from .common import CheckFailed, Stopwatch, call_learner, control_panel, new_figure, passed, require_kernel
 
 MB = 1e6
 GiB = 1 << 30
 
 # ------------------------------------------------------------------ A. bytes per weight
-# label -> levers for LLM.with_levers (the reference setting first).
-WEIGHT_SETTINGS: dict[str, dict] = {
-    "fp32": {},
-    "bf16": {"dtype": "bfloat16"},
-    "int8": {"weight_dtype": "int8"},
-    "int4 g32": {"weight_dtype": "int4", "weight_group_size": 32},
-    "int4 g64": {"weight_dtype": "int4", "weight_group_size": 64},
-    "int4 g128": {"weight_dtype": "int4", "weight_group_size": 128},
-}
-
-
-def decode_bytes(llm) -> int:
-    """Bytes one decode step reads from the weights: everything stored, except an embedding table kept
-    beside a quantized head (an untied model's: only looked up, one row per token). A tied embedding
-    is looked up in the quantized head itself, which every step reads whole anyway."""
-    model = llm.engine.model
-    total = llm.weight_bytes
-    if getattr(model, "quantized_head", None) is not None and model.embed_tokens is not None:
-        embed = model.embed_tokens.weight
-        total -= embed.numel() * embed.element_size()
-    return total
-
-
-def weight_table(llm, settings: dict[str, dict] | None = None, bandwidth: float | None = None) -> list[dict]:
-    """Per setting: weight bytes as stored, bytes read per decode step, and the batch-1 decode bound
-    (tokens/s = bandwidth / bytes read) on this machine and on an H100."""
-    from tqdm.auto import tqdm
-
-    from ..hardware import measure_memory_bandwidth
-
-    settings = WEIGHT_SETTINGS if settings is None else settings
-    bandwidth = bandwidth or measure_memory_bandwidth("auto")
-    h100 = REFERENCE_DEVICES["NVIDIA H100 SXM (bf16)"][1]
-    rows = []
-    for label, levers in tqdm(settings.items(), desc="quantizing", unit="setting", leave=False):
-        other = llm if not levers else llm.with_levers(**levers)
-        read = decode_bytes(other)
-        rows.append({"label": label, "weight_bytes": other.weight_bytes, "decode_bytes": read,
-                     "bound_tok_s": bandwidth / read, "h100_tok_s": h100 / read})
-        del other
-    for r in rows:
-        r["vs_first"] = r["decode_bytes"] / rows[0]["decode_bytes"]
-    return rows
-
-
 def print_weight_table(rows: Sequence[dict], device: str) -> None:
     print(f"{'setting':<11}{'stored MB':>11}{'read/token MB':>15}{'vs fp32':>9}{'bound tok/s here':>18}{'on an H100':>12}")
     for r in rows:
@@ -346,37 +303,12 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None = None, off
     return out[:, front:front + k]
 
 
-def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    return float((w_hat.float() - w.float()).norm() / w.float().norm())
-
-
-ERROR_SETTINGS = (  # (label, bits, group_size, offset)
-    ("int8 per channel", 8, None, 0),
-    ("int4 g32", 4, 32, 0),
-    ("int4 g32, shifted 16", 4, 32, 16),
-    ("int4 g64", 4, 64, 0),
-    ("int4 g128", 4, 128, 0),
-    ("int3 g32", 3, 32, 0),
-)
-
-
 def layer_weight(llm, name: str = "layers.3.gate_up_proj") -> torch.Tensor:
     """A float weight matrix of the loaded model, by module name (fp32 copy)."""
     module = llm.engine.model.get_submodule(name)
     if not hasattr(module, "weight"):
         raise ValueError(f"{name} has no float weight (is the model quantized?); use an LLM() without weight_dtype")
     return module.weight.detach().float().cpu().clone()
-
-
-def error_sweep(weight: torch.Tensor, settings=ERROR_SETTINGS, seed: int = 0) -> list[dict]:
-    """Relative Frobenius error of each setting on `weight` and on a random Gaussian matrix of the same
-    shape and spread (weights that were never quantized)."""
-    gen = torch.Generator().manual_seed(seed)
-    random_w = torch.randn(weight.shape, generator=gen) * weight.float().std()
-    return [{"label": label, "bits": bits, "group_size": g, "offset": off,
-             "real": relative_error(weight, fake_quantize(weight, bits, g, off)),
-             "random": relative_error(random_w, fake_quantize(random_w, bits, g, off))}
-            for label, bits, g, off in settings]
 
 
 def print_error_sweep(rows: Sequence[dict], name: str) -> None:
@@ -502,39 +434,6 @@ def quantized_layers(int4_llm, num_layers: int | None = None) -> list:
 def int4_matmul_reference_launcher(x, packed, scale, zero, group_size):
     """The fp32 torch reference with int4_matmul's signature."""
     return int4_matmul_reference(x, packed, scale, zero, group_size).to(x.device)
-
-
-def run_with_kernel(int4_llm, int4_matmul: Callable, prompts: Sequence, max_tokens: int,
-                    num_layers: int | None = None) -> dict:
-    """Greedy tokens of an int4 engine three ways: its own int4 path; the fp32 torch reference plugged into
-    the chosen matmuls; your kernel plugged into the same ones. num_layers: the four matmuls of the first
-    `num_layers` decoder layers are plugged (the others keep the engine's path), to keep Triton's interpreter
-    short on a CPU; None: every int4 matmul (int4_llm.set_quantized_matmul; the head is int8 by default)."""
-    layers = quantized_layers(int4_llm)
-    if not layers:
-        raise ValueError("run_with_kernel needs an engine built with weight_dtype='int4'")
-    chosen = layers if num_layers is None else quantized_layers(int4_llm, num_layers)
-
-    def plug(fn):
-        int4_llm.set_quantized_matmul(fn, num_layers=num_layers)
-
-    for module in chosen:
-        module.int4_parts()  # the plain layout, recovered once outside the timing
-    counter: dict = {}
-    try:
-        int4_llm.set_quantized_matmul(None)
-        engine = greedy_tokens(int4_llm, prompts, max_tokens)
-        plug(kernel_matmul(int4_matmul_reference_launcher))
-        reference = greedy_tokens(int4_llm, prompts, max_tokens)
-        plug(kernel_matmul(int4_matmul, counter=counter))
-        with Stopwatch() as sw:
-            got = greedy_tokens(int4_llm, prompts, max_tokens)
-    finally:
-        int4_llm.set_quantized_matmul(None)
-    return {"tokens": got, "engine": engine, "reference": reference, "equal_reference": got == reference,
-            "equal_engine": got == engine, "wall_s": sw.seconds, "calls": counter.get("calls", 0),
-            "kernel_s": counter.get("kernel_s", 0.0), "hooked": len(chosen), "num_quantized": len(layers),
-            "text": [int4_llm.tokenizer.decode(t) for t in got], "device": int4_llm.device}
 
 
 def compile_kernel(kernel, targets: Sequence[int] = (80, 90), timeout_s: int = 600) -> str:
@@ -775,26 +674,6 @@ def check_salient_channels(salient_channels: Callable, cases=SALIENT_CASES, seed
     passed("salient_channels", len(cases))
 
 
-def collect_linear_inputs(llm, token_ids: Sequence[int], names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """Run the float model once on `token_ids` and return each decoder Linear's input x [T, in_features]
-    (the calibration activations), keyed 'layers.<i>.<name>'."""
-    from ..bench.quality import sequence_logits
-    from ..models.quantize import LAYER_LINEARS
-
-    model = llm.engine.model
-    keys = list(names) if names is not None else [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in LAYER_LINEARS]
-    inputs: dict[str, torch.Tensor] = {}
-    hooks = [model.get_submodule(key).register_forward_hook(
-        lambda mod, args, out, key=key: inputs.__setitem__(key, args[0].detach().float().cpu().reshape(-1, args[0].shape[-1])))
-        for key in keys]
-    try:
-        sequence_logits(llm, list(token_ids))
-    finally:
-        for h in hooks:
-            h.remove()
-    return inputs
-
-
 def protected_weight(w: torch.Tensor, x: torch.Tensor, mode: str, channels: torch.Tensor | None, bits: int,
                      group_size: int, scale_up: float = 2.0) -> torch.Tensor:
     """The weight the model multiplies by after quantizing `w` with `channels` protected:
@@ -823,55 +702,15 @@ ABLATION_VARIANTS = (  # (label, mode, which channels)
 )
 
 
-def _channels(which, x, w, fraction, salient_channels, gen):
+def ablation_channels(which, x: torch.Tensor, w: torch.Tensor, fraction: float, salient_channels: Callable,
+                      gen: torch.Generator) -> torch.Tensor | None:
+    """The input channels an ABLATION_VARIANTS entry protects: None for `which=None`, `fraction` of w's columns
+    drawn at random (from `gen`) for "random", the learner's salient_channels(x, fraction) for "salient"."""
     if which is None:
         return None
     if which == "random":
         return torch.randperm(w.shape[1], generator=gen)[: max(1, round(fraction * w.shape[1]))]
     return torch.as_tensor(salient_channels(x, fraction)).long()
-
-
-def layer_ablation(w: torch.Tensor, x: torch.Tensor, salient_channels: Callable, fraction: float = 0.01,
-                   bits: int = 3, group_size: int = 128, seed: int = 0) -> list[dict]:
-    """Relative output error ‖x Wᵀ − x Ŵᵀ‖ / ‖x Wᵀ‖ of one layer for each variant."""
-    gen = torch.Generator().manual_seed(seed)
-    ref = x @ w.float().t()
-    rows = []
-    for label, mode, which in ABLATION_VARIANTS:
-        channels = _channels(which, x, w, fraction, salient_channels, gen)
-        w_hat = protected_weight(w, x, mode, channels, bits, group_size)
-        rows.append({"label": label, "output_error": float((x @ w_hat.t() - ref).norm() / ref.norm())})
-    return rows
-
-
-@torch.no_grad()
-def ablation_perplexity(llm, salient_channels: Callable, inputs: dict[str, torch.Tensor], token_ids: Sequence[int],
-                        fraction: float = 0.01, bits: int = 3, group_size: int = 128, window: int = 256,
-                        max_windows: int = 2, seed: int = 0) -> list[dict]:
-    """Perplexity with every decoder Linear fake-quantized per variant (the head and embedding stay fp32).
-    The weights are swapped in place and restored afterwards, also on an error."""
-    from tqdm.auto import tqdm
-
-    from ..bench.quality import perplexity
-
-    model = llm.engine.model
-    originals = {key: model.get_submodule(key).weight.data.clone() for key in inputs}
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    try:
-        base = perplexity(llm, list(token_ids), window, window, max_windows, progress=False)
-        rows.append({"label": "fp32 (not quantized)", "perplexity": base.perplexity})
-        for label, mode, which in tqdm(ABLATION_VARIANTS, desc="ablation", unit="variant", leave=False):
-            for key, w in originals.items():
-                channels = _channels(which, inputs[key], w, fraction, salient_channels, gen)
-                model.get_submodule(key).weight.data.copy_(protected_weight(w, inputs[key], mode, channels, bits,
-                                                                            group_size))
-            result = perplexity(llm, list(token_ids), window, window, max_windows, progress=False)
-            rows.append({"label": label, "perplexity": result.perplexity})
-    finally:
-        for key, w in originals.items():
-            model.get_submodule(key).weight.data.copy_(w)
-    return rows
 
 
 def ablation_figure(layer_rows: Sequence[dict], ppl_rows: Sequence[dict], layer_name: str, bits: int, group_size: int,
@@ -891,15 +730,6 @@ def ablation_figure(layer_rows: Sequence[dict], ppl_rows: Sequence[dict], layer_
 
 
 # ------------------------------------------------------------------ H. the KV cache: GQA and int8
-# (name, num_layers, num_heads, num_kv_heads, head_dim)
-KV_MODELS = (
-    ("SmolLM2-135M (GQA 9:3)", 30, 9, 3, 64),
-    ("SmolLM2-135M as MHA (9:9)", 30, 9, 9, 64),
-    ("Llama-3-8B (GQA 32:8)", 32, 32, 8, 128),
-    ("Llama-3-8B as MHA (32:32)", 32, 32, 32, 128),
-)
-
-
 def kv_reference(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_value: float) -> float:
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_value
 
@@ -945,20 +775,6 @@ def check_sequences_that_fit(sequences_that_fit: Callable) -> None:
     passed("sequences_that_fit", len(cases))
 
 
-def kv_table(kv_bytes_per_token: Callable, sequences_that_fit: Callable, seq_len: int = 4096,
-             budget_bytes: int = 40 * GiB, engine_int8: int | None = None) -> list[dict]:
-    """Per model and cache dtype: bytes per token and sequences of `seq_len` tokens in `budget_bytes`."""
-    rows = []
-    for name, layers, heads, kv_heads, head_dim in KV_MODELS:
-        for dtype, nbytes in (("bf16", 2), ("int8", 1)):
-            per_token = kv_bytes_per_token(layers, kv_heads, head_dim, nbytes)
-            if dtype == "int8":   # the engine also stores one fp32 scale per token and KV head
-                per_token += 2 * layers * kv_heads * 4
-            rows.append({"model": name, "dtype": dtype, "bytes_per_token": int(per_token),
-                         "fit": sequences_that_fit(budget_bytes, seq_len, int(per_token))})
-    return rows
-
-
 def print_kv_table(rows: Sequence[dict], seq_len: int, budget_bytes: int) -> None:
     print(f"{'model':<28}{'KV':>6}{'KiB / token':>13}{f'sequences of {seq_len} in {budget_bytes / GiB:.0f} GiB':>32}")
     for r in rows:
@@ -975,18 +791,6 @@ def kv_figure(rows: Sequence[dict], seq_len: int, budget_bytes: int):
                     text=[f"{r['bytes_per_token'] / 1024:.0f} KiB/tok" for r in sel], textposition="outside")
     fig.update_layout(barmode="group")
     return fig
-
-
-def kv_int8_run(llm, prompts: Sequence[str], max_tokens: int) -> dict:
-    """Greedy tokens with kv_dtype='int8' vs the model-dtype cache, and the engine's bytes per token."""
-    try:
-        quantized = llm.with_levers(kv_dtype="int8")
-    except (NotImplementedError, ValueError, TypeError) as exc:
-        return {"available": False, "message": str(exc)}
-    base = greedy_tokens(llm, prompts, max_tokens)
-    got = greedy_tokens(quantized, prompts, max_tokens)
-    return {"available": True, "bytes_per_token": llm.kv_bytes_per_token, "int8_bytes_per_token": quantized.kv_bytes_per_token,
-            "same": sum(a == b for a, b in zip(base, got)), "of": len(prompts), "base": base, "int8": got}
 
 
 def print_kv_int8_run(result: dict) -> None:
