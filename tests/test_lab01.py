@@ -9,10 +9,20 @@ from types import SimpleNamespace
 import plotly.graph_objects as go
 import pytest
 
+from lab_utils import notebook_functions
+
+from grading.build import SOURCE_DIR
 from minillm.lab import common, lab01
 from minillm.lab.common import CheckFailed
 
 DEVICE = "cpu: Test CPU (2 threads)"
+MASTER = SOURCE_DIR / "01_prefill_decode" / "01_prefill_decode.ipynb"
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The measurements the master notebook defines, as the learner reads them."""
+    return notebook_functions(MASTER, "measure_ttft", "measure_decode", "token_times_from_metrics", "measured_points")
 
 
 # ------------------------------------------------------------------ checks accept the references
@@ -145,33 +155,34 @@ class FakeLLM:
         return [SimpleNamespace(metrics=metrics)]
 
 
-def test_measure_ttft_warms_up_then_takes_the_best_of_repeats():
+def test_measure_ttft_warms_up_then_takes_the_best_of_repeats(experiments):
     llm = FakeLLM()
-    rows = lab01.measure_ttft(llm, [16, 64], repeats=2)
+    rows = experiments["measure_ttft"](llm, [16, 64], repeats=2)
     assert llm.calls == [(8, 1), (16, 1), (16, 1), (64, 1), (64, 1)]
     assert [r["prompt_tokens"] for r in rows] == [16, 64]
     assert rows[0]["ttft_s"] == pytest.approx(0.026)
     assert rows[1]["prefill_tokens_per_s"] == pytest.approx(64 / 0.074)
 
 
-def test_measure_decode_and_token_times():
-    decode = lab01.measure_decode(FakeLLM(), num_tokens=5, prompt_tokens=16)
+def test_measure_decode_and_token_times(experiments):
+    measure_decode, token_times_from_metrics = experiments["measure_decode"], experiments["token_times_from_metrics"]
+    decode = measure_decode(FakeLLM(), num_tokens=5, prompt_tokens=16)
     assert decode["tpot_s"] == 0.020 and decode["tokens_per_s"] == pytest.approx(50.0)
     assert decode["itl_s"] == [0.020] * 4 and decode["output_tokens"] == 5
-    arrival, times = lab01.token_times_from_metrics(decode["metrics"])
+    arrival, times = token_times_from_metrics(decode["metrics"])
     assert arrival == 0.0 and times == pytest.approx([0.026, 0.046, 0.066, 0.086, 0.106])
     assert lab01.reference_ttft_tpot_s(arrival, times) == (pytest.approx(0.026), pytest.approx(0.020))
     with pytest.raises(ValueError, match="num_tokens=1 must be >= 2"):
-        lab01.measure_decode(FakeLLM(), num_tokens=1)
+        measure_decode(FakeLLM(), num_tokens=1)
 
 
-def test_measure_on_the_real_engine(default_llm):
-    rows = lab01.measure_ttft(default_llm, [8, 24])
+def test_measure_on_the_real_engine(default_llm, experiments):
+    rows = experiments["measure_ttft"](default_llm, [8, 24])
     assert [r["prompt_tokens"] for r in rows] == [8, 24] and all(r["ttft_s"] > 0 for r in rows)
-    decode = lab01.measure_decode(default_llm, num_tokens=3, prompt_tokens=8)
+    decode = experiments["measure_decode"](default_llm, num_tokens=3, prompt_tokens=8)
     assert decode["output_tokens"] == 3 and len(decode["itl_s"]) == 2
     assert decode["tokens_per_s"] == pytest.approx(1 / decode["tpot_s"])
-    arrival, times = lab01.token_times_from_metrics(decode["metrics"])
+    arrival, times = experiments["token_times_from_metrics"](decode["metrics"])
     assert lab01.reference_ttft_tpot_s(arrival, times)[1] == pytest.approx(decode["metrics"].tpot_s)
 
 
@@ -200,8 +211,8 @@ def test_decode_and_bound_figures():
     assert DEVICE in common.figure_subtitle(bound)
 
 
-def test_roofline_figure_roof_and_grouped_points():
-    points = lab01.measured_points(TTFT_ROWS, {"tpot_s": 0.5}, num_params=1e8, bytes_per_param=4)
+def test_roofline_figure_roof_and_grouped_points(experiments):
+    points = experiments["measured_points"](TTFT_ROWS, {"tpot_s": 0.5}, num_params=1e8, bytes_per_param=4)
     assert points[0]["intensity"] == 0.5 and points[0]["flops_per_s"] == pytest.approx(4e8)
     assert points[2]["intensity"] == 32 and points[2]["flops_per_s"] == pytest.approx(2e8 * 64 / 0.2)
     fig = lab01.roofline_figure(64e9, 16e9, DEVICE, points)
@@ -213,8 +224,8 @@ def test_roofline_figure_roof_and_grouped_points():
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
 
 
-def test_measured_points_use_the_learners_intensity():
-    points = lab01.measured_points(TTFT_ROWS, {"tpot_s": 0.5}, 1e8, 4, arithmetic_intensity=lambda t, p, b: 10 * t)
+def test_measured_points_use_the_learners_intensity(experiments):
+    points = experiments["measured_points"](TTFT_ROWS, {"tpot_s": 0.5}, 1e8, 4, arithmetic_intensity=lambda t, p, b: 10 * t)
     assert [p["intensity"] for p in points] == [10, 160, 640]
 
 

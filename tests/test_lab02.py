@@ -11,13 +11,19 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import nbgrader_cells
+from lab_utils import nbgrader_cells, notebook_functions
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab02
 from minillm.lab.common import CheckFailed
 
 MASTER = SOURCE_DIR / "02_kv_cache" / "02_kv_cache.ipynb"
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The seam and the kv on/off measurement the master notebook defines, as the learner reads them."""
+    return notebook_functions(MASTER, "plug_in", "measure_kv_toggle", "summarize_kv_toggle")
 
 
 def _master_namespace() -> dict:
@@ -278,8 +284,8 @@ def test_toggle_view_switches_between_step_time_and_running_total():
     assert view.figure.data[1].y[0] == pytest.approx(160.0) and view.figure.layout.yaxis.title.text == "ms per step"
 
 
-def test_summary_reports_slopes_ratios_and_flops(capsys):
-    summary = lab02.summarize_kv_toggle(_fake_result(), SMOLLM2)
+def test_summary_reports_slopes_ratios_and_flops(capsys, experiments):
+    summary = experiments["summarize_kv_toggle"](_fake_result(), SMOLLM2)
     assert summary["without cache"]["ms_per_extra_token"] == pytest.approx(10.0)
     assert summary["with cache"]["ms_per_extra_token"] == pytest.approx(0.0, abs=1e-9)
     assert summary["with cache"]["last_context_len"] == 23
@@ -377,12 +383,12 @@ def llm_no_cache():
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-def test_reference_solution_in_the_engine_gives_the_engines_own_tokens(llm, passes):
+def test_reference_solution_in_the_engine_gives_the_engines_own_tokens(llm, passes, experiments):
     from minillm import SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     builtin = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    backend = lab02.plug_in(llm, append_kv, attend_with_cache)
+    backend = experiments["plug_in"](llm, append_kv, attend_with_cache)
     try:
         assert llm.config.attention_backend is backend
         ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
@@ -448,8 +454,9 @@ def test_engine_check_lets_not_implemented_through(llm):
     assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
-def test_kv_toggle_measures_both_modes_step_by_step(llm, llm_no_cache):
-    result = lab02.measure_kv_toggle(llm, llm_no_cache, prompt_len=8, num_steps=4)
+def test_kv_toggle_measures_both_modes_step_by_step(llm, llm_no_cache, experiments):
+    measure_kv_toggle = experiments["measure_kv_toggle"]
+    result = measure_kv_toggle(llm, llm_no_cache, prompt_len=8, num_steps=4)
     assert result["same_tokens"] and result["first_different_token"] is None and result["device"] == llm.device
     assert result["with cache"]["context_len"] == [8, 9, 10, 11] == result["without cache"]["context_len"]
     assert result["with cache"]["num_tokens"] == [8, 1, 1, 1]
@@ -457,7 +464,7 @@ def test_kv_toggle_measures_both_modes_step_by_step(llm, llm_no_cache):
     assert result["with cache"]["kind"] == ["prefill", "decode", "decode", "decode"]
     assert all(d > 0 for d in result["without cache"]["duration_s"])
     with pytest.raises(ValueError, match="LLM\\(kv_cache=True\\) then an LLM\\(kv_cache=False\\)"):
-        lab02.measure_kv_toggle(llm_no_cache, llm)
+        measure_kv_toggle(llm_no_cache, llm)
     view = lab02.KVToggleView(result)
     assert view.figure.data[1].x == (8, 9, 10, 11)
 

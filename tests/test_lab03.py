@@ -7,7 +7,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from lab_utils import nbgrader_cells, run_solution_cells
+from lab_utils import nbgrader_cells, notebook_functions, run_solution_cells
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab03
@@ -197,15 +197,21 @@ def test_floor_explorer_moves_the_choice():
 
 
 # --------------------------------------------------------------------- the real engine
-def test_engine_decode_steps_match_the_simulator(default_llm):
-    results = lab03.measure_policies(default_llm, [2, 1, 3, 1, 1], num_slots=2, prompt_len=4)
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The engine runs the master notebook defines, as the learner reads them."""
+    return notebook_functions(MASTER, "random_prompts", "measure_batch_sweep", "measure_policies")
+
+
+def test_engine_decode_steps_match_the_simulator(default_llm, experiments):
+    results = experiments["measure_policies"](default_llm, [2, 1, 3, 1, 1], num_slots=2, prompt_len=4)
     assert results["static"]["decode_steps"] == num_steps(simulate([2, 1, 3, 1, 1], 2, "static")) == 6
     assert results["continuous"]["decode_steps"] == num_steps(simulate([2, 1, 3, 1, 1], 2, "continuous")) == 4
     assert results["static"]["output_tokens"] == results["continuous"]["output_tokens"] == 8 + 5
 
 
-def test_batch_sweep_rows(default_llm):
-    rows = lab03.measure_batch_sweep(default_llm, [1, 2], prompt_len=4, max_tokens=3)
+def test_batch_sweep_rows(default_llm, experiments):
+    rows = experiments["measure_batch_sweep"](default_llm, [1, 2], prompt_len=4, max_tokens=3)
     assert [r["batch"] for r in rows] == [1, 2]
     assert [r["output_tokens"] for r in rows] == [3, 6]
     assert all(r["aggregate_tps"] > 0 and r["per_user_tps"] > 0 for r in rows)

@@ -1,8 +1,10 @@
-"""Lab 01 helpers: prefill vs decode — measurements, the roofline, checks and the explorer widget.
+"""Lab 01 helpers: prefill vs decode — checks, figures, the roofline and the explorer widget.
 
 The learner writes four small functions in the notebook (`ttft_tpot_s`, `arithmetic_intensity`,
 `roofline_time_s`, `decode_bandwidth_bound_tokens_per_s`); the check_* functions here test them
-and say what is probably wrong; the figures and the RooflineExplorer plug them in.
+and say what is probably wrong; the figures and the RooflineExplorer plug them in. The
+measurements (measure_ttft, measure_decode, token_times_from_metrics, measured_points) are
+written in the notebook itself, where the learner reads them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from .common import (
     is_close,
     new_figure,
     passed,
-    prompt_token_ids,
 )
 
 QUICK_PROMPT_LENGTHS = (16, 64, 128, 256)
@@ -166,76 +167,6 @@ def check_decode_bandwidth_bound(decode_bandwidth_bound_tokens_per_s: Callable) 
     passed(name, len(cases))
 
 
-# ------------------------------------------------------------------ measurements
-def _greedy(max_tokens: int):
-    from ..sampling import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def measure_ttft(llm, prompt_lengths: Sequence[int], repeats: int = 1) -> list[dict]:
-    """TTFT of one request per prompt length (best of `repeats`), after one warm-up request.
-
-    Returns rows {prompt_tokens, ttft_s, prefill_tokens_per_s}."""
-    params = _greedy(1)
-    llm.generate([{"prompt_token_ids": prompt_token_ids(llm.tokenizer, 8)}], params)  # warm-up
-    rows = []
-    for length in prompt_lengths:
-        ids = prompt_token_ids(llm.tokenizer, int(length))
-        ttft_s = min(llm.generate([{"prompt_token_ids": ids}], params)[0].metrics.ttft_s for _ in range(repeats))
-        rows.append({"prompt_tokens": int(length), "ttft_s": ttft_s, "prefill_tokens_per_s": length / ttft_s})
-    return rows
-
-
-def measure_decode(llm, num_tokens: int = QUICK_DECODE_TOKENS, prompt_tokens: int = 16) -> dict:
-    """Decode `num_tokens` tokens for one request (batch 1). Returns ttft_s, tpot_s,
-    tokens_per_s (= 1 / tpot_s), itl_s (each decode step) and e2e_s."""
-    if num_tokens < 2:
-        raise ValueError(f"num_tokens={num_tokens} must be >= 2: TPOT needs a token after the first")
-    ids = prompt_token_ids(llm.tokenizer, prompt_tokens)
-    out = llm.generate([{"prompt_token_ids": ids}], _greedy(num_tokens))[0]
-    m = out.metrics
-    return {
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": m.num_output_tokens,
-        "ttft_s": m.ttft_s,
-        "tpot_s": m.tpot_s,
-        "tokens_per_s": 1.0 / m.tpot_s,
-        "itl_s": list(m.itl_s),
-        "e2e_s": m.e2e_s,
-        "metrics": m,
-    }
-
-
-def token_times_from_metrics(metrics) -> tuple[float, list[float]]:
-    """(arrival_s, token_times_s) of a request rebuilt from its RequestMetrics (arrival = 0)."""
-    times = [metrics.ttft_s]
-    for gap in metrics.itl_s:
-        times.append(times[-1] + gap)
-    return 0.0, times
-
-
-def measured_points(ttft_rows: Sequence[dict], decode: dict, num_params: float, bytes_per_param: float,
-                    arithmetic_intensity: Callable | None = None) -> list[dict]:
-    """Where the engine's measured steps sit on the roofline: (intensity, achieved FLOP/s) of the
-    batch-1 decode step and of each measured prefill. Uses the learner's arithmetic_intensity
-    once it is written."""
-    intensity, _ = _learner_or_reference(arithmetic_intensity, reference_arithmetic_intensity, (1, 1e9, 2), "")
-    points = [{"name": "measured decode (B=1)", "group": "measured decode", "label": "decode B=1", "symbol": "x",
-               "intensity": intensity(1, num_params, bytes_per_param),
-               "flops_per_s": achieved_flops_per_s(num_params, 1, decode["tpot_s"])}]
-    for row in ttft_rows:
-        points.append({"name": f"measured prefill T={row['prompt_tokens']}", "group": "measured prefill",
-                       "label": f"T={row['prompt_tokens']}", "symbol": "diamond", "intensity": intensity(row["prompt_tokens"], num_params, bytes_per_param),
-                       "flops_per_s": achieved_flops_per_s(num_params, row["prompt_tokens"], row["ttft_s"])})
-    return points
-
-
-def achieved_flops_per_s(num_params: float, num_tokens: int, seconds: float) -> float:
-    """≈ FLOP/s a forward pass reached: 2 FLOPs per parameter per token (attention left out)."""
-    return 2 * num_params * num_tokens / seconds
-
-
 # ------------------------------------------------------------------ figures
 def ttft_figure(rows: Sequence[dict], device: str) -> go.Figure:
     """TTFT vs prompt length, with the line TTFT would follow if it grew in proportion to the
@@ -311,7 +242,7 @@ def bound_figure(measured_tokens_per_s: float, bound_tokens_per_s: float, device
 
 
 # ------------------------------------------------------------------ the explorer
-def _learner_or_reference(fn: Callable | None, reference: Callable, probe: tuple, name: str) -> tuple[Callable, str]:
+def learner_or_reference(fn: Callable | None, reference: Callable, probe: tuple, name: str) -> tuple[Callable, str]:
     """The learner's function if it runs; the reference (and a note saying so) while it raises
     NotImplementedError."""
     if fn is None:
@@ -350,9 +281,9 @@ class RooflineExplorer:
         self.models = dict(models or REFERENCE_MODELS)
         self.dtypes = dict(dtypes or BYTES_PER_PARAM)
         self.measured_points = dict(measured_points or {})
-        self.arithmetic_intensity, note_ai = _learner_or_reference(
+        self.arithmetic_intensity, note_ai = learner_or_reference(
             arithmetic_intensity, reference_arithmetic_intensity, (1, 1e9, 2), "arithmetic_intensity (exercise 3)")
-        self.roofline_time_s, note_rt = _learner_or_reference(
+        self.roofline_time_s, note_rt = learner_or_reference(
             roofline_time_s, reference_roofline_time_s, (1e9, 1e9, 1e12, 1e12), "roofline_time_s (exercise 4)")
         self.note = note_ai + note_rt
 

@@ -1,5 +1,6 @@
-"""Lab 02 helpers — the KV cache: checks, the engine adapter, the kv on/off measurement, the
-cache-size calculator.
+"""Lab 02 helpers — the KV cache: checks, the engine adapter, the kv on/off view and printout, the
+cache-size calculator. The kv on/off measurement (measure_kv_toggle, summarize_kv_toggle) and the
+plug_in seam are written in the notebook itself, where the learner reads them.
 
 The learner writes two functions with the engine's own contract (see layers/attention.py):
 
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .common import CheckFailed, format_seconds, new_figure, passed, prompt_token_ids
+from .common import CheckFailed, format_seconds, new_figure, passed
 
 GROWTHS = ("linear", "quadratic")
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "fp8 / int8": 1}
@@ -121,13 +121,6 @@ class LabAttentionBackend:
 
     def attend(self, q, k, v, scale, num_cached):
         return self.attend_with_cache(q, k, v, scale, num_cached)
-
-
-def plug_in(llm, append_kv: Callable, attend_with_cache: Callable) -> LabAttentionBackend:
-    """Make `llm` run your functions for every layer's attention (undo: `llm.set_attention_backend("torch")`)."""
-    backend = LabAttentionBackend(append_kv, attend_with_cache)
-    llm.set_attention_backend(backend)
-    return backend
 
 
 # ------------------------------------------------------------------- references and mistakes
@@ -501,73 +494,6 @@ def check_in_engine(append_kv: Callable, attend_with_cache: Callable, llm, promp
 
 
 # =================================================================== 3. toggle: kv on vs off
-def _series(llm, prompt_len: int) -> dict:
-    steps = llm.stats.steps
-    context, duration, kind = [], [], []
-    for step in steps:
-        # Steps run one sequence here: the step that produced step.index's token saw prompt_len + index tokens.
-        context.append(prompt_len + step.index)
-        duration.append(step.duration_s)
-        kind.append(step.kind)
-    return {"context_len": context, "duration_s": duration, "kind": kind, "num_tokens": [s.num_tokens for s in steps]}
-
-
-def measure_kv_toggle(llm_cached, llm_uncached, prompt_len: int = 32, num_steps: int = 32) -> dict:
-    """Generate `num_steps` tokens after a `prompt_len`-token prompt with kv_cache on and off.
-
-    Returns, per mode, each step's context length and duration (from `llm.stats.steps`), and
-    whether both modes produced the same tokens (they must: the cache changes cost, not results).
-    """
-    from .. import SamplingParams
-
-    if llm_cached.config.kv_cache is not True or llm_uncached.config.kv_cache is not False:
-        raise ValueError("measure_kv_toggle(llm_cached, llm_uncached): pass an LLM(kv_cache=True) then an LLM(kv_cache=False)")
-    ids = prompt_token_ids(llm_cached.tokenizer, prompt_len)
-    params = SamplingParams(max_tokens=num_steps, temperature=0, ignore_eos=True)
-    result = {"device": llm_cached.device, "prompt_len": prompt_len, "num_steps": num_steps}
-    tokens = {}
-    for label, llm in (("with cache", llm_cached), ("without cache", llm_uncached)):
-        llm.generate([{"prompt_token_ids": ids[:8]}], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
-        out = llm.generate([{"prompt_token_ids": ids}], params)
-        tokens[label] = list(out[0].outputs[0].token_ids)
-        result[label] = _series(llm, prompt_len)
-        result[label]["total_s"] = llm.stats.wall_s
-    result["same_tokens"] = tokens["with cache"] == tokens["without cache"]
-    result["first_different_token"] = next(
-        (i for i, (a, b) in enumerate(zip(tokens["with cache"], tokens["without cache"])) if a != b), None)
-    return result
-
-
-def _fit_ms_per_token(series: dict) -> tuple[float, float]:
-    """Least-squares line through the decode steps: (ms per extra context token, ms at the first decode step)."""
-    xs = [x for x, k in zip(series["context_len"], series["kind"]) if k == "decode"]
-    ys = [y * 1e3 for y, k in zip(series["duration_s"], series["kind"]) if k == "decode"]
-    if len(xs) < 2:
-        return float("nan"), float("nan")
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else float("nan")
-    return slope, my + slope * (xs[0] - mx)
-
-
-def summarize_kv_toggle(result: dict, cfg=None) -> dict:
-    """The numbers worth saying out loud: step time at the last position, totals, growth per token."""
-    out = {"device": result["device"], "same_tokens": result["same_tokens"],
-           "first_different_token": result.get("first_different_token")}
-    for label in ("with cache", "without cache"):
-        s = result[label]
-        tail = [d for d, k in zip(s["duration_s"], s["kind"]) if k == "decode"][-4:] or s["duration_s"][-1:]
-        slope, _ = _fit_ms_per_token(s)
-        out[label] = {"last_context_len": s["context_len"][-1], "last_step_ms": 1e3 * statistics.median(tail),
-                      "total_s": sum(s["duration_s"]), "ms_per_extra_token": slope}
-    out["last_step_ratio"] = out["without cache"]["last_step_ms"] / out["with cache"]["last_step_ms"]
-    out["total_ratio"] = out["without cache"]["total_s"] / out["with cache"]["total_s"]
-    if cfg is not None:
-        n = out["with cache"]["last_context_len"]
-        out["flops_ratio_at_last"] = step_flops(cfg, n, False) / step_flops(cfg, n, True)
-    return out
-
-
 def print_kv_toggle_summary(summary: dict) -> None:
     w, wo = summary["with cache"], summary["without cache"]
     n = w["last_context_len"]
@@ -783,8 +709,8 @@ def bytes_to_human(nbytes: float) -> str:
 
 
 __all__ = [
-    "LabAttentionBackend", "plug_in", "check_append_kv", "check_attend_with_cache", "check_in_engine",
-    "reveal_predictions", "step_flops", "flops_table", "measure_kv_toggle", "summarize_kv_toggle",
-    "print_kv_toggle_summary", "KVToggleView", "MODEL_SHAPES", "KVSizeExplorer", "worked_examples",
-    "print_worked_examples", "print_decode_traffic", "device_memory_bytes", "bytes_to_human",
+    "LabAttentionBackend", "check_append_kv", "check_attend_with_cache", "check_in_engine",
+    "reveal_predictions", "step_flops", "flops_table", "print_kv_toggle_summary", "KVToggleView", "MODEL_SHAPES",
+    "KVSizeExplorer", "worked_examples", "print_worked_examples", "print_decode_traffic", "device_memory_bytes",
+    "bytes_to_human",
 ]

@@ -1,5 +1,6 @@
-"""Lab 03 helpers — batching: the step-simulator checks, Gantt charts, the real-engine sweeps
-(batch size, static vs continuous) and the service-level chooser.
+"""Lab 03 helpers — batching: the step-simulator checks, Gantt charts, the printouts and figure of the
+real-engine runs (batch size, static vs continuous; the runs themselves, measure_batch_sweep and
+measure_policies, are written in the notebook) and the service-level chooser.
 
 The learner writes, with fixed signatures:
 
@@ -19,7 +20,6 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..sampling import SamplingParams
 from .common import CheckFailed, control_panel, device_label, new_figure, passed
 
 POLICIES = ("static", "continuous")
@@ -300,44 +300,7 @@ class ScheduleExplorer:
         display(self.widget)
 
 
-# =================================================================== the real engine
-def _token_prompts(tokenizer_or_vocab, num_requests: int, prompt_len: int, seed: int = 0) -> list[dict]:
-    import random
-
-    rng = random.Random(seed)
-    vocab = tokenizer_or_vocab
-    return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(prompt_len)]} for _ in range(num_requests)]
-
-
-def measure_batch_sweep(llm, batch_sizes: Sequence[int], prompt_len: int = 16, max_tokens: int = 32,
-                        repeats: int = 1) -> list[dict]:
-    """For each batch size b: b identical-length requests on an engine with max_num_seqs=b.
-
-    aggregate tokens/s = all output tokens / wall time; per-user tokens/s = 1 / mean TPOT (the
-    decode speed one user sees). Best of `repeats` runs (the least disturbed)."""
-    vocab = llm.model_config.vocab_size
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    llm.generate(_token_prompts(vocab, 1, prompt_len, seed=99), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    rows = []
-    for b in batch_sizes:
-        engine = llm.with_levers(max_num_seqs=int(b))
-        # A fresh engine's first batch pays one-off costs (allocator, first shapes): not timed.
-        engine.generate(_token_prompts(vocab, int(b), prompt_len, seed=98), SamplingParams(max_tokens=2, ignore_eos=True))
-        best = None
-        for r in range(repeats):
-            outs = engine.generate(_token_prompts(vocab, int(b), prompt_len, seed=r), params)
-            stats = engine.stats
-            tpots = [o.metrics.tpot_s for o in outs if o.metrics.tpot_s]
-            tpot = sum(tpots) / len(tpots)
-            row = {"batch": int(b), "aggregate_tps": stats.output_tokens_per_s, "per_user_tps": 1.0 / tpot,
-                   "tpot_s": tpot, "wall_s": stats.wall_s, "output_tokens": stats.num_output_tokens}
-            if best is None or row["aggregate_tps"] > best["aggregate_tps"]:
-                best = row
-        rows.append(best)
-        del engine
-    return rows
-
-
+# =================================================================== the real engine (measured in the notebook)
 def print_batch_sweep(rows: Sequence[dict], device: str) -> None:
     print(f"measured on {device}")
     print(f"{'batch':>5} {'aggregate tok/s':>16} {'per-user tok/s':>15} {'TPOT':>9} {'vs batch 1':>11}")
@@ -354,31 +317,6 @@ def batch_sweep_figure(rows: Sequence[dict], device: str) -> go.Figure:
     fig.add_scatter(x=sizes, y=[r["per_user_tps"] for r in rows], mode="lines+markers", name="per-user tokens/s (1/TPOT)")
     fig.update_xaxes(type="log", tickvals=sizes, ticktext=[str(s) for s in sizes])
     return fig
-
-
-def measure_policies(llm, output_lengths: Sequence[int] = EXAMPLE_OUTPUT_LENGTHS, num_slots: int = EXAMPLE_NUM_SLOTS,
-                     prompt_len: int = 16) -> dict[str, dict]:
-    """Run the example workload on the real engine with each policy.
-
-    Request i asks for output_lengths[i] + 1 tokens: its first token comes from the prefill, the
-    other output_lengths[i] from decode steps — so the engine's decode steps are the simulator's steps."""
-    vocab = llm.model_config.vocab_size
-    prompts = _token_prompts(vocab, len(output_lengths), prompt_len, seed=3)
-    params = [SamplingParams(max_tokens=n + 1, ignore_eos=True, temperature=0) for n in output_lengths]
-    results = {}
-    for policy in POLICIES:
-        engine = llm.with_levers(batching=policy, max_num_seqs=num_slots)
-        engine.generate(prompts, params)
-        stats = engine.stats
-        decode = [s for s in stats.steps if s.kind == "decode"]
-        results[policy] = {
-            "decode_steps": len(decode), "prefill_steps": len(stats.steps) - len(decode), "wall_s": stats.wall_s,
-            "decode_s": stats.decode_s, "prefill_s": stats.prefill_s, "output_tokens": stats.num_output_tokens,
-            "tokens_per_s": stats.output_tokens_per_s,
-            "mean_seqs_per_decode_step": sum(s.num_seqs for s in decode) / max(len(decode), 1),
-        }
-        del engine
-    return results
 
 
 def print_policies(results: dict[str, dict], device: str, num_slots: int = EXAMPLE_NUM_SLOTS) -> None:
@@ -448,6 +386,5 @@ class FloorExplorer:
 __all__ = [
     "POLICIES", "EXAMPLE_OUTPUT_LENGTHS", "EXAMPLE_NUM_SLOTS", "reference_schedule", "check_num_steps",
     "check_utilisation", "check_simulate_batching", "check_largest_batch_meeting_floor", "gantt_figure",
-    "ScheduleExplorer", "measure_batch_sweep", "print_batch_sweep", "batch_sweep_figure", "measure_policies",
-    "print_policies", "FloorExplorer", "device_label",
+    "ScheduleExplorer", "print_batch_sweep", "batch_sweep_figure", "print_policies", "FloorExplorer", "device_label",
 ]
