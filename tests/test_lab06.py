@@ -9,7 +9,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from lab_utils import nbgrader_cells, solution_fixture
+from lab_utils import nbgrader_cells, notebook_functions, solution_fixture
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab06
@@ -19,6 +19,13 @@ MASTER = SOURCE_DIR / "06_prefix_caching" / "06_prefix_caching.ipynb"
 
 
 solution = solution_fixture(MASTER, {"lab06": lab06})  # the master's solution cells, run in one namespace
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The experiments the notebook defines in its own cells (run_with_hash, the measurements), as it runs them."""
+    return notebook_functions(MASTER, "one_by_one", "run_with_hash", "measure_shared_document", "measure_sensitivity",
+                              "measure_eviction")
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
@@ -180,16 +187,17 @@ def _block_manager(block_hashes):
         num_blocks, block_size, contiguous, hash_fn=lab06.ChainHash(block_hashes, block_size))
 
 
-def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_llm, solution, passes):
+def test_engine_on_the_learners_chain_matches_cache_off_and_engine_hits(default_llm, solution, experiments, passes):
     prompts = [{"prompt_token_ids": list(range(300, 341))}, {"prompt_token_ids": list(range(300, 333)) + [7, 8]},
                {"prompt_token_ids": list(range(300, 316)) + [9] * 9}]
-    run = lab06.run_with_hash(default_llm, _block_manager(solution["block_hashes"]), prompts, max_tokens=2, block_size=8)
+    run_with_hash = experiments["run_with_hash"]
+    run = run_with_hash(default_llm, _block_manager(solution["block_hashes"]), prompts, max_tokens=2, block_size=8)
     assert passes(lab06.check_hash_run, run).startswith("✓")
     assert run["cached_tokens"] == [0, 32, 16] == run["expected_cached_tokens"]
     # A different first block: nothing matches, although blocks 1-2 hold the same tokens (the chain).
     repeated = [{"prompt_token_ids": [5] * 8 + list(range(40, 56)) + [1]},
                 {"prompt_token_ids": [6] * 8 + list(range(40, 56)) + [2]}]
-    good = lab06.run_with_hash(default_llm, _block_manager(solution["block_hashes"]), repeated, max_tokens=1, block_size=8)
+    good = run_with_hash(default_llm, _block_manager(solution["block_hashes"]), repeated, max_tokens=1, block_size=8)
     assert good["equal"] and good["cached_tokens"] == [0, 0]
 
 
@@ -205,9 +213,10 @@ def test_hash_run_check_fails_on_wrong_tokens_or_hits(passes):
         lab06.check_hash_run({**base, "cached_tokens": [0, 0], "expected_cached_tokens": [0, 0]})
 
 
-def test_shared_document_measurement_reads_the_document_once(default_llm):
+def test_shared_document_measurement_reads_the_document_once(default_llm, experiments):
     doc = lab06.document_ids(default_llm, 64)
-    result = lab06.measure_shared_document(default_llm, lab06.document_questions(default_llm, doc, 3), max_tokens=2)
+    result = experiments["measure_shared_document"](default_llm, lab06.document_questions(default_llm, doc, 3),
+                                                    max_tokens=2)
     assert result["identical"] == 3
     assert [r["cached_tokens"] for r in result["off"]] == [0, 0, 0]
     assert [r["cached_tokens"] for r in result["on"]] == [0, 64, 64]   # 4 full blocks of 16
@@ -217,9 +226,9 @@ def test_shared_document_measurement_reads_the_document_once(default_llm):
     lab06.print_shared_document(result)
 
 
-def test_sensitivity_recomputes_from_the_changed_block(default_llm):
+def test_sensitivity_recomputes_from_the_changed_block(default_llm, experiments):
     doc = lab06.document_ids(default_llm, 64, offset=100)
-    result = lab06.measure_sensitivity(default_llm, doc, fractions=(0.25, 0.75))
+    result = experiments["measure_sensitivity"](default_llm, doc, fractions=(0.25, 0.75))
     # A word at token 16 changes block 1 on: 16 of 64 tokens cached; at token 48, 48 cached.
     assert result["computed"] == {0.25: pytest.approx(0.75), 0.75: pytest.approx(0.25)}
     assert set(result["relative"]) == {0.25, 0.75} and result["first_s"] > 0
@@ -235,9 +244,9 @@ def test_edit_one_token_changes_exactly_one_token(default_llm):
     assert lab06.edit_one_token(default_llm, edited, 10)[10] != edited[10]
 
 
-def test_eviction_hit_rate_grows_with_the_pool(default_llm):
+def test_eviction_hit_rate_grows_with_the_pool(default_llm, experiments):
     a, b = lab06.document_ids(default_llm, 48, offset=2000), lab06.document_ids(default_llm, 48, offset=3000)
-    rows = lab06.measure_eviction(default_llm, a, b, (1.0, 3.0), num_requests=4, block_size=16)
+    rows = experiments["measure_eviction"](default_llm, a, b, (1.0, 3.0), num_requests=4, block_size=16)
     assert rows[0]["hit_rate"] < rows[1]["hit_rate"] and rows[1]["evictions"] == 0
     assert rows[1]["hit_rate"] == pytest.approx(48 / 49)   # every later document read from the cache
     fig = lab06.eviction_figure(rows, default_llm.device)

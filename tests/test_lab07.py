@@ -13,7 +13,7 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import nbgrader_cells, solution_fixture
+from lab_utils import nbgrader_cells, notebook_functions, solution_fixture
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab07
@@ -24,6 +24,12 @@ EXERCISES = {"greedy_verify", "ngram_propose", "rejection_sample", "expected_tok
 
 
 solution = solution_fixture(MASTER, {"lab07": lab07})  # the master's solution cells, run in one namespace
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The experiments the notebook defines in its own cells (the toy, the engine on the learner's functions)."""
+    return notebook_functions(MASTER, "toy_rounds", "run_plugged", "run_sampled")
 
 
 @pytest.fixture(scope="module")
@@ -180,20 +186,20 @@ def test_chi_square_p_value():
 
 
 # --------------------------------------------------------------------- the engine
-def test_toy_reproduces_three_rounds_twelve_tokens_three_passes(llm, capsys):
-    toy = lab07.toy_rounds(llm, k=3, rounds=3)
+def test_toy_reproduces_three_rounds_twelve_tokens_three_passes(llm, experiments, capsys):
+    toy = experiments["toy_rounds"](llm, k=3, rounds=3)
     assert toy["passes"] == 3 and toy["emitted"] == 12 and len(toy["tokens"]) == 13
     assert [len(r["kept"]) for r in toy["rounds"]] == [4, 4, 4]
     lab07.print_toy(toy)
     assert "12 tokens from 3 target passes" in capsys.readouterr().out
 
 
-def test_engine_on_the_solution_and_restored_afterwards(llm, solution):
+def test_engine_on_the_solution_and_restored_afterwards(llm, solution, experiments):
     from minillm.engine import speculative as spec_mod
 
     before = (spec_mod.ngram_propose, spec_mod.greedy_verify, spec_mod.rejection_sample)
-    result = lab07.run_plugged(llm, solution["greedy_verify"], solution["ngram_propose"],
-                               [lab07.repeat_prompt(llm), lab07.open_prompt(llm)], k=3, max_tokens=10)
+    result = experiments["run_plugged"](llm, solution["greedy_verify"], solution["ngram_propose"],
+                                        [lab07.repeat_prompt(llm), lab07.open_prompt(llm)], k=3, max_tokens=10)
     assert result["equal"] and result["record"]["verify_calls"] > 0 and result["accepted"] > 0
     lab07.check_plugged(result)
     assert (spec_mod.ngram_propose, spec_mod.greedy_verify, spec_mod.rejection_sample) == before
@@ -202,16 +208,16 @@ def test_engine_on_the_solution_and_restored_afterwards(llm, solution):
     assert (spec_mod.ngram_propose, spec_mod.greedy_verify, spec_mod.rejection_sample) == before
 
 
-def test_engine_with_a_wrong_verifier_fails_the_check(llm, solution):
-    result = lab07.run_plugged(llm, _verifies_past_disagreement, solution["ngram_propose"],
-                               [lab07.open_prompt(llm)], k=4, max_tokens=12)
+def test_engine_with_a_wrong_verifier_fails_the_check(llm, solution, experiments):
+    result = experiments["run_plugged"](llm, _verifies_past_disagreement, solution["ngram_propose"],
+                                        [lab07.open_prompt(llm)], k=4, max_tokens=12)
     assert not result["equal"]
     with pytest.raises(CheckFailed, match="they part at output token"):
         lab07.check_plugged(result)
 
 
-def test_engine_samples_with_the_learner_sampler(llm, solution):
-    out = lab07.run_sampled(llm, solution["rejection_sample"], lab07.repeat_prompt(llm), k=3, max_tokens=8)
+def test_engine_samples_with_the_learner_sampler(llm, solution, experiments):
+    out = experiments["run_sampled"](llm, solution["rejection_sample"], lab07.repeat_prompt(llm), k=3, max_tokens=8)
     assert out["calls"] > 0 and out["text"]
 
 

@@ -13,7 +13,7 @@ import json
 import nbformat
 import pytest
 
-from lab_utils import nbgrader_cells, solution_fixture
+from lab_utils import nbgrader_cells, notebook_functions, solution_fixture
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab08
@@ -28,6 +28,12 @@ WRITEUP_POINTS = 4
 
 
 solution = solution_fixture(MASTER, {"lab08": lab08})  # the master's solution code cells, run in one namespace
+
+
+@pytest.fixture(scope="module")
+def experiments() -> dict:
+    """The experiments the notebook defines in its own cells (the stream through the server, the cost ladder)."""
+    return notebook_functions(MASTER, "run_stream", "cost_ladder")
 
 
 # --------------------------------------------------------------------- the master
@@ -300,8 +306,8 @@ def server(default_llm):
         yield handle
 
 
-def test_stream_on_the_server_matches_the_openai_client(server, solution, capsys):
-    run = lab08.run_stream(server, solution["stream_metrics"], "Name a colour.", max_tokens=6)
+def test_stream_on_the_server_matches_the_openai_client(server, solution, experiments, capsys):
+    run = experiments["run_stream"](server, solution["stream_metrics"], "Name a colour.", max_tokens=6)
     assert run["mine"]["text"] == run["openai_text"] and run["openai_text"]
     assert run["mine"]["ttft_s"] > 0 and len(run["mine"]["itl_s"]) >= 1
     lab08.check_stream(run)
@@ -310,7 +316,7 @@ def test_stream_on_the_server_matches_the_openai_client(server, solution, capsys
     fig = lab08.stream_figure(run, "cpu: test device")
     assert "cpu: test device" in figure_subtitle(fig) and len(fig.data[0].x) == len(run["mine"]["itl_s"]) + 1
 
-    wrong = lab08.run_stream(server, _timer_counts_every_chunk, "Name a colour.", max_tokens=6)
+    wrong = experiments["run_stream"](server, _timer_counts_every_chunk, "Name a colour.", max_tokens=6)
     with pytest.raises(CheckFailed, match="role-only chunk"):
         lab08.check_stream(wrong)
 
@@ -358,11 +364,11 @@ def test_batch_sweep_through_the_server_and_the_floor(default_llm, solution, cap
         lab08.serve_batch_sweep(default_llm, [0])
 
 
-def test_cost_ladder_beside_the_h100(default_llm, solution, capsys):
+def test_cost_ladder_beside_the_h100(default_llm, solution, experiments, capsys):
     from minillm.bench.cost import cost_stack, cost_workload
 
     stack = cost_stack(default_llm, requests=cost_workload(default_llm, 2, 3), hourly_usd=0.08, progress=False)
-    ladder = lab08.cost_ladder(stack, solution["cost_per_million"], 0.08)
+    ladder = experiments["cost_ladder"](stack, solution["cost_per_million"], 0.08)
     assert [r["stage"] for r in ladder] == [row.stage for row in stack]
     assert ladder[0]["gain_vs_naive"] == 1.0 and ladder[0]["h100_usd_per_mtok"] == pytest.approx(20.83, abs=0.005)
     assert ladder[-1]["h100_gain_vs_naive"] == pytest.approx(1335 / (100 / 3))
@@ -373,4 +379,4 @@ def test_cost_ladder_beside_the_h100(default_llm, solution, capsys):
     fig = lab08.ladder_figure(ladder, "cpu: test device")
     assert len(fig.data) == 2 and list(fig.data[1].y) == pytest.approx([r["h100_gain_vs_naive"] for r in ladder])
     with pytest.raises(CheckFailed, match="check exercise 4"):
-        lab08.cost_ladder(stack, lambda tps, usd: usd / tps * 1e6, 0.08)
+        experiments["cost_ladder"](stack, lambda tps, usd: usd / tps * 1e6, 0.08)

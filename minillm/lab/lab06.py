@@ -1,6 +1,7 @@
 """Lab 06 helpers — prefix caching: checks for the block hash chain, the cache lookup and the
-hosted-API pricing; the learner's hash chain plugged into the engine's BlockManager; the shared-
-document measurement, the one-word sensitivity experiment and the eviction sweep, with figures.
+hosted-API pricing; ChainHash, which plugs the learner's hash chain into the engine's BlockManager;
+the prompts, tables and figures of the notebook's experiments (the shared document, the one-word
+edit, the eviction sweep: their code is in the notebook).
 
 The learner writes, with fixed signatures:
 
@@ -17,10 +18,8 @@ when their first (i + 1) * block_size tokens and their salts are equal.
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Callable, Hashable, Sequence
 
-from ..sampling import SamplingParams
 from .common import CheckFailed, call_learner, expect_number, format_seconds, new_figure, passed
 
 # What the sources measured on a laptop: ten questions about one long document, total reading
@@ -267,42 +266,6 @@ def chat_prompts(llm, system: str, questions: Sequence[str]) -> list[dict]:
                                                       {"role": "user", "content": q}])} for q in questions]
 
 
-def _one_by_one(llm, prompts: Sequence, params: SamplingParams, desc: str | None = None):
-    """Requests one after another (each a generate call): a request's TTFT is then its reading time,
-    and each finds the blocks the ones before it left in the cache."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    for prompt in tqdm(list(prompts), desc=desc, unit="request", leave=False, disable=desc is None):
-        out = llm.generate(prompt, params)[0]
-        rows.append({"tokens": list(out.outputs[0].token_ids), "ttft_s": out.metrics.ttft_s,
-                     "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.metrics.num_cached_tokens,
-                     "queries": llm.stats.prefix_cache_queries, "hits": llm.stats.prefix_cache_hits})
-    return rows
-
-
-def run_with_hash(llm, block_manager: Callable, prompts: Sequence, max_tokens: int, block_size: int = 16) -> dict:
-    """Greedy tokens, requests one after another: cache off, cache on with an engine built with
-    `block_manager=` (the notebook's factory: a BlockManager keyed by your chain through ChainHash), and
-    cache on with the engine's SHA-256 chain (the hits yours should get)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    off = _one_by_one(llm.with_levers(prefix_caching=False, block_size=block_size), prompts, params)
-    yours = llm.with_levers(prefix_caching=True, block_size=block_size, block_manager=block_manager)
-    hash_fn = yours.engine.block_manager.hash_fn
-    if not isinstance(hash_fn, ChainHash):
-        raise CheckFailed("block_manager(...) must key its blocks with lab06.ChainHash(block_hashes, block_size): "
-                          f"its hash_fn is {hash_fn!r}")
-    got = _one_by_one(yours, prompts, params)
-    engine = _one_by_one(llm.with_levers(prefix_caching=True, block_size=block_size), prompts, params)
-    return {"tokens": [r["tokens"] for r in got], "expected": [r["tokens"] for r in off],
-            "equal": [r["tokens"] for r in got] == [r["tokens"] for r in off],
-            "prompt_tokens": [r["prompt_tokens"] for r in got],
-            "cached_tokens": [r["cached_tokens"] for r in got],
-            "expected_cached_tokens": [r["cached_tokens"] for r in engine],
-            "hash_calls": hash_fn.num_calls, "block_size": block_size,
-            "text": [llm.tokenizer.decode(r["tokens"]) for r in got]}
-
-
 def print_hash_run(result: dict) -> None:
     verdict = "✓ the same tokens as with the cache off" if result["equal"] else "✗ tokens differ from the cache off"
     print(f"{verdict} ({len(result['tokens'])} requests, one after another, block_size={result['block_size']})")
@@ -350,25 +313,6 @@ def document_questions(llm, doc: Sequence[int], num_questions: int) -> list[dict
         for i in range(num_questions)]
 
 
-def _warm(engine) -> None:
-    """First-call overheads (allocator, lazy imports) out of the timings; then an empty cache."""
-    engine.generate({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.reset_prefix_cache()
-
-
-def measure_shared_document(llm, prompts: Sequence[dict], max_tokens: int = 8) -> dict:
-    """The questions one after another, prefix caching off then on (same weights, fresh KV pools)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    runs = {}
-    for label, on in (("off", False), ("on", True)):
-        engine = llm.with_levers(prefix_caching=on)
-        _warm(engine)
-        runs[label] = _one_by_one(engine, prompts, params, desc=f"prefix_caching={on}")
-    return {"off": runs["off"], "on": runs["on"], "device": llm.device, "num_questions": len(prompts),
-            "prompt_tokens": [r["prompt_tokens"] for r in runs["off"]],
-            "identical": sum(a["tokens"] == b["tokens"] for a, b in zip(runs["off"], runs["on"]))}
-
-
 def reading_s(rows: Sequence[dict]) -> float:
     """Total time to first token over requests sent one after another: the time spent reading prompts."""
     return sum(r["ttft_s"] for r in rows)
@@ -411,36 +355,6 @@ def edit_one_token(llm, ids: Sequence[int], position: int) -> list[int]:
     return edited
 
 
-def measure_sensitivity(llm, doc: Sequence[int], fractions: Sequence[float] = (0.25, 0.5, 0.75),
-                        repeats: int = 1) -> dict:
-    """Read `doc` once (empty cache), then re-read it with one word changed at each fraction of the
-    prompt; TTFT of each re-read relative to the first read, and the share of tokens computed again.
-    `repeats` rounds (each from an empty cache); times are medians over rounds."""
-    from tqdm.auto import tqdm
-
-    engine = llm.with_levers(prefix_caching=True)
-    _warm(engine)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    first, reread, computed = [], {f: [] for f in fractions}, {}
-    with tqdm(total=repeats * (1 + len(fractions)), desc="first read + one-word edits", unit="read",
-              leave=False) as bar:
-        for _ in range(repeats):
-            engine.reset_prefix_cache()
-            out = engine.generate({"prompt_token_ids": list(doc)}, params)[0]
-            first.append(out.metrics.ttft_s)
-            bar.update()
-            for f in fractions:
-                out = engine.generate({"prompt_token_ids": edit_one_token(llm, doc, int(f * len(doc)))}, params)[0]
-                reread[f].append(out.metrics.ttft_s)
-                computed[f] = 1 - out.metrics.num_cached_tokens / len(doc)
-                bar.update()
-    first_s = statistics.median(first)
-    return {"fractions": list(fractions), "first_s": first_s, "num_tokens": len(doc),
-            "reread_s": {f: statistics.median(v) for f, v in reread.items()},
-            "relative": {f: statistics.median(v) / first_s for f, v in reread.items()},
-            "computed": computed, "block_size": engine.config.block_size, "device": llm.device}
-
-
 def print_sensitivity(result: dict, predicted: dict | None = None) -> None:
     print(f"a {result['num_tokens']}-token prompt read once in {format_seconds(result['first_s'])}, then re-read "
           f"with one word changed — {result['device']}")
@@ -467,29 +381,6 @@ def sensitivity_figure(result: dict, predicted: dict | None = None):
                         marker=dict(symbol="x", size=14, color="#d62728"))
     fig.update_layout(barmode="group", yaxis_range=[0, 1.1])
     return fig
-
-
-def measure_eviction(llm, doc_a: Sequence[int], doc_b: Sequence[int], pool_docs: Sequence[float],
-                     num_requests: int = 6, block_size: int = 16) -> list[dict]:
-    """Requests alternate between two documents (A, B, A, B, ...) in KV pools of `pool_docs`
-    documents' worth of blocks: the hit rate when the pool is too small to keep both."""
-    from tqdm.auto import tqdm
-
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    doc_blocks = -(-max(len(doc_a), len(doc_b)) // block_size)
-    prompts = [{"prompt_token_ids": list(doc_a if i % 2 == 0 else doc_b) + [13 + i]} for i in range(num_requests)]
-    rows = []
-    for size in tqdm(list(pool_docs), desc="pool sizes", unit="pool", leave=False):
-        num_blocks = max(doc_blocks + 1, round(size * doc_blocks))
-        engine = llm.with_levers(prefix_caching=True, block_size=block_size, max_num_seqs=1,
-                                 kv_cache_bytes=num_blocks * block_size * llm.kv_bytes_per_token,
-                                 max_model_len=num_blocks * block_size)
-        runs = _one_by_one(engine, prompts, params)
-        later = runs[2:]   # from the second A on, every document was read before
-        rows.append({"pool_docs": size, "num_blocks": num_blocks,
-                     "hit_rate": sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later),
-                     "evictions": engine.engine.block_manager.num_evictions})
-    return rows
 
 
 def eviction_figure(rows: Sequence[dict], device: str):

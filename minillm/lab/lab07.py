@@ -1,6 +1,7 @@
 """Lab 07 helpers — speculative decoding: checks of the learner's greedy verifier, n-gram proposer and
-rejection sampler (against minillm.spec), the engine running on the learner's functions, the toy
-reproduced on the real model, the chi-square test, and the k sweep on the repeat workload.
+rejection sampler (against minillm.spec), `plugged` (the learner's functions as the engine's parts),
+the printouts of the notebook's experiments (the toy, the engine on your functions: their code is in
+the notebook), the chi-square test, and the k sweep on the repeat workload.
 
 The learner writes, with fixed signatures:
 
@@ -95,18 +96,6 @@ def open_prompt(llm, question: str = OPEN_QUESTIONS[0]) -> dict:
 
 
 # =================================================================== 1. the toy on the real model
-def toy_rounds(llm, k: int = 3, rounds: int = 3) -> dict:
-    """Greedy speculative decoding with the engine's n-gram proposer: the prefill's token, then
-    `rounds` rounds of k proposals + one target pass each; every round recorded."""
-    params = SamplingParams(max_tokens=1 + rounds * (k + 1), temperature=0)
-    with plugged() as record:
-        engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k, max_num_seqs=1, **record["parts"])
-        out = engine.generate(repeat_prompt(llm), params, use_tqdm=False)[0]
-    spec = engine.stats.spec
-    return {"k": k, "rounds": record["rounds"], "tokens": list(out.outputs[0].token_ids), "text": out.outputs[0].text,
-            "passes": spec.num_passes, "emitted": spec.num_emitted, "tokenizer": llm.tokenizer}
-
-
 def print_toy(toy: dict) -> None:
     tok = toy["tokenizer"]
     show = lambda ids: repr(tok.decode(ids)) if ids else "(nothing)"  # noqa: E731
@@ -268,23 +257,6 @@ def check_ngram_edges(ngram_propose: Callable) -> None:
 
 
 # =================================================================== 4. the engine on your functions
-def run_plugged(llm, greedy_verify: Callable, ngram_propose: Callable, prompts: list, k: int = 4,
-                max_tokens: int = 32) -> dict:
-    """Greedy outputs: speculation off vs the engine with speculation on your proposer and verifier."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    off = llm.with_levers(speculative=None) if llm.config.speculative else llm
-    want = [list(o.outputs[0].token_ids) for o in off.generate(prompts, params, use_tqdm=False)]
-    with plugged(propose=ngram_propose, verify=greedy_verify) as record:
-        on = llm.with_levers(speculative="ngram", num_speculative_tokens=k, **record["parts"])
-        outs = on.generate(prompts, params, use_tqdm=False)
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    spec = on.stats.spec
-    return {"k": k, "tokens": got, "expected": want, "equal": got == want, "record": record,
-            "acceptance_rate": spec.acceptance_rate, "tokens_per_pass": spec.mean_accepted_length,
-            "passes": spec.num_passes, "proposed": spec.num_proposed, "accepted": spec.num_accepted,
-            "emitted": spec.num_emitted, "text": [o.outputs[0].text for o in outs]}
-
-
 def print_plugged(result: dict) -> None:
     verdict = "✓ identical to speculation off" if result["equal"] else "✗ differs from speculation off"
     print(f"{verdict}: {sum(len(t) for t in result['tokens'])} greedy tokens over {len(result['tokens'])} prompts")
@@ -468,18 +440,6 @@ def distribution_figure(report: dict, wrong: dict | None = None, position: int =
     return fig
 
 
-def run_sampled(llm, rejection_sample: Callable, prompt: dict, k: int = 4, max_tokens: int = 24,
-                temperature: float = 0.7, seed: int = 0) -> dict:
-    """The engine sampling with your rejection sampler (a seeded request)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    with plugged(sample=rejection_sample) as record:
-        engine = llm.with_levers(speculative="ngram", num_speculative_tokens=k, **record["parts"])
-        out = engine.generate(prompt, params, use_tqdm=False)[0]
-    spec = engine.stats.spec
-    return {"text": out.outputs[0].text, "calls": record["sample_calls"], "acceptance_rate": spec.acceptance_rate,
-            "tokens_per_pass": spec.mean_accepted_length}
-
-
 # =================================================================== 6. the k sweep
 def check_expected_tokens_per_pass(fn: Callable) -> None:
     cases = [(0.0, 4), (0.5, 1), (0.5, 3), (0.8, 8), (0.9, 2), (1.0, 5), (1.0, 1), (0.3, 0), (0.999, 6)]
@@ -612,9 +572,9 @@ def open_workload(llm, num_requests: int, max_tokens: int):
             for i in range(num_requests)]
 
 
-__all__ = ["plugged", "toy_rounds", "print_toy", "check_greedy_verify", "check_greedy_verify_edges",
-           "check_ngram_propose", "check_ngram_edges", "run_plugged", "print_plugged", "check_plugged",
+__all__ = ["plugged", "print_toy", "check_greedy_verify", "check_greedy_verify_edges",
+           "check_ngram_propose", "check_ngram_edges", "print_plugged", "check_plugged",
            "synthetic_case", "chi_square_p_value", "chi_square_report", "print_chi_square",
            "check_rejection_sample", "check_rejection_sample_shape", "skip_correction_sample", "distribution_figure",
-           "run_sampled", "check_expected_tokens_per_pass", "sweep", "print_sweep", "sweep_figure",
+           "check_expected_tokens_per_pass", "sweep", "print_sweep", "sweep_figure",
            "tokens_per_pass_figure", "open_workload", "available_methods", "residual_distribution"]

@@ -1,6 +1,8 @@
 """Lab 08 helpers — serving and cost: checks of the learner's SSE parser, stream timer, goodput,
 $ per million tokens and batch-size choice; a raw streaming client over httpx; the batch-size sweep
-through the server with the load generator; the cost ladder beside the sources' H100 numbers.
+through the server with the load generator; the tables and figures of the notebook's experiments (the
+stream timed by the learner's stream_metrics, the cost ladder beside the sources' H100 numbers: their
+code is in the notebook).
 
 The learner writes, with fixed signatures:
 
@@ -493,21 +495,6 @@ def openai_client(handle):
     return openai.OpenAI(base_url=handle.base_url, api_key="none")
 
 
-def run_stream(handle, stream_metrics: Callable, question: str, max_tokens: int = 16) -> dict:
-    """One greedy chat request streamed twice: raw lines timed by your stream_metrics, and through the
-    openai client (its text must be the same)."""
-    messages = [{"role": "user", "content": question}]
-    payload = {"model": handle.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-               "stream_options": {"include_usage": True}}
-    sent_s, lines = stream_raw(handle.base_url, payload)
-    mine = stream_metrics(list(lines), sent_s)
-    stream = openai_client(handle).chat.completions.create(model=handle.model_name, messages=messages,
-                                                           max_tokens=max_tokens, temperature=0, stream=True)
-    official = "".join((chunk.choices[0].delta.content or "") for chunk in stream if chunk.choices)
-    return {"question": question, "mine": mine, "openai_text": official, "sent_s": sent_s, "lines": lines,
-            "reference": reference_stream_metrics(lines, sent_s)}
-
-
 def print_stream(run: dict, num_lines: int = 6) -> None:
     lines = [line for _, line in run["lines"]]
     print(f"{len(lines)} raw lines; the first {num_lines}:")
@@ -523,8 +510,9 @@ def print_stream(run: dict, num_lines: int = 6) -> None:
 
 
 def check_stream(run: dict) -> None:
-    """Your stream_metrics on the server's real stream: the openai client's text, the reference timings."""
-    mine, want = run["mine"], run["reference"]
+    """Your stream_metrics on the server's real stream (the notebook's run_stream): the openai client's
+    text, the reference timings of the same raw lines."""
+    mine, want = run["mine"], reference_stream_metrics(run["lines"], run["sent_s"])
     if not isinstance(mine, dict) or not {"text", "ttft_s", "itl_s"} <= set(mine):
         raise CheckFailed(f"stream_metrics returned {mine!r}; expected a dict with 'text', 'ttft_s' and 'itl_s'")
     if mine["text"] != run["openai_text"]:
@@ -751,27 +739,6 @@ class FloorExplorer:
 
 
 # =================================================================== the cost ladder
-def cost_ladder(stack: Sequence, cost_per_million: Callable, hourly_usd: float) -> list[dict]:
-    """minillm.bench.cost.cost_stack's rows priced by your cost_per_million, each beside the sources' H100
-    rung at the same position (naive, + batching and paging, + quantization, + speculation)."""
-    ladder = []
-    for i, row in enumerate(stack):
-        usd = cost_per_million(row.tokens_per_s, hourly_usd)
-        if not _number(usd) or not math.isclose(usd, row.usd_per_mtok, rel_tol=1e-6):
-            raise CheckFailed(f"your cost_per_million({row.tokens_per_s:.4g}, {hourly_usd}) = {usd!r}; the cost stack "
-                              f"priced '{row.stage}' at {row.usd_per_mtok:.4g} $/Mtok: check exercise 4")
-        source = SOURCE_STACK[i] if i < len(SOURCE_STACK) else None
-        ladder.append({
-            "stage": row.stage, "tokens_per_s": row.tokens_per_s, "usd_per_mtok": usd,
-            "gain_vs_previous": row.tokens_per_s / stack[i - 1].tokens_per_s if i else 1.0,
-            "gain_vs_naive": row.tokens_per_s / stack[0].tokens_per_s, "same_tokens": row.same_tokens,
-            "num_requests": row.num_requests, "acceptance_rate": row.acceptance_rate,
-            "h100_stage": source[0] if source else None, "h100_tokens_per_s": source[1] if source else None,
-            "h100_usd_per_mtok": cost_per_million(source[1], SOURCE_HOURLY_USD) if source else None,
-            "h100_gain_vs_naive": source[1] / SOURCE_STACK[0][1] if source else None})
-    return ladder
-
-
 def print_ladder(ladder: Sequence[dict], device: str) -> None:
     print(f"{'':32}{'here: ' + device:^40}  {'the sources: H100 at 2.50 $/h':^30}")
     print(f"{'stage':32}{'tok/s':>9}{'x naive':>9}{'x prev':>8}{'$/Mtok':>11}   {'tok/s':>8}{'x naive':>9}{'$/Mtok':>9}")
@@ -809,7 +776,7 @@ def greedy(max_tokens: int):
 __all__ = ["CheckFailed", "SOURCE_STACK", "SOURCE_HOURLY_USD", "SOURCE_USD_PER_MTOK", "SLO_KEYS",
            "check_parse_sse", "check_stream_metrics", "check_goodput", "check_cost_per_million",
            "check_choose_batch_size", "chunk_text", "completion_chunk", "chat_chunk", "usage_chunk", "stream_raw",
-           "openai_client", "run_stream", "print_stream", "check_stream", "stream_figure", "chat_dataset", "records",
+           "openai_client", "print_stream", "check_stream", "stream_figure", "chat_dataset", "records",
            "slo_ms", "check_goodput_on", "requests_figure", "scrape_metrics", "print_metrics", "serve_batch_sweep",
-           "print_batch_sweep", "batch_figure", "FloorExplorer", "cost_ladder", "print_ladder", "ladder_figure",
+           "print_batch_sweep", "batch_figure", "FloorExplorer", "print_ladder", "ladder_figure",
            "greedy"]
