@@ -26,7 +26,7 @@ from ..seams import (BlockAllocator, PrefixCache, Proposer, Sampler, SchedulingP
                      check_part)
 from .block_manager import BlockManager
 from .engine import Engine, Weights
-from .kv_cache import KVCache, kv_bytes_per_token, kv_quantized, pool_bytes
+from .kv_cache import KVCache, kv_bytes_per_token, pool_bytes
 from .metrics import SpecStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -140,8 +140,7 @@ def build_kv_pool(config: EngineConfig, model_config, dtype: torch.dtype, device
         return None, None
     size = pool_bytes(model_config, dtype, device, config.max_num_seqs, max_model_len, config.kv_cache_bytes,
                       config.kv_cache_memory_fraction, config.kv_dtype)
-    kv_dtype = config.kv_dtype if kv_quantized(config.kv_dtype) else None
-    per_block = kv_bytes_per_token(model_config, dtype, kv_dtype) * config.block_size
+    per_block = kv_bytes_per_token(model_config, dtype, config.kv_dtype) * config.block_size
     num_blocks = size // per_block
     if num_blocks < 1:
         raise ValueError(f"the KV pool of {size} bytes holds no block of {per_block} bytes; "

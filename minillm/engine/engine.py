@@ -14,7 +14,7 @@ from ..hardware import device_name
 from ..quant import weight_bytes
 from ..sampling import SamplingParams
 from ..seams import BlockAllocator
-from .kv_cache import KVCache, kv_bytes_per_token, kv_quantized
+from .kv_cache import KVCache, kv_bytes_per_token
 from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -45,8 +45,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, weights: Weights,
                  max_model_len: int, block_manager: BlockAllocator | None, kv_cache: KVCache | None,
-                 scheduler: Scheduler, runner: ModelRunner, parts=None, draft: DraftWorker | None = None,
-                 speculator: Speculator | None = None):
+                 scheduler: Scheduler, runner: ModelRunner, parts=None, draft: DraftWorker | None = None):
         self.config, self.device, self.dtype = config, device, dtype
         self.weights = weights
         self.model_path, self.model_config = weights.model_path, weights.model_config
@@ -55,7 +54,9 @@ class Engine:
         self.block_manager, self.kv_cache = block_manager, kv_cache
         self.scheduler, self.runner = scheduler, runner
         self.parts = parts              # the EngineParts it was built with (with_levers passes them on)
-        self.draft, self.speculator = draft, speculator
+        self.draft = draft
+        # speculative=...: set by build_engine once this engine's stats exist (its proposers count into them).
+        self.speculator: Speculator | None = None
         self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
@@ -272,5 +273,4 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V bytes per token as the cache stores them (values plus, for int8 / fp8, their scales)."""
-        kv_dtype = self.config.kv_dtype if kv_quantized(self.config.kv_dtype) else None
-        return kv_bytes_per_token(self.model_config, self.dtype, kv_dtype)
+        return kv_bytes_per_token(self.model_config, self.dtype, self.config.kv_dtype)

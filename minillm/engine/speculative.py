@@ -104,7 +104,17 @@ def draft_loop(seqs: list[Sequence], budgets: list[int], forward, stats: SpecSta
     return drafts, [torch.stack(p) if p else None for p in probs]
 
 
-class NgramProposer:
+class StatelessProposer:
+    """A proposer that keeps nothing per sequence: nothing to trim after a pass, nothing to free."""
+
+    def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class NgramProposer(StatelessProposer):
     """speculative="ngram": prompt lookup (minillm/spec/ngram.py), no model. `propose_fn(token_ids, k)`
     is the per-sequence lookup (a lab passes the learner's)."""
 
@@ -114,14 +124,8 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
         return [self.propose_fn(seq.token_ids, b) if b else [] for seq, b in zip(seqs, budgets)], [None] * len(seqs)
 
-    def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
-        pass
 
-    def release(self, seq: Sequence) -> None:
-        pass
-
-
-class SelfDraftProposer:
+class SelfDraftProposer(StatelessProposer):
     """speculative="self": the target's first `num_layers` layers, its final norm and its head draft,
     on top of the target's own cache (an early exit, as in LayerSkip)."""
 
@@ -151,12 +155,6 @@ class SelfDraftProposer:
             for seq, (n, cached, scheduled) in zip(seqs, saved):
                 del seq.token_ids[n:]
                 seq.num_cached_tokens, seq.num_scheduled_tokens = cached, scheduled
-
-    def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass
 
 
 class DraftModelProposer:
