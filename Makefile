@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model lab test test-all test-slow labs labs-check bench bench-batching bench-serve cost doctor browser-deps clean
+.PHONY: setup model lab test test-all test-slow labs labs-check labs-report bench bench-batching bench-serve cost doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ labs: setup         ## regenerate labs/ and solutions/ from the instructor maste
 
 labs-check: setup   ## fail when labs/ or solutions/ drifted from the masters
 	$(BIN)/python -m grading.build --check
+
+labs-report: setup  ## per lab: cells the learner writes and only runs, predictions, measurements; the rubric's problems
+	$(BIN)/python -m grading.report
 
 bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache

@@ -48,6 +48,11 @@ LAB_NAME = re.compile(r"\d\d_[a-z0-9_]+")
 
 # Regions cut out of the solutions, as nbgrader's own preprocessors find them (substring match).
 SOLUTION_MARKERS = ("BEGIN SOLUTION", "END SOLUTION")
+# A model answer to an explain question, in an ordinary markdown cell: kept (without the marker lines)
+# in solutions/, replaced by MODEL_ANSWER_STUB in labs/ and in every course nbgrader sees (so neither a
+# release nor a graded copy nor its feedback page shows it).
+MODEL_ANSWER_MARKERS = ("BEGIN MODEL ANSWER", "END MODEL ANSWER")
+MODEL_ANSWER_STUB = "YOUR ANSWER HERE"
 REMOVED_REGIONS = (("BEGIN HIDDEN TESTS", "END HIDDEN TESTS"), ("BEGIN MARK SCHEME", "END MARK SCHEME"))
 
 # Per-cell metadata that records a past session rather than the lab (nbconvert's ClearOutput
@@ -117,12 +122,47 @@ def _cut_regions(source: str) -> str:
         if region is not None:
             open_region = region
             continue
-        if any(marker in line for marker in SOLUTION_MARKERS):
+        if any(marker in line for marker in SOLUTION_MARKERS + MODEL_ANSWER_MARKERS):
             continue
         kept.append(line)
     if open_region is not None:
         raise ValueError(f"no '{open_region[1]}' after '{open_region[0]}' in cell:\n{source}")
     return "\n".join(kept)
+
+
+def model_answer_regions(source: str) -> list[tuple[int, int]]:
+    """(first, last) line indices of each ``### BEGIN MODEL ANSWER`` ... ``### END MODEL ANSWER`` region
+    of one cell, markers included; ValueError for a region left open or an END without a BEGIN."""
+    regions, start = [], None
+    begin, end = MODEL_ANSWER_MARKERS
+    for index, line in enumerate(source.split("\n")):
+        if begin in line:
+            if start is not None:
+                raise ValueError(f"'{begin}' inside another model answer:\n{source}")
+            start = index
+        elif end in line:
+            if start is None:
+                raise ValueError(f"'{end}' without a '{begin}':\n{source}")
+            regions.append((start, index))
+            start = None
+    if start is not None:
+        raise ValueError(f"no '{end}' after '{begin}' in cell:\n{source}")
+    return regions
+
+
+def without_model_answers(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy of ``nb`` whose model answers are replaced by MODEL_ANSWER_STUB: the notebook that nbgrader
+    releases, grades and turns into feedback."""
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        regions = model_answer_regions(cell.source)
+        if not regions:
+            continue
+        lines = cell.source.split("\n")
+        for first, last in reversed(regions):
+            lines[first:last + 1] = [MODEL_ANSWER_STUB]
+        cell.source = "\n".join(lines)
+    return nb
 
 
 def solution_notebook(master: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -365,13 +405,27 @@ def markdown_problems(lab: str, nb) -> list[str]:
     return problems
 
 
+def model_answer_problems(lab: str, nb) -> list[str]:
+    """Model answers belong in plain markdown cells (nbgrader's own cells have their own markers)."""
+    problems = []
+    for index, cell in enumerate(nb.cells):
+        try:
+            regions = model_answer_regions(cell.source)
+        except ValueError as error:
+            problems.append(f"{lab} cell {index}: {str(error).splitlines()[0]}")
+            continue
+        if regions and (cell.cell_type != "markdown" or "nbgrader" in cell.metadata):
+            problems.append(f"{lab} cell {index}: a model answer belongs in a markdown cell without nbgrader metadata")
+    return problems
+
+
 def check_masters(labs: list[str], source_dir: Path = SOURCE_DIR) -> None:
     """Raise ValueError listing every problem :func:`markdown_problems` and
     :func:`autograded_cell_problems` find in the masters of ``labs``."""
     problems: list[str] = []
     for lab in labs:
         nb = read_master(lab, source_dir)
-        problems += markdown_problems(lab, nb) + autograded_cell_problems(lab, nb)
+        problems += markdown_problems(lab, nb) + autograded_cell_problems(lab, nb) + model_answer_problems(lab, nb)
     if problems:
         raise ValueError(f"{len(problems)} problem(s) in grading/source; fix the masters, then run `make labs`:\n"
                          + "\n".join(f"  {problem}" for problem in problems))
@@ -414,7 +468,7 @@ def make_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE_DI
             destination = target / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             if relative == Path(f"{lab}.ipynb"):
-                destination.write_text(dumps(read_master(lab, source_dir)), encoding="utf-8")
+                destination.write_text(dumps(without_model_answers(read_master(lab, source_dir))), encoding="utf-8")
             else:
                 destination.write_bytes(path.read_bytes())
     return course_root
@@ -499,12 +553,26 @@ def build(
     source_dir: Path = SOURCE_DIR,
     check: bool = False,
     rendered: dict[str, str] | None = None,
+    labs: list[str] | None = None,
 ) -> list[str]:
     """Regenerate labs/ and solutions/ under ``out_root``; return the paths that changed
     (with ``check=True``: that would change) — written, differing, or stale (no master left).
-    ``rendered``: the output of :func:`render`, to reuse one rendering."""
+    ``rendered``: the output of :func:`render`, to reuse one rendering; ``labs``: only these labs
+    (the others' files are neither written nor removed)."""
     out_root = Path(out_root)
-    rendered = render(source_dir) if rendered is None else rendered
+    rendered = render(source_dir, labs) if rendered is None else rendered
+    if labs is not None:
+        return _write(out_root, rendered, check)
+    changed = _write(out_root, rendered, check)
+    for relative in sorted(_generated_files_present(out_root) - set(rendered)):
+        changed.append(relative)
+        if not check:
+            (out_root / relative).unlink()
+    return changed
+
+
+def _write(out_root: Path, rendered: dict[str, str], check: bool) -> list[str]:
+    """Write each rendered file that differs (unless ``check``); the paths that differ."""
     changed: list[str] = []
     for relative, text in sorted(rendered.items()):
         path = out_root / relative
@@ -514,10 +582,6 @@ def build(
         if not check:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(text.encode("utf-8"))
-    for relative in sorted(_generated_files_present(out_root) - set(rendered)):
-        changed.append(relative)
-        if not check:
-            (out_root / relative).unlink()
     return changed
 
 
@@ -526,14 +590,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any file would change")
     parser.add_argument("--out", type=Path, default=REPO_ROOT, help="root that holds labs/ and solutions/")
     parser.add_argument("--source", type=Path, default=SOURCE_DIR, help="folder of instructor masters")
+    parser.add_argument("--labs", nargs="+", metavar="LAB", help="only these labs (e.g. 06_prefix_caching)")
     args = parser.parse_args(argv)
 
     labs = discover_labs(args.source)
+    if args.labs:
+        unknown = sorted(set(args.labs) - set(labs))
+        if unknown:
+            print(f"no master for {unknown}; the labs are {', '.join(labs)}", file=sys.stderr)
+            return 1
+        labs = [lab for lab in labs if lab in args.labs]
     if not labs:
         print(f"no masters found under {args.source} (expected NN_topic/NN_topic.ipynb)", file=sys.stderr)
         return 1
     try:
-        changed = build(args.out, args.source, check=args.check)
+        changed = build(args.out, args.source, check=args.check, labs=labs if args.labs else None)
     except ValueError as error:  # a master fails check_masters: say what, no traceback
         print(error, file=sys.stderr)
         return 1

@@ -40,7 +40,7 @@ import nbformat
 
 from grading import guard, screen
 from grading.build import (GRADING_DIR, REMOVED_REGIONS, REPO_ROOT, SOURCE_DIR, discover_labs, dumps, generate_assignments,
-                           make_course, read_master)
+                           make_course, read_master, without_model_answers)
 from grading.execute import REPORT_ENV as EXECUTE_REPORT_ENV
 
 STUDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
@@ -175,7 +175,8 @@ def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE
     masters = {}
     for lab in labs:
         masters[lab] = read_master(lab, source_dir)
-        (course_root / "source" / lab / f"{lab}.ipynb").write_text(dumps(grading_master(masters[lab])), encoding="utf-8")
+        graded = grading_master(without_model_answers(masters[lab]))
+        (course_root / "source" / lab / f"{lab}.ipynb").write_text(dumps(graded), encoding="utf-8")
     released = generate_assignments(course_root, labs)
     courses = {}
     with Gradebook("sqlite:///" + str(course_root / "gradebook.db"), COURSE_ID) as gradebook:

@@ -66,6 +66,42 @@ def notebook_functions(master: Path, *names: str, **namespace) -> dict:
     return {name: scope[name] for name in names}
 
 
+def graded_test_ids(master: Path) -> list[str]:
+    """grade_id of every autograded test cell of the master, in order."""
+    nb = nbformat.read(master, as_version=4)
+    return [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.cell_type == "code"
+            and c.metadata.get("nbgrader", {}).get("grade") and not c.metadata["nbgrader"].get("solution")]
+
+
+def run_test_cell(master: Path, grade_id: str, namespace: dict) -> BaseException | None:
+    """Exec one autograded test cell of the master, visible and hidden tests, in namespace; the exception it
+    raised, or None when it passed."""
+    cell, _ = nbgrader_cells(nbformat.read(master, as_version=4))[grade_id]
+    try:
+        exec(compile(cell.source, f"<master:{grade_id}>", "exec"), namespace)
+    except Exception as exc:  # noqa: BLE001 - the caller judges it
+        return exc
+    return None
+
+
+def assert_check_fails(master: Path, grade_id: str, namespace: dict, mistake: str, names_the_case: str) -> None:
+    """The wrong-answer test of one graded check: the solution passes the test cell `grade_id` in a copy of
+    namespace; with `mistake` (source that redefines the learner's code, a plausible wrong answer) exec'd
+    over it, the cell fails with an AssertionError (CheckFailed is one) whose message contains
+    `names_the_case` (the call and its arguments, or the case in words)."""
+    passed = run_test_cell(master, grade_id, dict(namespace))
+    assert passed is None, f"{grade_id}: the solution itself fails in this namespace: {passed!r}"
+    scope = dict(namespace)
+    exec(compile(mistake, f"<mistake for {grade_id}>", "exec"), scope)
+    failure = run_test_cell(master, grade_id, scope)
+    assert failure is not None, f"{grade_id} passed this mistake:\n{mistake}"
+    assert isinstance(failure, AssertionError), (
+        f"{grade_id} crashed on this mistake instead of failing a check: {type(failure).__name__}: {failure}\n{mistake}")
+    message = str(failure)
+    assert names_the_case in message, (
+        f"{grade_id}'s failure does not name the case ({names_the_case!r} not in the message):\n{message}\n{mistake}")
+
+
 def solution_source(master: Path, header: str, launcher_prefix: str) -> str:
     """header, the master's solution code cells and the code cell starting with launcher_prefix, as one module's
     source (Triton reads a kernel's source from its file, so the code must live in a real file, not in exec'd

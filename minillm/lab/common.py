@@ -242,6 +242,41 @@ def expect_number(name: str, args: Sequence, actual, expected: float, hint: str 
         raise CheckFailed(message + (f": {hint}" if hint else ""))
 
 
+def echo_prediction(what: str, predicted, measured, unit: str = "", digits: int = 3) -> None:
+    """Print the learner's prediction beside the measured value, and for a number how far off it was.
+
+    ``predicted`` is the ``predicted_*`` variable a lab's Predict cell asks for (None while unset);
+    numbers are compared as a ratio (``off by 2.1x``) and a signed percentage, anything else (a word,
+    a choice, True/False) as equal or not. Prints one line and returns None, so it can end any cell."""
+    shown = _format_measured(measured, unit, digits)
+    if predicted is None:
+        print(f"{what}: measured {shown}; you predicted nothing (fill in the predicted_ variable above, re-run)")
+        return
+    numeric = (isinstance(predicted, (int, float)) and not isinstance(predicted, bool)
+               and isinstance(measured, (int, float)) and not isinstance(measured, bool))
+    if not numeric:
+        same = str(predicted).strip().lower() == str(measured).strip().lower()
+        print(f"{what}: you predicted {predicted!r}, measured {measured!r}: "
+              + ("right" if same else "not this time"))
+        return
+    guess = _format_measured(predicted, unit, digits)
+    if measured == 0 or predicted == 0:
+        off = "exact" if predicted == measured else f"off by {abs(predicted - measured):.{digits}g}{unit}"
+    else:
+        error = predicted / measured - 1
+        ratio = max(predicted / measured, measured / predicted) if predicted * measured > 0 else None
+        direction = "high" if abs(predicted) > abs(measured) else "low"
+        off = ("the wrong sign" if ratio is None else "spot on" if abs(error) < 0.005 else
+               f"{error:+.0%}, too {direction}" if ratio < 2 else f"{ratio:.1f}x too {direction}")
+    print(f"{what}: you predicted {guess}, measured {shown} ({off})")
+
+
+def _format_measured(value, unit: str, digits: int) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return repr(value)
+    return f"{value:.{digits}g}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
 def passed(name: str, num_cases: int) -> None:
     """Print a check's verdict. Checks return None: nbgrader reads the value a test cell ends on as a
     partial score (a string there is a warning now and an error in a later nbgrader)."""
