@@ -87,8 +87,8 @@ def _header_points(header: str) -> list[float]:
         cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
         if cells[0].lower().startswith("total"):
             continue
-        try:
-            values.append(float(cells[-1]))
+        try:   # "2", or "1 + 1" for a graded group of cells
+            values.append(sum(float(part) for part in cells[-1].split("+")))
         except ValueError:
             continue
     return values

@@ -167,3 +167,88 @@ def test_as_widget_keeps_traces_in_the_initial_state():
     assert list(widget._widget_data[0]["x"]) == [1, 2, 3] and widget.layout.xaxis.title.text == "x"
     explorer = lab00.LatencyExplorer(0.5, 0.1, lambda ttft, tpot, n: ttft + tpot * (n - 1), DEVICE)
     assert [trace["name"] for trace in explorer.figure._widget_data] == ["TTFT", "decode"]
+
+
+# ------------------------------------------------------------------ wrong answers (the rubric of grading/README.md)
+from pathlib import Path  # noqa: E402
+
+from lab_utils import assert_check_fails, run_solution_cells  # noqa: E402
+
+MASTER = Path(__file__).resolve().parents[1] / "grading" / "source" / "00_setup" / "00_setup.ipynb"
+# A request the engine could have measured: 12 prompt tokens, 8 output tokens, TTFT 0.3 s, TPOT 0.05 s.
+FAKE_METRICS = SimpleNamespace(num_prompt_tokens=12, num_output_tokens=8, ttft_s=0.3, tpot_s=0.05, e2e_s=0.3 + 7 * 0.05,
+                               queue_s=0.0)
+
+MISTAKES = {
+    "test_count_tokens": [
+        ("def count_tokens(tokenizer, text):\n    return len(text)", "count_tokens(tokenizer, 'Hello world')"),
+        ("def count_tokens(tokenizer, text):\n    return len(text.split()) + 1", "count_tokens(tokenizer,"),
+        ("def count_tokens(tokenizer, text):\n    return tokenizer.encode(text).size", "raised AttributeError"),
+    ],
+    "test_count_tokens_engine": [
+        ("def count_tokens(tokenizer, text):\n    return len(text)", "count_tokens(tokenizer, 'The capital of France is')"),
+        ("def count_tokens(tokenizer, text):\n    return len(tokenizer.encode(text)) - 1", "the engine fed"),
+        ("def count_tokens(tokenizer, text):\n    return len(text.split())", "count_tokens(tokenizer, 'tokens tokens"),
+    ],
+    "test_tokens_per_second": [
+        ("def tokens_per_second(num_tokens, seconds):\n    return seconds / num_tokens", "tokens_per_second(100, 2.0)"),
+        ("def tokens_per_second(num_tokens, seconds):\n    return num_tokens / seconds", "tokens_per_second(10, 0)"),
+        ("def tokens_per_second(num_tokens, seconds):\n    if seconds <= 0:\n        raise ValueError('bad duration')\n"
+         "    return num_tokens / seconds", "must name the bad value"),
+    ],
+    "test_tokens_per_second_more": [
+        ("def tokens_per_second(num_tokens, seconds):\n    if num_tokens <= 0 or seconds <= 0:\n"
+         "        raise ValueError(f'seconds={seconds}')\n    return num_tokens / seconds", "tokens_per_second(0, 1.0)"),
+        ("def tokens_per_second(num_tokens, seconds):\n    if seconds == 0:\n        raise ValueError(f'seconds={seconds}')\n"
+         "    return num_tokens / seconds", "tokens_per_second(5, -0.5)"),
+        ("def tokens_per_second(num_tokens, seconds):\n    if seconds < 0.01:\n        raise ValueError(f'seconds={seconds}')\n"
+         "    return num_tokens / seconds", "tokens_per_second(3, 0.001)"),
+    ],
+    "test_e2e_latency": [
+        ("def e2e_latency_s(ttft_s, tpot_s, n):\n    return ttft_s + tpot_s * n", "off by one token"),
+        ("def e2e_latency_s(ttft_s, tpot_s, n):\n    return tpot_s * n", "e2e_latency_s(0.5, 0.05, 11)"),
+        ("def e2e_latency_s(ttft_s, tpot_s, n):\n    return tpot_s * (n - 1)", "e2e_latency_s(0.5, 0.05, 11)"),
+    ],
+    "test_e2e_latency_engine": [
+        ("def e2e_latency_s(ttft_s, tpot_s, n):\n    return ttft_s + tpot_s * n", "the engine measured"),
+        ("def e2e_latency_s(ttft_s, tpot_s, n):\n    return tpot_s * n", "e2e_latency_s(0.3, 0.05, 8)"),
+        ("def e2e_latency_s(ttft_s, tpot_s, n):\n    return ttft_s + tpot_s * (n - 1) if n > 8 else ttft_s * n",
+         "e2e_latency_s(0.3, 0.05, 8)"),
+    ],
+    "test_measure_rates": [
+        ("decode_tokens_per_s = tokens_per_second(metrics.num_output_tokens, metrics.e2e_s - metrics.ttft_s)",
+         "off by one token"),
+        ("decode_tokens_per_s = tokens_per_second(metrics.num_output_tokens - 1, metrics.e2e_s)",
+         "decode_tokens_per_s = "),
+        ("prompt_tokens_per_s = tokens_per_second(metrics.num_prompt_tokens, metrics.e2e_s)",
+         "prefill is the time to the first token"),
+    ],
+    "test_answer_decode_90": [
+        ("answer_decode_90_tokens = 90", "answer_decode_90_tokens = 90"),
+        ("answer_decode_90_tokens = round(metrics.ttft_s / metrics.tpot_s) + 1", "answer_decode_90_tokens = 7"),
+        ("answer_decode_90_tokens = round(0.9 * metrics.ttft_s / metrics.tpot_s)", "not 90 %"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def lab00_namespace(default_llm):
+    """The solution cells of lab 00 run over what its test cells read: the model, a request's output, its metrics."""
+    prompt = "The capital of France is"
+    outputs = [SimpleNamespace(prompt=prompt, prompt_token_ids=default_llm.tokenizer.encode(prompt))]
+    seed = {"lab00": lab00, "math": __import__("math"), "llm": default_llm, "outputs": outputs,
+            "metrics": FAKE_METRICS, "DEVICE": DEVICE}
+    return run_solution_cells(MASTER, seed)
+
+
+@pytest.mark.parametrize("grade_id, mistake, case", [(g, m, c) for g, cases in MISTAKES.items() for m, c in cases],
+                         ids=[f"{g}-{i}" for g, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_check_fails_on_a_plausible_mistake(lab00_namespace, grade_id, mistake, case):
+    assert_check_fails(MASTER, grade_id, lab00_namespace, mistake, case)
+
+
+def test_answer_decode_90_is_the_first_length_past_90_percent():
+    n = lab00.decode_90_tokens(0.3, 0.05)
+    share = lambda k: 0.05 * (k - 1) / (0.3 + 0.05 * (k - 1))  # noqa: E731
+    assert n == 55 and share(n) >= 0.9 > share(n - 1)
+    assert lab00.decode_90_tokens(0.05, 0.05) == 10

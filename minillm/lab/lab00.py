@@ -13,7 +13,10 @@ from collections.abc import Callable
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from .common import CheckFailed, as_widget, call_repr, expect_number, is_close, new_figure, passed
+import math
+
+from .common import (CheckFailed, as_widget, call_learner, call_repr, expect_number, is_close,
+                     new_figure, passed)
 
 
 # ------------------------------------------------------------------ doctor
@@ -141,7 +144,7 @@ def check_tokens_per_second(tokens_per_second: Callable) -> None:
     name = "tokens_per_second"
     cases = [(100, 2.0), (16, 0.25), (1, 4.0), (4096, 1.6)]
     for num_tokens, seconds in cases:
-        got = tokens_per_second(num_tokens, seconds)
+        got = call_learner(tokens_per_second, (num_tokens, seconds), call_repr(name, (num_tokens, seconds)))
         want = num_tokens / seconds
         inverted = is_close(got, seconds / num_tokens) and not is_close(want, seconds / num_tokens)
         hint = "that is seconds per token; tokens per second is num_tokens / seconds" if inverted else ""
@@ -149,13 +152,44 @@ def check_tokens_per_second(tokens_per_second: Callable) -> None:
     for seconds in (0, -1.0):
         try:
             got = tokens_per_second(10, seconds)
-        except ValueError:
+        except ValueError as error:
+            if str(seconds) not in str(error):
+                raise CheckFailed(f"{call_repr(name, (10, seconds))} raised ValueError({str(error)!r}); the message "
+                                  f"must name the bad value, e.g. 'seconds={seconds} must be > 0'") from None
             continue
         except ZeroDivisionError:
             raise CheckFailed(f"{call_repr(name, (10, seconds))} raised ZeroDivisionError; raise a ValueError that "
                               "names the bad value instead (e.g. 'seconds=0 must be > 0')") from None
+        except Exception as error:  # noqa: BLE001 - the message names the learner's error
+            raise CheckFailed(f"{call_repr(name, (10, seconds))} raised {type(error).__name__}: {error}; "
+                              "raise ValueError for a duration that is not positive") from None
         raise CheckFailed(f"{call_repr(name, (10, seconds))} returned {got!r}; a duration must be > 0: raise ValueError")
     passed(name, len(cases) + 2)
+
+
+def check_tokens_per_second_edges(tokens_per_second: Callable) -> None:
+    """The edges of the contract: no tokens is 0 tokens/s (a valid measurement), a tiny duration is a big
+    number (not an error), and every duration that is not positive is a ValueError naming it."""
+    name = "tokens_per_second"
+    for num_tokens, seconds in ((0, 1.0), (3, 1e-3), (1, 1e-6)):
+        got = call_learner(tokens_per_second, (num_tokens, seconds), call_repr(name, (num_tokens, seconds)))
+        hint = ("no tokens in a positive time is 0 tokens/s, not an error" if num_tokens == 0 else
+                "only a duration <= 0 is invalid; a short one gives a large rate")
+        expect_number(name, (num_tokens, seconds), got, num_tokens / seconds, hint)
+    bad_values = (0.0, -0.5, -3)
+    for seconds in bad_values:
+        try:
+            got = tokens_per_second(5, seconds)
+        except ValueError as error:
+            if str(seconds) not in str(error):
+                raise CheckFailed(f"{call_repr(name, (5, seconds))} raised ValueError({str(error)!r}); name the bad "
+                                  f"value in the message: {seconds}") from None
+            continue
+        except Exception as error:  # noqa: BLE001 - the message names the learner's error
+            raise CheckFailed(f"{call_repr(name, (5, seconds))} raised {type(error).__name__}: {error}; raise "
+                              "ValueError") from None
+        raise CheckFailed(f"{call_repr(name, (5, seconds))} returned {got!r}; seconds <= 0 must raise ValueError")
+    passed(f"{name} at the edges", 3 + len(bad_values))
 
 
 def check_e2e_latency(e2e_latency_s: Callable) -> None:
@@ -163,7 +197,7 @@ def check_e2e_latency(e2e_latency_s: Callable) -> None:
     name = "e2e_latency_s"
     cases = [(0.5, 0.05, 11), (2.0, 0.25, 16), (0.1, 0.02, 1), (1.2, 0.04, 256)]
     for ttft, tpot, n in cases:
-        got = e2e_latency_s(ttft, tpot, n)
+        got = call_learner(e2e_latency_s, (ttft, tpot, n), call_repr(name, (ttft, tpot, n)))
         want = ttft + tpot * (n - 1)
         hint = ""
         if is_close(got, ttft + tpot * n) and n != 0:
@@ -183,7 +217,7 @@ def check_count_tokens(count_tokens: Callable, tokenizer) -> None:
     """The number of token ids the engine feeds for a prompt: len(tokenizer.encode(text))."""
     name = "count_tokens"
     for text in CHECK_TEXTS:
-        got = count_tokens(tokenizer, text)
+        got = call_learner(count_tokens, (tokenizer, text), f"count_tokens(tokenizer, {text!r})")
         want = len(tokenizer.encode(text))
         if got == len(text) and want != len(text):
             hint = "that is the number of characters; a token is usually several characters: use tokenizer.encode"
@@ -196,3 +230,73 @@ def check_count_tokens(count_tokens: Callable, tokenizer) -> None:
         if got != want:
             raise CheckFailed(f"count_tokens(tokenizer, {text!r}) returned {got}, expected {want}: {hint}")
     passed(name, len(CHECK_TEXTS))
+
+
+def check_count_tokens_engine(count_tokens: Callable, tokenizer, output) -> None:
+    """count_tokens agrees with the ids the engine fed for a request it ran (RequestOutput.prompt_token_ids)."""
+    got = call_learner(count_tokens, (tokenizer, output.prompt), f"count_tokens(tokenizer, {output.prompt!r})")
+    want = len(output.prompt_token_ids)
+    if got != want:
+        hint = (" (the engine adds no token you leave out: count what tokenizer.encode returns, special tokens"
+                " included)" if got == want - 1 else "")
+        raise CheckFailed(f"count_tokens(tokenizer, {output.prompt!r}) returned {got!r}; the engine fed {want} ids "
+                          f"for that prompt{hint}")
+    passed("count_tokens against the engine", 1)
+
+
+def check_e2e_matches_engine(e2e_latency_s: Callable, metrics) -> None:
+    """Your formula on a request the engine ran: within 1 % of the e2e it measured."""
+    args = (metrics.ttft_s, metrics.tpot_s, metrics.num_output_tokens)
+    got = call_learner(e2e_latency_s, args, call_repr("e2e_latency_s", args))
+    hint = ("off by one token: the first token comes out of the prefill" if
+            is_close(got, metrics.ttft_s + metrics.tpot_s * metrics.num_output_tokens, rel=1e-3) else
+            "e2e = TTFT + TPOT * (num_output_tokens - 1)")
+    expect_number("e2e_latency_s", args, got, metrics.e2e_s, f"the engine measured {metrics.e2e_s:.4f} s: {hint}",
+                  rel=0.01)
+    passed("e2e_latency_s against the engine", 1)
+
+
+def check_rates(metrics, prompt_tokens_per_s, decode_tokens_per_s) -> None:
+    """Prefill speed = prompt tokens / TTFT; decode speed = the tokens after the first / the time after the first."""
+    n_in, n_out, ttft, e2e = metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.ttft_s, metrics.e2e_s
+    for label, value in (("prompt_tokens_per_s", prompt_tokens_per_s), ("decode_tokens_per_s", decode_tokens_per_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise CheckFailed(f"{label} = {value!r}: expected a number of tokens per second")
+    case = (f"(this request: {n_in} prompt tokens, {n_out} output tokens, TTFT {ttft:.4f} s, e2e {e2e:.4f} s)")
+    want_prefill = n_in / ttft
+    if not is_close(prompt_tokens_per_s, want_prefill, rel=1e-6):
+        hint = ("that divides by the whole e2e; prefill is the time to the first token" if
+                is_close(prompt_tokens_per_s, n_in / e2e, rel=1e-6) else
+                "that is seconds per token" if is_close(prompt_tokens_per_s, ttft / n_in, rel=1e-6) else
+                "prefill reads the prompt tokens in the TTFT")
+        raise CheckFailed(f"prompt_tokens_per_s = {prompt_tokens_per_s:.4g}, expected {want_prefill:.4g} "
+                          f"{case}: {hint}")
+    want_decode = (n_out - 1) / (e2e - ttft)
+    if not is_close(decode_tokens_per_s, want_decode, rel=1e-6):
+        hint = ("off by one token: the first token came out of the prefill, so decode made num_output_tokens - 1" if
+                is_close(decode_tokens_per_s, n_out / (e2e - ttft), rel=1e-6) else
+                "that divides by the whole e2e; decode is the time after the first token" if
+                is_close(decode_tokens_per_s, (n_out - 1) / e2e, rel=1e-6) or is_close(decode_tokens_per_s, n_out / e2e, rel=1e-6)
+                else "decode makes num_output_tokens - 1 tokens in e2e - TTFT")
+        raise CheckFailed(f"decode_tokens_per_s = {decode_tokens_per_s:.4g}, expected {want_decode:.4g} {case}: {hint}")
+    passed("prefill and decode speeds", 2)
+
+
+def decode_90_tokens(ttft_s: float, tpot_s: float) -> int:
+    """The shortest answer (output tokens) whose decode time is at least 90 % of its end-to-end latency:
+    TPOT (n - 1) >= 0.9 (TTFT + TPOT (n - 1))  <=>  n - 1 >= 9 TTFT / TPOT."""
+    return max(1, math.ceil(9 * ttft_s / tpot_s - 1e-9) + 1)
+
+
+def check_answer_decode_90(answer, metrics) -> None:
+    """Explain question 1: the answer length at which decode is 90 % of the time, within a token or 2 %."""
+    want = decode_90_tokens(metrics.ttft_s, metrics.tpot_s)
+    case = f"TTFT {metrics.ttft_s * 1e3:.1f} ms and TPOT {metrics.tpot_s * 1e3:.2f} ms"
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
+        raise CheckFailed(f"answer_decode_90_tokens = {answer!r}: expected a number of output tokens")
+    if abs(answer - want) > max(1.0, 0.02 * want):
+        share = (metrics.tpot_s * (answer - 1) / (metrics.ttft_s + metrics.tpot_s * (answer - 1))) if answer >= 1 else 0.0
+        raise CheckFailed(f"answer_decode_90_tokens = {answer:g}: with {case}, {answer:g} output tokens spend "
+                          f"{share:.0%} of the time in decode, not 90 %; decode is TPOT (n - 1) out of "
+                          f"TTFT + TPOT (n - 1)")
+    passed("decode is 90 % of the time", 1)
