@@ -4,12 +4,13 @@ figures carry the numbers and the device, and the explorer's callbacks move the 
 from __future__ import annotations
 
 import math
+import statistics
 from types import SimpleNamespace
 
 import plotly.graph_objects as go
 import pytest
 
-from lab_utils import notebook_functions
+from lab_utils import assert_check_fails, notebook_functions, run_solution_cells
 
 from grading.build import SOURCE_DIR
 from minillm.lab import common, lab01
@@ -122,9 +123,47 @@ def test_checks_propagate_not_implemented():
         raise NotImplementedError()
 
     for check in (lab01.check_ttft_tpot, lab01.check_arithmetic_intensity, lab01.check_roofline_time,
-                  lab01.check_decode_bandwidth_bound):
+                  lab01.check_decode_bandwidth_bound, lab01.check_arithmetic_intensity_more,
+                  lab01.check_roofline_time_more, lab01.check_decode_bandwidth_bound_more):
         with pytest.raises(NotImplementedError):
             check(stub)
+    with pytest.raises(NotImplementedError):
+        lab01.check_ttft_tpot_engine(stub, SimpleNamespace(ttft_s=0.1, itl_s=[0.02], tpot_s=0.02))
+
+
+def test_more_checks_accept_the_references(passes):
+    assert passes(lab01.check_arithmetic_intensity_more,
+                  lab01.reference_arithmetic_intensity).endswith("all 6 cases pass")
+    assert passes(lab01.check_roofline_time_more, lab01.reference_roofline_time_s).endswith("all 4 cases pass")
+    assert passes(lab01.check_decode_bandwidth_bound_more,
+                  lab01.reference_decode_bandwidth_bound_tokens_per_s).endswith("all 4 cases pass")
+    metrics = SimpleNamespace(ttft_s=0.05, itl_s=[0.02, 0.03], tpot_s=0.025)
+    assert "✓" in passes(lab01.check_ttft_tpot_engine, lab01.reference_ttft_tpot_s, metrics)
+
+
+def test_a_crash_in_the_learners_code_names_the_call():
+    with pytest.raises(CheckFailed, match=r"ttft_tpot_s\(1.0, \[1.5\]\) raised ZeroDivisionError.*return None"):
+        lab01.check_ttft_tpot(lambda a, t: (t[0] - a, (t[-1] - t[0]) / (len(t) - 1)))
+    with pytest.raises(CheckFailed, match=r"arithmetic_intensity\(1, 7e\+09, 2\) raised KeyError"):
+        lab01.check_arithmetic_intensity(lambda t, p, b: {}[t])
+
+
+def test_ridge_batch_rounds_up_and_counts_the_tie_as_compute_bound():
+    assert lab01.ridge_batch(989e12, 3.35e12, 6.74e9, 2) == 296  # ridge 295.2 FLOP/byte, 1 FLOP/byte per request
+    assert lab01.ridge_batch(64e9, 16e9, 1e8, 4) == 8            # exactly 4 / 0.5: B = 8 is at the ridge
+    assert lab01.ridge_batch(1e9, 1e9, 1e8, 1) == 1              # batch 1 already reaches it
+    assert lab01.ridge_batch(989e12, 3.35e12, 6.74e9, 4) == 591
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [(295, "rounded down"), (295.22, "whole number of requests"), (591, "0.5 is fp32"), (148, "1 FLOP/byte"),
+     (1, "memory-bound region"), (None, "expected a whole number")],
+)
+def test_check_answer_ridge_batch_says_why(answer, hint):
+    with pytest.raises(CheckFailed, match="answer_ridge_batch_h100") as failure:
+        lab01.check_answer_ridge_batch_h100(answer)
+    assert hint in str(failure.value)
 
 
 def test_check_rejects_non_numbers():
@@ -363,3 +402,130 @@ def test_explorer_updates_never_send_undefined_trace_properties():
             values = per_trace if isinstance(per_trace, list) else [per_trace]
             assert all(v is not Undefined and v != "_undefined_" for v in values), (prop, message)
     assert list(explorer.figure.data[0].x) == lab01.ROOF_INTENSITIES
+
+
+# ------------------------------------------------------------------ wrong answers fail the graded cells (issue 27)
+class VariedLLM(FakeLLM):
+    """FakeLLM whose decode steps vary: one of them slowed down by another program, so mean != median."""
+
+    STEPS_S = [0.030, 0.031, 0.029, 0.090, 0.030, 0.032, 0.028, 0.031]
+
+    def generate(self, prompts, params):
+        out = super().generate(prompts, params)
+        metrics = out[0].metrics
+        metrics.itl_s = [self.STEPS_S[i % len(self.STEPS_S)] for i in range(params.max_tokens - 1)]
+        metrics.tpot_s = statistics.fmean(metrics.itl_s) if metrics.itl_s else None
+        metrics.e2e_s = metrics.ttft_s + sum(metrics.itl_s)
+        return out
+
+
+@pytest.fixture(scope="module")
+def graded_namespace() -> dict:
+    """The state the graded cells read, built cheaply: part 1's experiments run on fake engines (the full run's
+    eight prompt lengths, so the 256-token row is not the last; decode steps with one slow step), this device's
+    numbers made up, and the master's solution cells run over it."""
+    fns = notebook_functions(MASTER, "measure_ttft", "measure_decode", "token_times_from_metrics")
+    num_params, bytes_per_param = 134.5e6, 4.0
+    namespace = {
+        "lab01": lab01, "common": common, "math": math, "statistics": statistics,
+        "DEVICE": DEVICE, "NUM_PARAMS": num_params, "BYTES_PER_PARAM": bytes_per_param,
+        "llm": SimpleNamespace(weight_bytes=num_params * bytes_per_param),
+        "bandwidth": 20e9, "peak_flops": 200e9,
+        "ttft_rows": fns["measure_ttft"](FakeLLM(), lab01.FULL_PROMPT_LENGTHS),
+        "decode": fns["measure_decode"](VariedLLM(), num_tokens=9),
+        "token_times_from_metrics": fns["token_times_from_metrics"],
+        "predicted_ttft_ratio_256_vs_16": 16, "predicted_decode_step_ms": None,
+    }
+    return run_solution_cells(MASTER, namespace)
+
+
+MISTAKES = {
+    "test_measure_prefill_decode": [
+        ("measured_ttft_ratio = ttft_by_tokens[16] / ttft_by_tokens[256]", "measured_ttft_ratio"),
+        ('measured_ttft_ratio = ttft_rows[-1]["ttft_s"] / ttft_rows[0]["ttft_s"]', "not by position"),
+        ('measured_decode_step_ms = statistics.mean(decode["itl_s"]) * 1e3', "measured_decode_step_ms"),
+        ('measured_decode_step_ms = statistics.median(decode["itl_s"])', "measured_decode_step_ms"),
+        ("prefill_vs_decode_speed = (1e3 / measured_decode_step_ms) / (256 / ttft_by_tokens[256])",
+         "prefill_vs_decode_speed"),
+        ('prefill_vs_decode_speed = (256 / ttft_by_tokens[256]) / decode["tokens_per_s"]', "prefill_vs_decode_speed"),
+    ],
+    "test_ttft_tpot": [
+        ("def ttft_tpot_s(a, t):\n    return t[0], (None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1))",
+         "ttft_tpot_s(10.0, [10.5, 10.6, 10.7, 10.9])"),
+        ("def ttft_tpot_s(a, t):\n    return t[0] - a, (None if len(t) < 2 else (t[-1] - t[0]) / len(t))",
+         "ttft_tpot_s(10.0, [10.5, 10.6, 10.7, 10.9])"),
+        ("def ttft_tpot_s(a, t):\n    return t[0] - a, (t[-1] - t[0]) / (len(t) - 1)", "ttft_tpot_s(1.0, [1.5])"),
+        ("def ttft_tpot_s(a, t):\n    return t[0] - a, (t[-1] - a) / len(t)", "ttft_tpot_s(10.0, [10.5, 10.6, 10.7, 10.9])"),
+    ],
+    "test_ttft_tpot_engine": [
+        ("def ttft_tpot_s(a, t):\n    return t[0], (None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1))",
+         "the request measured in part 1"),
+        ("def ttft_tpot_s(a, t):\n    return t[0] - a, (None if len(t) < 2 else (t[-1] - t[0]) / len(t))",
+         "the request measured in part 1"),
+        ("def ttft_tpot_s(a, t):\n    return t[0] - a, (None if len(t) < 2 else (t[-1] - a) / len(t))",
+         "the request measured in part 1"),
+    ],
+    "test_decode_bandwidth_bound": [
+        ("def decode_bandwidth_bound_tokens_per_s(p, b, bw):\n    return bw / p",
+         "decode_bandwidth_bound_tokens_per_s(7e+09, 2, 1e+12)"),
+        ("def decode_bandwidth_bound_tokens_per_s(p, b, bw):\n    return p * b / bw",
+         "decode_bandwidth_bound_tokens_per_s(7e+09, 2, 1e+12)"),
+        ("def decode_bandwidth_bound_tokens_per_s(p, b, bw):\n    return bw / (2 * p * b)",
+         "decode_bandwidth_bound_tokens_per_s(7e+09, 2, 1e+12)"),
+    ],
+    "test_decode_bandwidth_bound_more": [
+        ("def decode_bandwidth_bound_tokens_per_s(p, b, bw):\n    return bw / p",
+         "decode_bandwidth_bound_tokens_per_s(8.03e+09, 0.5, 4.8e+12)"),
+        ("def decode_bandwidth_bound_tokens_per_s(p, b, bw):\n    return bw * b / p",
+         "decode_bandwidth_bound_tokens_per_s(8.03e+09, 0.5, 4.8e+12)"),
+        ("def decode_bandwidth_bound_tokens_per_s(p, b, bw):\n    return bw / (p * max(b, 1))",
+         "decode_bandwidth_bound_tokens_per_s(8.03e+09, 0.5, 4.8e+12)"),
+    ],
+    "test_apply_bounds": [
+        ('fraction_of_bound = engine_bound_tokens_per_s / decode["tokens_per_s"]', "fraction_of_bound"),
+        ('fraction_of_bound = 100 * decode["tokens_per_s"] / engine_bound_tokens_per_s', "fraction_of_bound"),
+        ("engine_bound_tokens_per_s = decode_bandwidth_bound_tokens_per_s(NUM_PARAMS, 2, bandwidth)",
+         "engine_bound_tokens_per_s"),
+        ("llama2_7b_h100_tokens_per_s = decode_bandwidth_bound_tokens_per_s(7e9, 2, 3.35e12)",
+         "llama2_7b_h100_tokens_per_s"),
+    ],
+    "test_arithmetic_intensity": [
+        ("def arithmetic_intensity(t, p, b):\n    return t / b", "arithmetic_intensity(1, 7e+09, 2)"),
+        ("def arithmetic_intensity(t, p, b):\n    return 2 * p * t", "arithmetic_intensity(1, 7e+09, 2)"),
+        ("def arithmetic_intensity(t, p, b):\n    return 2 / b", "arithmetic_intensity(512, 7e+09, 2)"),
+    ],
+    "test_arithmetic_intensity_more": [
+        ("def arithmetic_intensity(t, p, b):\n    return t / b", "arithmetic_intensity(1, 6.74e+09, 2)"),
+        ("def arithmetic_intensity(t, p, b):\n    return 2 * t * b", "arithmetic_intensity(1, 6.74e+09, 2)"),
+        ("def arithmetic_intensity(t, p, b):\n    return 2 / b", "arithmetic_intensity(2048, 1e+09, 2)"),
+    ],
+    "test_roofline_time": [
+        ("def roofline_time_s(f, b, p, bw):\n    return min(f / p, b / bw)", "roofline_time_s(2e+12, 1e+09, 1e+15, 1e+12)"),
+        ("def roofline_time_s(f, b, p, bw):\n    return f / p + b / bw", "roofline_time_s(2e+12, 1e+09, 1e+15, 1e+12)"),
+        ("def roofline_time_s(f, b, p, bw):\n    return max(f / bw, b / p)", "roofline_time_s(2e+12, 1e+09, 1e+15, 1e+12)"),
+    ],
+    "test_roofline_time_more": [
+        ("def roofline_time_s(f, b, p, bw):\n    return min(f / p, b / bw)",
+         "roofline_time_s(1.35e+10, 1.35e+10, 9.89e+14, 3.35e+12)"),
+        ("def roofline_time_s(f, b, p, bw):\n    return f / p + b / bw",
+         "roofline_time_s(1.35e+10, 1.35e+10, 9.89e+14, 3.35e+12)"),
+        ("def roofline_time_s(f, b, p, bw):\n    return max(f / bw, b / p)", "roofline_time_s(0, 5e+08, 1e+12, 1e+10)"),
+    ],
+    "test_answer_ridge_batch_h100": [
+        ("answer_ridge_batch_h100 = math.floor((989e12 / 3.35e12) / arithmetic_intensity(1, 6.74e9, 2))",
+         "answer_ridge_batch_h100"),
+        ("answer_ridge_batch_h100 = (989e12 / 3.35e12) / arithmetic_intensity(1, 6.74e9, 2)", "answer_ridge_batch_h100"),
+        ("answer_ridge_batch_h100 = math.ceil((989e12 / 3.35e12) / arithmetic_intensity(1, 6.74e9, 4))",
+         "answer_ridge_batch_h100"),
+        ("answer_ridge_batch_h100 = math.ceil(arithmetic_intensity(1, 6.74e9, 2) / (989e12 / 3.35e12))",
+         "answer_ridge_batch_h100"),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "grade_id, mistake, names_the_case",
+    [(grade_id, mistake, case) for grade_id, cases in MISTAKES.items() for mistake, case in cases],
+)
+def test_graded_cells_fail_on_plausible_mistakes(graded_namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)

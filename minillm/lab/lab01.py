@@ -1,15 +1,18 @@
 """Lab 01 helpers: prefill vs decode — checks, figures, the roofline and the explorer widget.
 
 The learner writes four small functions in the notebook (`ttft_tpot_s`, `arithmetic_intensity`,
-`roofline_time_s`, `decode_bandwidth_bound_tokens_per_s`); the check_* functions here test them
-and say what is probably wrong; the figures and the RooflineExplorer plug them in. The
-measurements (measure_ttft, measure_decode, token_times_from_metrics, measured_points) are
-written in the notebook itself, where the learner reads them.
+`roofline_time_s`, `decode_bandwidth_bound_tokens_per_s`), the three numbers of part 3, the
+measurement of part 1 (from their own rows and decode steps) and one short answer (the ridge
+batch of an H100); the check_* functions here test them through `call_learner` and say what is
+probably wrong; the figures and the RooflineExplorer plug them in. The experiments (measure_ttft,
+measure_decode, token_times_from_metrics, measured_points) are written in the notebook itself,
+where the learner reads them.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
@@ -21,6 +24,7 @@ from .common import (
     REFERENCE_MODELS,
     CheckFailed,
     as_widget,
+    call_learner,
     call_repr,
     expect_number,
     format_seconds,
@@ -59,6 +63,35 @@ def reference_decode_bandwidth_bound_tokens_per_s(num_params: float, bytes_per_p
 
 
 # ------------------------------------------------------------------ checks
+# Every check calls the learner's code through call_learner: a crash becomes a CheckFailed that names the call.
+def _tpot_hint(times: Sequence[float], arrival: float, tpot: float) -> str:
+    n = len(times)
+    if is_close(tpot, (times[-1] - arrival) / n) or is_close(tpot, (times[-1] - arrival) / (n - 1)):
+        return "TPOT leaves the first token out: it averages the decode gaps only (the prefill is TTFT's job)"
+    if is_close(tpot, (times[-1] - times[0]) / n):
+        return f"{n} tokens have {n - 1} gaps between them: divide by len(token_times_s) - 1"
+    return "TPOT = (last token time - first token time) / (number of tokens - 1)"
+
+
+def _call_ttft_tpot(ttft_tpot_s: Callable, arrival: float, times: Sequence[float], where: str = "") -> tuple:
+    name = "ttft_tpot_s"
+    args = (arrival, list(times))
+    call = call_repr(name, args) + where
+    hint = ("" if len(times) > 1 else
+            "one token has no gap after it: return None for TPOT when len(token_times_s) < 2")
+    result = call_learner(ttft_tpot_s, args, call, hint)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise CheckFailed(f"{call} returned {result!r}; expected a tuple (ttft_s, tpot_s)")
+    return result
+
+
+def _expect_ttft(call: str, ttft, arrival: float, times: Sequence[float], want: float) -> None:
+    if is_close(ttft, times[0]) and not is_close(ttft, want):
+        raise CheckFailed(f"{call} gave ttft_s={float(ttft):.4g}, expected {want:.4g}: "
+                          "TTFT is measured from the request's arrival (arrival_s), not from time 0")
+    _expect_value(f"{call}[0] (ttft_s)", ttft, want, "TTFT = time of the first token - arrival_s")
+
+
 def check_ttft_tpot(ttft_tpot_s: Callable) -> None:
     """TTFT = first token time - arrival; TPOT = mean gap between the tokens after the first."""
     name = "ttft_tpot_s"
@@ -68,103 +101,330 @@ def check_ttft_tpot(ttft_tpot_s: Callable) -> None:
         (3.0, [3.2, 3.3, 3.5, 3.6, 4.2, 4.3]),
     ]
     for arrival, times in cases:
-        args = (arrival, times)
-        result = ttft_tpot_s(arrival, list(times))
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise CheckFailed(f"{call_repr(name, args)} returned {result!r}; expected a tuple (ttft_s, tpot_s)")
-        ttft, tpot = result
+        call = call_repr(name, (arrival, times))
+        ttft, tpot = _call_ttft_tpot(ttft_tpot_s, arrival, times)
         want_ttft, want_tpot = reference_ttft_tpot_s(arrival, times)
-        if is_close(ttft, times[0]) and not is_close(ttft, want_ttft):
-            raise CheckFailed(f"{call_repr(name, args)} gave ttft_s={ttft:.4g}, expected {want_ttft:.4g}: "
-                              "TTFT is measured from the request's arrival (arrival_s), not from time 0")
-        expect_number(f"{name}(...)[0] (ttft_s)", args, ttft, want_ttft, "TTFT = time of the first token - arrival_s")
+        _expect_ttft(call, ttft, arrival, times, want_ttft)
         if tpot is None:
-            raise CheckFailed(f"{call_repr(name, args)} gave tpot_s=None, expected {want_tpot:.4g}: "
+            raise CheckFailed(f"{call} gave tpot_s=None, expected {want_tpot:.4g}: "
                               "there are several tokens, so there are gaps to average")
-        n = len(times)
-        if is_close(tpot, (times[-1] - arrival) / n) or is_close(tpot, (times[-1] - arrival) / (n - 1)):
-            hint = "TPOT leaves the first token out: it averages the decode gaps only (the prefill is TTFT's job)"
-        elif is_close(tpot, (times[-1] - times[0]) / n):
-            hint = f"{n} tokens have {n - 1} gaps between them: divide by len(token_times_s) - 1"
-        else:
-            hint = "TPOT = (last token time - first token time) / (number of tokens - 1)"
-        expect_number(f"{name}(...)[1] (tpot_s)", args, tpot, want_tpot, hint)
-    ttft, tpot = ttft_tpot_s(1.0, [1.5])
+        _expect_value(f"{call}[1] (tpot_s)", tpot, want_tpot, _tpot_hint(times, arrival, tpot))
+    ttft, tpot = _call_ttft_tpot(ttft_tpot_s, 1.0, [1.5])
+    _expect_value(f"{call_repr(name, (1.0, [1.5]))}[0] (ttft_s)", ttft, 0.5,
+                  "TTFT = time of the first token - arrival_s")
     if tpot is not None:
         raise CheckFailed(f"{call_repr(name, (1.0, [1.5]))} gave tpot_s={tpot!r}, expected None: one token has no gap "
                           "after it, so TPOT is undefined (the engine reports None too)")
     passed(name, len(cases) + 1)
 
 
+ENGINE_CLOCK_ARRIVAL_S = 1000.0  # the engine stamps times on a perf_counter clock: far from 0
+
+
+def check_ttft_tpot_engine(ttft_tpot_s: Callable, metrics) -> None:
+    """Your definition against the engine's on a real request (its RequestMetrics): the token times are rebuilt
+    from its TTFT and gaps, counted from an arrival at 1000 s (the engine's clock does not start at 0)."""
+    name = "ttft_tpot_s"
+    arrival = ENGINE_CLOCK_ARRIVAL_S
+    times = [arrival + metrics.ttft_s]
+    for gap in metrics.itl_s:
+        times.append(times[-1] + gap)
+    where = f" (the request measured in part 1: {len(times)} tokens, arrival at {arrival:g} s)"
+    call = call_repr(name, (arrival, times)) + where
+    ttft, tpot = _call_ttft_tpot(ttft_tpot_s, arrival, times, where)
+    _expect_ttft(call, ttft, arrival, times, metrics.ttft_s)
+    if metrics.tpot_s is None:
+        if tpot is not None:
+            raise CheckFailed(f"{call} gave tpot_s={tpot!r}, expected None: one token has no gap after it")
+    else:
+        if tpot is None:
+            raise CheckFailed(f"{call} gave tpot_s=None, expected the engine's {metrics.tpot_s:.4g}")
+        _expect_value(f"{call}[1] (tpot_s)", tpot, metrics.tpot_s, _tpot_hint(times, arrival, tpot))
+    passed(f"{name} on the engine's request", 1)
+
+
+def _intensity_hint(got, tokens: float, params: float, bpp: float) -> str:
+    want = reference_arithmetic_intensity(tokens, params, bpp)
+    if is_close(got, want / 2):
+        return "each weight does a multiply AND an add per token: 2 FLOPs per parameter per token"
+    if is_close(got, 2 * params * tokens) or is_close(got, 2 * params * tokens * bpp):
+        return "that is the FLOP count; intensity divides it by the bytes read (num_params * bytes_per_param)"
+    if is_close(got, 2 * tokens * bpp):
+        return "divide by bytes_per_param: fewer bytes per weight means more FLOPs per byte"
+    if is_close(got, 2 / bpp) and tokens != 1:
+        return "the weights are read once per step however many tokens it carries, so intensity grows with num_tokens"
+    return "intensity = FLOPs / bytes = (2 * num_params * num_tokens) / (num_params * bytes_per_param)"
+
+
+def _check_intensity_cases(arithmetic_intensity: Callable, cases: Sequence[tuple]) -> None:
+    name = "arithmetic_intensity"
+    for args in cases:
+        got = call_learner(arithmetic_intensity, args, call_repr(name, args))
+        expect_number(name, args, got, reference_arithmetic_intensity(*args), _intensity_hint(got, *args))
+
+
 def check_arithmetic_intensity(arithmetic_intensity: Callable) -> None:
     """FLOPs per byte of weights read: 2 * params * tokens / (params * bytes_per_param)."""
-    name = "arithmetic_intensity"
     cases = [(1, 7e9, 2), (1, 134.5e6, 4), (512, 7e9, 2), (64, 1e9, 0.5), (3, 2e9, 1)]
-    for tokens, params, bpp in cases:
-        args = (tokens, params, bpp)
-        got = arithmetic_intensity(tokens, params, bpp)
-        want = reference_arithmetic_intensity(tokens, params, bpp)
-        if is_close(got, want / 2):
-            hint = "each weight does a multiply AND an add per token: 2 FLOPs per parameter per token"
-        elif is_close(got, 2 * params * tokens) or is_close(got, 2 * params * tokens * bpp):
-            hint = "that is the FLOP count; intensity divides it by the bytes read (num_params * bytes_per_param)"
-        elif is_close(got, 2 * tokens * bpp):
-            hint = "divide by bytes_per_param: fewer bytes per weight means more FLOPs per byte"
-        elif is_close(got, 2 / bpp) and tokens != 1:
-            hint = "the weights are read once per step however many tokens it carries, so intensity grows with num_tokens"
-        else:
-            hint = "intensity = FLOPs / bytes = (2 * num_params * num_tokens) / (num_params * bytes_per_param)"
-        expect_number(name, args, got, want, hint)
-    passed(name, len(cases))
+    _check_intensity_cases(arithmetic_intensity, cases)
+    passed("arithmetic_intensity", len(cases))
+
+
+def check_arithmetic_intensity_more(arithmetic_intensity: Callable) -> None:
+    """The course's numbers (decode in fp16 and fp32, long prefills, int4), and two laws: doubling the tokens
+    per weight read doubles the intensity; the model's size cancels out."""
+    name = "arithmetic_intensity"
+    cases = [(1, 6.74e9, 2), (1, 135e6, 4), (2048, 1e9, 2), (7, 3e9, 0.5)]
+    _check_intensity_cases(arithmetic_intensity, cases)
+    one, two = (32, 8e9, 2), (64, 8e9, 2)
+    a, b = (call_learner(arithmetic_intensity, args, call_repr(name, args)) for args in (one, two))
+    if not is_close(b, 2 * a):
+        raise CheckFailed(f"{call_repr(name, two)} = {b!r} is not twice {call_repr(name, one)} = {a!r}: one weight "
+                          "read serves every token of the step, so twice the tokens is twice the FLOPs per byte")
+    small, big = (16, 1e8, 2), (16, 7e10, 2)
+    a, b = (call_learner(arithmetic_intensity, args, call_repr(name, args)) for args in (small, big))
+    if not is_close(a, b):
+        raise CheckFailed(f"{call_repr(name, small)} = {a!r} but {call_repr(name, big)} = {b!r}: num_params is in the "
+                          "FLOPs and in the bytes, so it cancels; the intensity depends on tokens and bytes per weight")
+    passed(name, len(cases) + 2)
+
+
+def _roofline_hint(got, flops: float, nbytes: float, peak: float, bw: float) -> str:
+    compute, memory = flops / peak, nbytes / bw
+    if is_close(got, min(compute, memory)) and not is_close(compute, memory):
+        return "the step cannot finish before its slowest part: use max, not min"
+    if is_close(got, compute + memory):
+        return ("compute and memory traffic overlap (the roofline assumes perfect overlap), so the time is "
+                "the max of the two, not their sum")
+    if is_close(got, flops / bw) or is_close(got, nbytes / peak) or is_close(got, max(flops / bw, nbytes / peak)):
+        return "FLOPs go with peak FLOP/s and bytes go with bandwidth (bytes/s)"
+    return "time = max(flops / peak_flops_per_s, bytes_moved / bandwidth_bytes_per_s)"
+
+
+def _check_roofline_cases(roofline_time_s: Callable, cases: Sequence[tuple]) -> None:
+    name = "roofline_time_s"
+    for args in cases:
+        got = call_learner(roofline_time_s, args, call_repr(name, args))
+        expect_number(name, args, got, reference_roofline_time_s(*args), _roofline_hint(got, *args))
 
 
 def check_roofline_time(roofline_time_s: Callable) -> None:
     """A step takes as long as the slower of its compute (flops / peak) and its memory traffic."""
-    name = "roofline_time_s"
     cases = [
         (2e12, 1e9, 1e15, 1e12),         # compute-bound: 2 ms of math vs 1 ms of memory
         (2.7e8, 5.4e8, 6.7e10, 1.7e10),  # SmolLM2 decode on a CPU: memory-bound
         (1e15, 1e9, 1e15, 3.35e12),      # compute-bound
         (1e9, 1e9, 1e9, 1e9),            # exactly at the ridge
     ]
-    for flops, nbytes, peak, bw in cases:
-        args = (flops, nbytes, peak, bw)
-        got = roofline_time_s(*args)
-        want = reference_roofline_time_s(*args)
-        compute, memory = flops / peak, nbytes / bw
-        if is_close(got, min(compute, memory)) and not is_close(compute, memory):
-            hint = "the step cannot finish before its slowest part: use max, not min"
-        elif is_close(got, compute + memory):
-            hint = ("compute and memory traffic overlap (the roofline assumes perfect overlap), so the time is "
-                    "the max of the two, not their sum")
-        elif is_close(got, flops / bw) or is_close(got, nbytes / peak):
-            hint = "FLOPs go with peak FLOP/s and bytes go with bandwidth (bytes/s)"
-        else:
-            hint = "time = max(flops / peak_flops_per_s, bytes_moved / bandwidth_bytes_per_s)"
-        expect_number(name, args, got, want, hint)
-    passed(name, len(cases))
+    _check_roofline_cases(roofline_time_s, cases)
+    passed("roofline_time_s", len(cases))
+
+
+def check_roofline_time_more(roofline_time_s: Callable) -> None:
+    """More steps: Llama-2-7B decode on an H100 (memory-bound), a compute-bound prefill, a step with no FLOPs,
+    and the ridge itself (both times equal: the time is that value)."""
+    cases = [
+        (2 * 6.74e9, 2 * 6.74e9, 989e12, 3.35e12),  # Llama-2-7B bf16 decode at batch 1 on an H100
+        (3e12, 2e12, 1e12, 1e12),                   # compute-bound
+        (0, 5e8, 1e12, 1e10),                       # no FLOPs: memory alone
+        (2e12, 2e9, 1e12, 1e9),                     # at the ridge: 2 s either way
+    ]
+    _check_roofline_cases(roofline_time_s, cases)
+    passed("roofline_time_s", len(cases))
+
+
+def _bound_hint(got, params: float, bpp: float, bw: float) -> str:
+    if is_close(got, bw / params):
+        return "a decode step reads every weight once — did you forget bytes_per_param?"
+    if is_close(got, params * bpp / bw):
+        return "that is seconds per token (bytes / bandwidth); tokens per second is its inverse"
+    if is_close(got, bw * bpp / params):
+        return "weights take num_params * bytes_per_param bytes: multiply by bytes_per_param, don't divide"
+    if is_close(got, bw / (2 * params)) or is_close(got, bw / (2 * params * bpp)):
+        return "count bytes, not FLOPs: one decode step moves num_params * bytes_per_param bytes"
+    return "tokens/s = bandwidth_bytes_per_s / (num_params * bytes_per_param)"
+
+
+def _check_bound_cases(fn: Callable, cases: Sequence[tuple]) -> None:
+    name = "decode_bandwidth_bound_tokens_per_s"
+    for args in cases:
+        got = call_learner(fn, args, call_repr(name, args))
+        expect_number(name, args, got, reference_decode_bandwidth_bound_tokens_per_s(*args), _bound_hint(got, *args))
 
 
 def check_decode_bandwidth_bound(decode_bandwidth_bound_tokens_per_s: Callable) -> None:
     """Batch-1 decode reads every weight once per token: tokens/s <= bandwidth / weight bytes."""
-    name = "decode_bandwidth_bound_tokens_per_s"
     cases = [(7e9, 2, 1e12), (6.74e9, 2, 3.35e12), (134.5e6, 4, 16.8e9), (70e9, 0.5, 2e12)]
-    for params, bpp, bw in cases:
-        args = (params, bpp, bw)
-        got = decode_bandwidth_bound_tokens_per_s(*args)
-        want = reference_decode_bandwidth_bound_tokens_per_s(*args)
-        if is_close(got, bw / params):
-            hint = "a decode step reads every weight once — did you forget bytes_per_param?"
-        elif is_close(got, params * bpp / bw):
-            hint = "that is seconds per token (bytes / bandwidth); tokens per second is its inverse"
-        elif is_close(got, bw / (2 * params)) or is_close(got, bw / (2 * params * bpp)):
-            hint = "count bytes, not FLOPs: one decode step moves num_params * bytes_per_param bytes"
-        elif is_close(got, bw * bpp / params):
-            hint = "weights take num_params * bytes_per_param bytes: multiply by bytes_per_param, don't divide"
+    _check_bound_cases(decode_bandwidth_bound_tokens_per_s, cases)
+    passed("decode_bandwidth_bound_tokens_per_s", len(cases))
+
+
+def check_decode_bandwidth_bound_more(decode_bandwidth_bound_tokens_per_s: Callable) -> None:
+    """More models and devices (Llama-3.1-8B in int4 on an H200, SmolLM2 in fp32 at 50 GB/s, 1e9 one-byte weights
+    at 1 GB/s), and the law behind quantization: halving the bytes per weight doubles the bound."""
+    name = "decode_bandwidth_bound_tokens_per_s"
+    cases = [(8.03e9, 0.5, 4.8e12), (135e6, 4, 50e9), (1e9, 1, 1e9)]
+    _check_bound_cases(decode_bandwidth_bound_tokens_per_s, cases)
+    fp16, fp8 = (7e9, 2, 2e12), (7e9, 1, 2e12)
+    a, b = (call_learner(decode_bandwidth_bound_tokens_per_s, args, call_repr(name, args)) for args in (fp16, fp8))
+    if not is_close(b, 2 * a):
+        raise CheckFailed(f"{call_repr(name, fp8)} = {b!r} is not twice {call_repr(name, fp16)} = {a!r}: half the "
+                          "bytes per weight is half the bytes read per token, so twice the tokens per second")
+    passed(name, len(cases) + 1)
+
+
+def _expect_value(name: str, actual, expected: float, hint: str = "", rel: float = 1e-6) -> None:
+    """Raise CheckFailed with 'name = A, expected E: hint' unless the value `actual` is a number ≈ expected."""
+    if isinstance(actual, bool) or not isinstance(actual, (int, float)) and not hasattr(actual, "__float__"):
+        raise CheckFailed(f"{name} is {actual!r} ({type(actual).__name__}); expected a number, {expected:.4g}")
+    if not is_close(actual, expected, rel=rel):
+        raise CheckFailed(f"{name} = {float(actual):.4g}, expected {expected:.4g}" + (f": {hint}" if hint else ""))
+
+
+H100 = "NVIDIA H100 SXM (bf16)"
+LLAMA2_7B = "Llama-2-7B"
+
+
+def check_apply_bounds(llama2_7b_h100_tokens_per_s, engine_bound_tokens_per_s, fraction_of_bound, *,
+                       num_params: float, bytes_per_param: float, bandwidth_bytes_per_s: float,
+                       decode_tokens_per_s: float) -> None:
+    """The three numbers of part 3: Llama-2-7B fp16 on an H100, this engine's model on this device at the
+    measured bandwidth, and the measured decode speed as a fraction (not a percentage) of that bound."""
+    h100_peak, h100_bw = REFERENCE_DEVICES[H100]
+    params = REFERENCE_MODELS[LLAMA2_7B]
+    got, want = llama2_7b_h100_tokens_per_s, h100_bw / (params * 2)
+    hint = (f"use the exact count, {params:.3g} parameters" if is_close(got, h100_bw / (7e9 * 2), rel=1e-3) else
+            "fp16 is 2 bytes per parameter" if is_close(got, h100_bw / params) or is_close(got, h100_bw / (params * 4))
+            else "FLOP/s do not enter the bound: the H100's bandwidth is 3.35e12 B/s"
+            if is_close(got, h100_peak / (params * 2), rel=1e-3) else _bound_hint(got, params, 2, h100_bw)
+            if isinstance(got, (int, float)) else "")
+    _expect_value("llama2_7b_h100_tokens_per_s (Llama-2-7B, 6.74e9 parameters, fp16, on an H100 at 3.35 TB/s)",
+                  got, want, hint, rel=1e-3)
+    got, want = engine_bound_tokens_per_s, bandwidth_bytes_per_s / (num_params * bytes_per_param)
+    hint = ""
+    if isinstance(got, (int, float)):
+        if bytes_per_param != 2 and is_close(got, bandwidth_bytes_per_s / (num_params * 2), rel=1e-3):
+            hint = (f"this engine's weights are {bytes_per_param:g} bytes each here (BYTES_PER_PARAM), not 2: "
+                    "fp32 on a CPU, bf16 on a GPU")
+        elif is_close(got, h100_bw / (num_params * bytes_per_param), rel=1e-3):
+            hint = "this device's measured `bandwidth`, not the H100's"
         else:
-            hint = "tokens/s = bandwidth_bytes_per_s / (num_params * bytes_per_param)"
-        expect_number(name, args, got, want, hint)
-    passed(name, len(cases))
+            hint = _bound_hint(got, num_params, bytes_per_param, bandwidth_bytes_per_s)
+    _expect_value(f"engine_bound_tokens_per_s (NUM_PARAMS={num_params:.4g}, BYTES_PER_PARAM={bytes_per_param:g}, "
+                  f"bandwidth={bandwidth_bytes_per_s:.4g} B/s)", got, want, hint, rel=1e-3)
+    got, want = fraction_of_bound, decode_tokens_per_s / want
+    hint = ""
+    if isinstance(got, (int, float)):
+        if is_close(got, 1 / want, rel=1e-3):
+            hint = "the wrong way round: a fraction of the bound is measured tokens/s / bound tokens/s"
+        elif is_close(got, 100 * want, rel=1e-3):
+            hint = "a fraction, not a percentage (0.25, not 25)"
+        else:
+            hint = 'fraction_of_bound = decode["tokens_per_s"] / engine_bound_tokens_per_s'
+    _expect_value(f"fraction_of_bound (measured decode {decode_tokens_per_s:.4g} tokens/s)", got, want, hint, rel=1e-3)
+    passed("the three numbers of part 3", 3)
+
+
+def check_measure_prefill_decode(ttft_rows: Sequence[dict], decode: dict, measured_ttft_ratio,
+                                 measured_decode_step_ms, prefill_vs_decode_speed) -> None:
+    """Part 1's measurement, recomputed from your own rows (ttft_rows) and decode steps (decode["itl_s"]):
+    TTFT(256) / TTFT(16), the median decode step in ms, and prompt tokens/s at T=256 over decode tokens/s."""
+    by_tokens = {row["prompt_tokens"]: row["ttft_s"] for row in ttft_rows}
+    missing = [t for t in (16, 256) if t not in by_tokens]
+    if missing:
+        raise CheckFailed(f"ttft_rows has no row for prompt_tokens={missing}: re-run the cells of part 1")
+    short, long = by_tokens[16], by_tokens[256]
+    where = f"your rows: TTFT(16) = {short * 1e3:.4g} ms, TTFT(256) = {long * 1e3:.4g} ms"
+    got, want = measured_ttft_ratio, long / short
+    hint = ""
+    if isinstance(got, (int, float)):
+        first, last = ttft_rows[0]["ttft_s"], ttft_rows[-1]["ttft_s"]
+        if is_close(got, short / long):
+            hint = "the wrong way round: TTFT(256) / TTFT(16), above 1"
+        elif is_close(got, 256 / 16):
+            hint = "that is the ratio of the prompt lengths; divide the measured TTFTs"
+        elif not is_close(last / first, want) and (is_close(got, last / first) or is_close(got, first / last)):
+            hint = (f"pick the rows by their prompt_tokens (16 and 256), not by position: the last row is "
+                    f"T={ttft_rows[-1]['prompt_tokens']}")
+        else:
+            hint = "ratio = TTFT of the 256-token prompt / TTFT of the 16-token prompt"
+    _expect_value(f"measured_ttft_ratio ({where})", got, want, hint)
+
+    steps = list(decode["itl_s"])
+    if not steps:
+        raise CheckFailed("decode['itl_s'] is empty: re-run the decode measurement of part 1 (num_tokens >= 2)")
+    median_s = statistics.median(steps)
+    got, want = measured_decode_step_ms, median_s * 1e3
+    where = f"the median of your {len(steps)} decode steps, decode['itl_s']"
+    hint = ""
+    if isinstance(got, (int, float)):
+        mean_s = statistics.fmean(steps)
+        if is_close(got, median_s):
+            hint = "in milliseconds: the step times are in seconds, multiply by 1000"
+        elif not is_close(mean_s, median_s) and (is_close(got, mean_s * 1e3) or is_close(got, mean_s)):
+            hint = ("that is the mean (= TPOT); the median is the middle step, which a step slowed down by another "
+                    "program does not move (statistics.median)")
+        elif is_close(got, decode["ttft_s"] * 1e3):
+            hint = "that is the first token's time, the prefill (TTFT); the decode steps are the gaps after it"
+        else:
+            hint = "statistics.median(decode['itl_s']) * 1000"
+    _expect_value(f"measured_decode_step_ms ({where})", got, want, hint)
+
+    prefill_tokens_per_s, decode_tokens_per_s = 256 / long, 1 / median_s
+    got, want = prefill_vs_decode_speed, prefill_tokens_per_s / decode_tokens_per_s
+    hint = ""
+    if isinstance(got, (int, float)):
+        if is_close(got, 1 / want):
+            hint = "the wrong way round: prompt tokens/s (prefill) divided by decode tokens/s, above 1"
+        elif is_close(got, prefill_tokens_per_s * statistics.fmean(steps)):
+            hint = "decode tokens/s from your median step: 1 / median step time, not 1 / TPOT"
+        elif is_close(got, prefill_tokens_per_s / (1 / (median_s * 1e3))) or is_close(got, want / 1e3):
+            hint = "mind the units: both speeds in tokens per SECOND (the step is in ms in measured_decode_step_ms)"
+        else:
+            hint = "(256 / TTFT(256)) / (1 / median decode step), both in seconds"
+    _expect_value(f"prefill_vs_decode_speed (prompt tokens/s at T=256: {prefill_tokens_per_s:.4g}; decode tokens/s "
+                  f"from the median step: {decode_tokens_per_s:.4g})", got, want, hint)
+    passed("your measurement of part 1", 3)
+
+
+def ridge_batch(peak_flops_per_s: float, bandwidth_bytes_per_s: float, num_params: float, bytes_per_param: float,
+                arithmetic_intensity: Callable = reference_arithmetic_intensity) -> int:
+    """The smallest whole decode batch B that is compute-bound: B * intensity(batch 1) >= peak / bandwidth
+    (at equality, compute-bound: the roofline's tie)."""
+    ridge = peak_flops_per_s / bandwidth_bytes_per_s
+    per_request = arithmetic_intensity(1, num_params, bytes_per_param)
+    return max(1, math.ceil(ridge / per_request * (1 - 1e-12)))
+
+
+def check_answer_ridge_batch_h100(answer) -> None:
+    """The smallest whole decode batch at which Llama-2-7B in bf16 is compute-bound on an H100 SXM."""
+    peak, bw = REFERENCE_DEVICES[H100]
+    params = REFERENCE_MODELS[LLAMA2_7B]
+    ridge = peak / bw
+    want = ridge_batch(peak, bw, params, 2)
+    name = f"answer_ridge_batch_h100 (Llama-2-7B bf16 on an H100: ridge {ridge:.4g} FLOP/byte)"
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) and not hasattr(answer, "__float__"):
+        raise CheckFailed(f"{name} is {answer!r} ({type(answer).__name__}); expected a whole number of requests")
+    value = float(answer)
+    if value == want:
+        passed("answer_ridge_batch_h100", 1)
+        return
+    if not value.is_integer():
+        hint = ("a batch is a whole number of requests: the smallest whole B whose intensity reaches the ridge "
+                "(round up, math.ceil)") if is_close(value, ridge, rel=1e-3) else ""
+    elif value == want - 1:
+        hint = (f"rounded down: at B={want - 1} the intensity is {want - 1} FLOP/byte, still below the ridge "
+                f"{ridge:.4g}, so the step is memory-bound; round up")
+    elif is_close(value, math.ceil(ridge / 0.5)) or is_close(value, math.floor(ridge / 0.5)):
+        hint = "bf16 is 2 bytes per weight: a batch-1 decode does 2 FLOPs per 2 bytes, 1 FLOP/byte (0.5 is fp32)"
+    elif is_close(value, math.ceil(ridge / 2)) or is_close(value, math.floor(ridge / 2)):
+        hint = "2 FLOPs per weight per request, but 2 bytes per weight in bf16: the batch-1 intensity is 1 FLOP/byte"
+    elif value <= 1:
+        hint = "at batch 1 decode is deep in the memory-bound region (1 FLOP/byte against a ridge near 295)"
+    else:
+        hint = ("B = ceil((peak / bandwidth) / arithmetic_intensity(1, 6.74e9, 2)) with the H100's 989e12 FLOP/s "
+                "and 3.35e12 B/s")
+    raise CheckFailed(f"{name} = {answer!r}, expected {want}" + (f": {hint}" if hint else ""))
 
 
 # ------------------------------------------------------------------ figures
@@ -365,7 +625,8 @@ class RooflineExplorer:
             f"<tr><td style='padding-right:14px'>prefill, {prefill['num_tokens']} tokens</td>"
             f"<td>{prefill['intensity']:.3g} FLOP/B</td><td>{format_seconds(prefill['seconds'])} (= TTFT bound)</td>"
             f"<td>{prefill['tokens_per_s']:.4g}</td><td>{prefill['bound']}</td></tr></table>"
-            f"<p>Decode becomes compute-bound at a batch of about {self.ridge_batch():.0f}.</p>"
+            f"<p>Decode becomes compute-bound at a batch of about {self.ridge_batch():.1f}: "
+            f"from B = {math.ceil(self.ridge_batch() * (1 - 1e-12))} on.</p>"
         )
 
     def ridge_batch(self) -> float:
