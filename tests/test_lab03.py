@@ -1,13 +1,13 @@
 """Lab 03 (batching): the example reproduces 19 vs 14 steps, the checks pass the master's solution
-and name each usual mistake, the widgets update on slider changes, and the real engine's decode
-steps match the simulator."""
+and name each usual mistake (MISTAKES: every graded test cell fails on two or more plausible wrong
+answers), the widgets update on slider changes, and the real engine's decode steps match the simulator."""
 
 from __future__ import annotations
 
 import nbformat
 import pytest
 
-from lab_utils import nbgrader_cells, notebook_functions, run_solution_cells
+from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab03
@@ -16,28 +16,35 @@ from minillm.lab.common import CheckFailed
 MASTER = SOURCE_DIR / "03_batching" / "03_batching.ipynb"
 
 
-SOLUTION = run_solution_cells(MASTER, {})
+LENGTHS = list(lab03.EXAMPLE_OUTPUT_LENGTHS)
+SEED = {"lab03": lab03, "OUTPUT_LENGTHS": LENGTHS, "NUM_SLOTS": lab03.EXAMPLE_NUM_SLOTS}  # what cell 2 defines
+SOLUTION = run_solution_cells(MASTER, dict(SEED))
 simulate = SOLUTION["simulate_batching"]
 num_steps = SOLUTION["num_steps"]
 utilisation = SOLUTION["utilisation"]
 choose = SOLUTION["largest_batch_meeting_floor"]
-LENGTHS = list(lab03.EXAMPLE_OUTPUT_LENGTHS)
+aggregate_tps = SOLUTION["aggregate_tps"]
+per_user_tps = SOLUTION["per_user_tps"]
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
     meta = nbgrader_cells(nb)
-    for name in ("num_steps", "utilisation", "simulate_batching", "largest_batch_meeting_floor"):
+    for name in ("num_steps", "utilisation", "simulate_batching", "answer_most_saving_slots", "measure_sweep_speeds",
+                 "largest_batch_meeting_floor"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
     assert set(graded) == {"test_num_steps", "test_utilisation", "test_simulate_static", "test_simulate_continuous",
+                           "test_answer_most_saving_slots", "test_measure_sweep_speeds",
                            "test_largest_batch_meeting_floor"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
-    assert sum(m["points"] for m in graded.values()) == 8
+        assert meta[gid][0].source.startswith("lab03.check_"), f"{gid} does not call its check first"
+    assert sum(m["points"] for m in graded.values()) == 11
+    assert "**Graded (11 points)**" in nb.cells[0].source
     for cell in nb.cells:
-        if cell.cell_type == "markdown":
+        if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
     assert "| steps | 3 | 3 | 4 | 7 | 2 | 6 | 3 | 4 | 3 | 6 | 1 | 5 |" in nb.cells[3].source  # lengths stated
@@ -58,6 +65,15 @@ def test_solution_passes_every_check(passes):
     assert passes(lab03.check_utilisation, utilisation).startswith("✓")
     assert passes(lab03.check_simulate_batching, simulate).startswith("✓")
     assert passes(lab03.check_largest_batch_meeting_floor, choose).startswith("✓")
+    assert passes(lab03.check_sweep_speeds, aggregate_tps, per_user_tps, RAW_SWEEP).startswith("✓")
+    assert passes(lab03.check_answer_most_saving_slots, SOLUTION["answer_most_saving_slots"]).startswith("✓")
+
+
+def test_most_saving_slots_is_a_difference_of_steps_not_a_ratio():
+    best, steps = lab03.most_saving_slots(LENGTHS)
+    assert best == 2 and steps[2] == (31, 24) and steps[4] == (19, 14)
+    assert max(steps, key=lambda n: steps[n][0] / steps[n][1]) == 11  # the ratio's answer is another one
+    assert SOLUTION["answer_most_saving_slots"] == 2
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3, 5, 12, 20])
@@ -210,10 +226,127 @@ def test_engine_decode_steps_match_the_simulator(default_llm, experiments):
     assert results["static"]["output_tokens"] == results["continuous"]["output_tokens"] == 8 + 5
 
 
-def test_batch_sweep_rows(default_llm, experiments):
+def test_batch_sweep_rows(default_llm, experiments, passes):
     rows = experiments["measure_batch_sweep"](default_llm, [1, 2], prompt_len=4, max_tokens=3)
     assert [r["batch"] for r in rows] == [1, 2]
     assert [r["output_tokens"] for r in rows] == [3, 6]
+    assert [set(r) for r in rows] == [{"batch", "output_tokens", "wall_s", "tpots_s"}] * 2  # raw numbers only
+    assert [len(r["tpots_s"]) for r in rows] == [1, 2] and all(r["wall_s"] > 0 for r in rows)
+    assert passes(lab03.check_sweep_speeds, aggregate_tps, per_user_tps, rows).startswith("✓")
+    for r in rows:
+        r["aggregate_tps"], r["per_user_tps"] = aggregate_tps(r), per_user_tps(r)
     assert all(r["aggregate_tps"] > 0 and r["per_user_tps"] > 0 for r in rows)
     fig = lab03.batch_sweep_figure(rows, "cpu: test")
     assert "cpu: test" in fig.layout.title.subtitle.text and len(fig.data) == 2
+
+
+# --------------------------------------------------------------------- every graded check fails on plausible mistakes
+# A raw sweep as measure_batch_sweep returns it (no engine): what test_measure_sweep_speeds reads.
+RAW_SWEEP = [
+    {"batch": 1, "output_tokens": 8, "wall_s": 0.40, "tpots_s": [0.045]},
+    {"batch": 2, "output_tokens": 16, "wall_s": 0.44, "tpots_s": [0.047, 0.049]},
+    {"batch": 4, "output_tokens": 32, "wall_s": 0.52, "tpots_s": [0.052, 0.055, 0.053, 0.058]},
+    {"batch": 8, "output_tokens": 64, "wall_s": 0.71, "tpots_s": [0.07, 0.072, 0.069, 0.075, 0.071, 0.07, 0.08, 0.074]},
+]
+
+
+def _solution_source(grade_id: str) -> str:
+    return nbgrader_cells(nbformat.read(MASTER, as_version=4))[grade_id][0].source
+
+
+def _simulate_with(old: str, new: str) -> str:
+    """The master's simulate_batching with one plausible slip: old replaced by new."""
+    source = _solution_source("simulate_batching")
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
+_CHECK_THEN_DECREMENT = _simulate_with(  # frees a slot one step late: the count is checked before it is decremented
+    """                steps_left[s] -= 1
+                if steps_left[s] == 0:
+                    slots[s] = None""",
+    """                if steps_left[s] == 0:
+                    slots[s] = None
+                steps_left[s] -= 1""")
+_LAST_COME_FIRST = _simulate_with("slots[s] = waiting.pop(0)", "slots[s] = waiting.pop()")  # pop() takes the last
+
+MISTAKES = {
+    "test_num_steps": [
+        ("def num_steps(schedule):\n    return len(schedule)\n", "you counted the trailing all-idle steps"),
+        ("def num_steps(schedule):\n    return sum(any(r is not None for r in step) for step in schedule)\n",
+         "you counted the busy steps"),
+        ("def num_steps(schedule):\n    busy = [t for t, step in enumerate(schedule) if any(r is not None for r in step)]\n"
+         "    return busy[-1] + 1\n", "num_steps([[None, None], [None, None]]) raised IndexError"),
+        ("def num_steps(schedule):\n    busy = [t for t, step in enumerate(schedule) if any(r is not None for r in step)]\n"
+         "    return busy[-1] if busy else 0\n", "one short"),
+    ],
+    "test_utilisation": [
+        ("def utilisation(schedule):\n    steps = num_steps(schedule)\n    if steps == 0:\n        return 0.0\n"
+         "    busy = sum(r is not None for step in schedule[:steps] for r in step)\n"
+         "    return 100 * busy / (steps * len(schedule[0]))\n", "not a percentage"),
+        ("def utilisation(schedule):\n    if not schedule:\n        return 0.0\n"
+         "    busy = sum(r is not None for step in schedule for r in step)\n"
+         "    return busy / (len(schedule) * len(schedule[0]))\n", "the trailing idle steps count in neither"),
+        ("def utilisation(schedule):\n    steps = num_steps(schedule)\n"
+         "    busy = sum(r is not None for step in schedule[:steps] for r in step)\n"
+         "    return busy / (steps * len(schedule[0]))\n",
+         "utilisation([[None, None], [None, None]]) raised ZeroDivisionError"),
+    ],
+    "test_simulate_static": [
+        (_simulate_with("all(r is None for r in slots)", "any(r is None for r in slots)"),
+         "static policy admitted request 4 at step 3 while request 2 of the same batch was still running"),
+        (_CHECK_THEN_DECREMENT, "request 0 decodes in 4 slot-steps, but it needs output_lengths[0] = 3 steps"),
+        (_LAST_COME_FIRST, "requests are admitted first come, first served"),
+    ],
+    "test_simulate_continuous": [
+        (_simulate_with('if policy == "continuous" or all(r is None for r in slots):', "if all(r is None for r in slots):"),
+         "continuous policy left slot 0 idle at step 3 while request 4 was waiting"),
+        (_CHECK_THEN_DECREMENT, "request 0 decodes in 4 slot-steps, but it needs output_lengths[0] = 3 steps"),
+        (_LAST_COME_FIRST, "requests are admitted first come, first served"),
+    ],
+    "test_answer_most_saving_slots": [
+        ("answer_most_saving_slots = NUM_SLOTS\n", "answer_most_saving_slots = 4: with 4 slots static takes 19 steps"),
+        ("answer_most_saving_slots = len(OUTPUT_LENGTHS)\n", "with a slot per request both policies take"),
+        ("ratio = {n: num_steps(simulate_batching(OUTPUT_LENGTHS, n, 'static'))\n"
+         "         / num_steps(simulate_batching(OUTPUT_LENGTHS, n, 'continuous')) for n in range(1, 13)}\n"
+         "answer_most_saving_slots = max(ratio, key=ratio.get)\n", "the ratio static / continuous is largest"),
+    ],
+    "test_measure_sweep_speeds": [
+        ("def per_user_tps(row):\n    return aggregate_tps(row) / row['batch']\n",
+         "aggregate / batch spreads the prefill"),
+        ("def per_user_tps(row):\n    tpots = row['tpots_s']\n    if not tpots:\n        return None\n"
+         "    return sum(1 / t for t in tpots) / len(tpots)\n", "the mean of the requests' speeds"),
+        ("def per_user_tps(row):\n    tpots = row['tpots_s']\n    if not tpots:\n        return None\n"
+         "    return sum(tpots) / len(tpots)\n", "the mean TPOT itself, in seconds per token: invert it"),
+        ("def per_user_tps(row):\n    return len(row['tpots_s']) / sum(row['tpots_s'])\n", "raised ZeroDivisionError"),
+        ("def aggregate_tps(row):\n    return row['output_tokens'] / row['wall_s'] / row['batch']\n",
+         "don't divide by the batch"),
+    ],
+    "test_largest_batch_meeting_floor": [
+        ("def largest_batch_meeting_floor(batch_sizes, per_user_tps, floor):\n"
+         "    meeting = [b for b, tps in zip(batch_sizes, per_user_tps) if tps > floor]\n"
+         "    return max(meeting) if meeting else None\n", "use >="),
+        ("def largest_batch_meeting_floor(batch_sizes, per_user_tps, floor):\n"
+         "    meeting = [b for b, tps in zip(batch_sizes, per_user_tps) if tps >= floor]\n"
+         "    return meeting[-1] if meeting else None\n", "the last size in the list that meets it"),
+        ("def largest_batch_meeting_floor(batch_sizes, per_user_tps, floor):\n"
+         "    return max(b for b, tps in zip(batch_sizes, per_user_tps) if tps >= floor)\n",
+         "largest_batch_meeting_floor([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], floor=60.0) raised ValueError"),
+        ("def largest_batch_meeting_floor(batch_sizes, per_user_tps, floor):\n    best = None\n"
+         "    for b, tps in zip(batch_sizes, per_user_tps):\n        if tps < floor:\n            break\n"
+         "        best = b\n    return best\n", "sizes in any order"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def graded_namespace() -> dict:
+    """The master's solution cells run as the notebook runs them, plus the state its test cells read."""
+    return run_solution_cells(MASTER, dict(SEED, sweep=[dict(r, tpots_s=list(r["tpots_s"])) for r in RAW_SWEEP]))
+
+
+@pytest.mark.parametrize("grade_id, mistake, names_the_case",
+                         [(g, m, n) for g, cases in MISTAKES.items() for m, n in cases],
+                         ids=[f"{g}-{i}" for g, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_check_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)

@@ -7,7 +7,11 @@ The learner writes, with fixed signatures:
     num_steps(schedule) -> int
     utilisation(schedule) -> float                       # busy slot-steps / total slot-steps
     simulate_batching(output_lengths, num_slots, policy) -> schedule
+    aggregate_tps(row) -> float                          # a sweep row's output tokens / wall time
+    per_user_tps(row) -> float | None                    # 1 / the mean of the row's TPOTs
     largest_batch_meeting_floor(batch_sizes, per_user_tps, floor) -> int | None
+
+and sets `answer_most_saving_slots` (the number of slots where continuous batching saves the most steps).
 
 A schedule is a list of steps; each step is a list of `num_slots` entries, the id of the
 request decoding in that slot (its index in `output_lengths`) or None for an idle slot.
@@ -20,7 +24,7 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .common import CheckFailed, control_panel, device_label, new_figure, passed
+from .common import CheckFailed, call_learner, control_panel, device_label, echo_prediction, new_figure, passed
 
 POLICIES = ("static", "continuous")
 
@@ -84,27 +88,29 @@ SCHEDULE_CASES = (  # hand-made schedules: (schedule, steps, utilisation, what i
     ([[0, 1, 2], [0, 1, None], [0, None, None]], 3, 6 / 9, "3 slots, requests of 3, 2, 1 steps"),
     ([[0], [1], [2], [3]], 4, 1.0, "one slot, always busy"),
     ([[None, None], [0, None]], 2, 0.25, "an idle step at the start counts (the slots were there)"),
+    ([[None, None], [None, None]], 0, 0.0, "only idle steps: 0 steps, utilisation 0"),
     ([], 0, 0.0, "an empty schedule: 0 steps, utilisation 0 (not a ZeroDivisionError)"),
 )
 
 
 def check_num_steps(num_steps: Callable) -> None:
     for schedule, expected, _, why in SCHEDULE_CASES:
-        got = num_steps([list(s) for s in schedule])
+        got = call_learner(num_steps, ([list(s) for s in schedule],), f"num_steps({schedule})", why)
         if got != expected:
             hint = ""
             if len(schedule) != expected and got == len(schedule):
                 hint = " — you counted the trailing all-idle steps; stop at the last step where a slot is busy"
+            elif got == sum(any(r is not None for r in step) for step in schedule):
+                hint = " — you counted the busy steps; an idle step before the last busy one still takes a step"
+            elif isinstance(got, int) and got == expected - 1:
+                hint = " — one short: the last busy step's index is 0-based, the count is that index + 1"
             raise CheckFailed(f"num_steps({schedule}) returned {got!r}, expected {expected} ({why}){hint}")
     passed("num_steps", len(SCHEDULE_CASES))
 
 
 def check_utilisation(utilisation: Callable) -> None:
     for schedule, _, expected, why in SCHEDULE_CASES:
-        try:
-            got = utilisation([list(s) for s in schedule])
-        except ZeroDivisionError:
-            raise CheckFailed(f"utilisation({schedule}) divided by zero: {why}") from None
+        got = call_learner(utilisation, ([list(s) for s in schedule],), f"utilisation({schedule})", why)
         if isinstance(got, bool) or not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
             hint = ""
             if isinstance(got, (int, float)) and schedule and abs(got - expected * 100) < 1e-6:
@@ -136,7 +142,7 @@ def _describe_schedule(schedule, limit: int = 24) -> str:
 
 def _check_one(simulate: Callable, lengths: Sequence[int], num_slots: int, policy: str) -> None:
     call = f"simulate_batching({list(lengths)}, num_slots={num_slots}, policy={policy!r})"
-    schedule = simulate(list(lengths), num_slots, policy)
+    schedule = call_learner(simulate, (list(lengths), num_slots, policy), call)
     if not isinstance(schedule, (list, tuple)):
         raise CheckFailed(f"{call} returned {type(schedule).__name__}; expected a list of steps, each a list of "
                           f"{num_slots} request ids or None")
@@ -219,17 +225,134 @@ def check_largest_batch_meeting_floor(choose: Callable) -> None:
         ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 60.0, None, "no batch meets the floor: return None"),
         ([1, 2, 4, 8], [50.0, 45.0, 30.0, 12.0], 0.0, 8, "no floor: the largest batch"),
         ([8, 1, 4, 2], [12.0, 50.0, 30.0, 45.0], 40.0, 2, "sizes in any order: pair each with its own speed"),
+        ([4, 8, 2, 1], [30.0, 12.0, 45.0, 50.0], 20.0, 4, "sizes in any order: the largest that meets it, wherever it stands"),
         ([1, 2, 4, 8, 16], [40.0, 41.0, 25.0, 26.0, 5.0], 25.5, 8, "noisy measurements: the largest that meets it"),
+        ([], [], 1.0, None, "no measurements at all: None"),
     )
     for sizes, tps, floor, expected, why in cases:
-        got = choose(list(sizes), list(tps), floor)
+        call = f"largest_batch_meeting_floor({sizes}, {tps}, floor={floor})"
+        got = call_learner(choose, (list(sizes), list(tps), floor), call, why)
         if got != expected:
             hint = ""
-            if expected is not None and got == max(b for b, v in zip(sizes, tps) if v > floor):
+            meeting = [b for b, v in zip(sizes, tps) if v >= floor]
+            if expected is not None and got == max((b for b, v in zip(sizes, tps) if v > floor), default=None):
                 hint = " — use >= (a batch exactly at the floor meets it)"
-            raise CheckFailed(f"largest_batch_meeting_floor({sizes}, {tps}, floor={floor}) returned {got!r}, "
-                              f"expected {expected!r} ({why}){hint}")
+            elif meeting and got == meeting[-1]:
+                hint = " — that is the last size in the list that meets it; the sizes come in any order: take the largest"
+            elif got in range(len(sizes)) and expected in sizes and got == sizes.index(expected):
+                hint = " — that is the position in the list; return the batch size itself"
+            raise CheckFailed(f"{call} returned {got!r}, expected {expected!r} ({why}){hint}")
     passed("largest_batch_meeting_floor", len(cases))
+
+
+def most_saving_slots(output_lengths: Sequence[int] = EXAMPLE_OUTPUT_LENGTHS) -> tuple[int, dict[int, tuple[int, int]]]:
+    """The number of slots (1 .. len(output_lengths)) where continuous batching saves the most steps over
+    static (the smallest on a tie), and {slots: (static steps, continuous steps)} for every one."""
+    steps = {n: (_num_steps(reference_schedule(output_lengths, n, "static")),
+                 _num_steps(reference_schedule(output_lengths, n, "continuous")))
+             for n in range(1, len(output_lengths) + 1)}
+    best = max(steps, key=lambda n: (steps[n][0] - steps[n][1], -n))
+    return best, steps
+
+
+def check_answer_most_saving_slots(answer, output_lengths: Sequence[int] = EXAMPLE_OUTPUT_LENGTHS) -> None:
+    """The short answer of the slots toggle: where does continuous batching save the most steps?"""
+    best, steps = most_saving_slots(output_lengths)
+    top = len(output_lengths)
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 1 <= answer <= top:
+        raise CheckFailed(f"answer_most_saving_slots = {answer!r}: a number of slots, an int from 1 to {top}")
+    if answer != best:
+        s, c = steps[answer]
+        s_best, c_best = steps[best]
+        hint = ""
+        if answer == max(steps, key=lambda n: steps[n][0] / steps[n][1]):
+            hint = (" — that is where the ratio static / continuous is largest; the question asks for the steps saved "
+                    "(static steps - continuous steps)")
+        elif answer == top:
+            hint = " — with a slot per request both policies take the longest request's steps: nothing to save"
+        raise CheckFailed(f"answer_most_saving_slots = {answer}: with {answer} slots static takes {s} steps and "
+                          f"continuous {c}, {s - c} saved; another number of slots saves more ({s_best - c_best} "
+                          f"steps){hint}. Move the slider through every value and compare the two policies' steps")
+    s, c = steps[best]
+    print(f"✓ answer_most_saving_slots = {answer}: static {s} steps, continuous {c}, {s - c} saved — more than any "
+          f"other number of slots from 1 to {top}")
+
+
+# =================================================================== the speeds of a sweep row
+SPEED_CASES = (  # hand-made raw rows: (row, aggregate tokens/s, per-user tokens/s, what it shows)
+    ({"batch": 1, "output_tokens": 10, "wall_s": 0.5, "tpots_s": [0.04]}, 20.0, 25.0,
+     "one request: the wall time includes its prefill, 1 / TPOT does not"),
+    ({"batch": 2, "output_tokens": 20, "wall_s": 1.0, "tpots_s": [0.02, 0.06]}, 20.0, 25.0,
+     "two requests whose TPOTs differ: 1 / the mean TPOT (0.04 s), not the mean of 1/TPOT"),
+    ({"batch": 4, "output_tokens": 48, "wall_s": 1.6, "tpots_s": [0.1, 0.1, 0.1, 0.1]}, 30.0, 10.0,
+     "four requests of 12 tokens: aggregate counts all 48"),
+    ({"batch": 3, "output_tokens": 3, "wall_s": 0.3, "tpots_s": []}, 10.0, None,
+     "every request made one token: no decode step, no TPOT, per-user speed None"),
+)
+
+
+def _describe_row(row: dict) -> str:
+    return "{" + ", ".join(f"{k!r}: {_round(v)}" for k, v in row.items()) + "}"
+
+
+def _round(value):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(_round(v)) for v in value[:6]) + (", ..." if len(value) > 6 else "") + "]"
+    return repr(value)
+
+
+def _speed_hint(name: str, got: float, row: dict) -> str:
+    tokens, wall, tpots, batch = row["output_tokens"], row["wall_s"], row["tpots_s"], row["batch"]
+    near = lambda value: value is not None and abs(got - value) <= 1e-6 * max(abs(value), 1e-12)  # noqa: E731
+    if name == "aggregate_tps":
+        if near(tokens / wall / batch):
+            return " — that is per request; aggregate counts every request's tokens: don't divide by the batch"
+        if near(wall / tokens):
+            return " — that is seconds per token; tokens/s is output tokens / wall time"
+        if tpots and near(batch / (sum(tpots) / len(tpots))):
+            return " — that is batch / TPOT, which leaves out the prefills; use the measured tokens and wall time"
+        return ""
+    if near(tokens / wall / batch):
+        return (" — aggregate / batch spreads the prefill and the wait for the first token over every token; "
+                "one user's speed is 1 / TPOT, the time between that user's tokens")
+    if tpots and near(sum(tpots) / len(tpots)):
+        return " — that is the mean TPOT itself, in seconds per token: invert it"
+    if tpots and near(sum(1 / t for t in tpots) / len(tpots)):
+        return " — that is the mean of the requests' speeds; the contract is 1 / the mean TPOT (average the times first)"
+    if tpots and near(1 / max(tpots)):
+        return " — that is the slowest request's speed; the contract is 1 / the mean TPOT"
+    return ""
+
+
+def _check_speed(fn: Callable, name: str, row: dict, expected: float | None, why: str) -> None:
+    call = f"{name}({_describe_row(row)})"
+    got = call_learner(fn, (dict(row, tpots_s=list(row["tpots_s"])),), call, why)
+    if expected is None:
+        if got is not None:
+            raise CheckFailed(f"{call} returned {got!r}, expected None ({why})")
+        return
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise CheckFailed(f"{call} returned {got!r}; expected a number of tokens/s, {expected:.4g} ({why})")
+    if abs(got - expected) > 1e-6 * abs(expected):
+        raise CheckFailed(f"{call} returned {got:.4g}, expected {expected:.4g} tokens/s ({why})"
+                          + _speed_hint(name, got, row))
+
+
+def check_sweep_speeds(aggregate_tps: Callable, per_user_tps: Callable, rows: Sequence[dict] = ()) -> None:
+    """The learner's two speeds on hand-made rows, then on every raw row of their own sweep (each recomputed
+    here from the row's output tokens, wall time and TPOTs)."""
+    for row, aggregate, per_user, why in SPEED_CASES:
+        _check_speed(aggregate_tps, "aggregate_tps", row, aggregate, why)
+        _check_speed(per_user_tps, "per_user_tps", row, per_user, why)
+    for row in rows:
+        raw = {k: row[k] for k in ("batch", "output_tokens", "wall_s", "tpots_s")}
+        why = f"your sweep's row at batch {raw['batch']}"
+        _check_speed(aggregate_tps, "aggregate_tps", raw, raw["output_tokens"] / raw["wall_s"], why)
+        tpots = raw["tpots_s"]
+        _check_speed(per_user_tps, "per_user_tps", raw, len(tpots) / sum(tpots) if tpots else None, why)
+    passed("aggregate_tps and per_user_tps", len(SPEED_CASES) + len(rows))
 
 
 # =================================================================== the Gantt chart
@@ -301,12 +424,24 @@ class ScheduleExplorer:
 
 
 # =================================================================== the real engine (measured in the notebook)
+def print_raw_sweep(rows: Sequence[dict], device: str) -> None:
+    """The sweep's raw numbers, before the learner turns them into speeds."""
+    print(f"measured on {device}")
+    print(f"{'batch':>5} {'output tokens':>14} {'wall':>9} {'TPOTs (one per request)':>24}")
+    for r in rows:
+        tpots = r["tpots_s"]
+        spread = (f"{min(tpots) * 1e3:.1f} .. {max(tpots) * 1e3:.1f} ms" if len(tpots) > 1 else
+                  f"{tpots[0] * 1e3:.1f} ms" if tpots else "none")
+        print(f"{r['batch']:>5} {r['output_tokens']:>14} {r['wall_s']:>8.3f}s {spread:>24}")
+
+
 def print_batch_sweep(rows: Sequence[dict], device: str) -> None:
     print(f"measured on {device}")
     print(f"{'batch':>5} {'aggregate tok/s':>16} {'per-user tok/s':>15} {'TPOT':>9} {'vs batch 1':>11}")
     base = rows[0]["aggregate_tps"]
     for r in rows:
-        print(f"{r['batch']:>5} {r['aggregate_tps']:>16.1f} {r['per_user_tps']:>15.1f} {r['tpot_s'] * 1e3:>7.1f}ms "
+        tpot = f"{1e3 / r['per_user_tps']:>7.1f}ms" if r["per_user_tps"] else f"{'n/a':>9}"
+        print(f"{r['batch']:>5} {r['aggregate_tps']:>16.1f} {r['per_user_tps'] or float('nan'):>15.1f} {tpot} "
               f"{r['aggregate_tps'] / base:>10.2f}x")
 
 
@@ -359,7 +494,7 @@ class FloorExplorer:
         try:
             chosen = self.choose(list(self.sizes), list(self.per_user), floor)
         except NotImplementedError:
-            self.label.value = "<b>finish exercise 3 (largest_batch_meeting_floor) first</b>"
+            self.label.value = "<b>finish exercise 4 (largest_batch_meeting_floor) first</b>"
             return
         self.chosen = chosen
         with self.figure.batch_update():
@@ -385,6 +520,7 @@ class FloorExplorer:
 
 __all__ = [
     "POLICIES", "EXAMPLE_OUTPUT_LENGTHS", "EXAMPLE_NUM_SLOTS", "reference_schedule", "check_num_steps",
-    "check_utilisation", "check_simulate_batching", "check_largest_batch_meeting_floor", "gantt_figure",
-    "ScheduleExplorer", "print_batch_sweep", "batch_sweep_figure", "print_policies", "FloorExplorer", "device_label",
+    "check_utilisation", "check_simulate_batching", "check_largest_batch_meeting_floor", "most_saving_slots",
+    "check_answer_most_saving_slots", "check_sweep_speeds", "gantt_figure", "ScheduleExplorer", "print_raw_sweep",
+    "print_batch_sweep", "batch_sweep_figure", "print_policies", "FloorExplorer", "device_label", "echo_prediction",
 ]
