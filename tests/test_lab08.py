@@ -2,18 +2,26 @@
 write-up with its rubric kept out of the generated copies; the solutions pass every check; the checks
 name each usual mistake (a [DONE] parsed as JSON, the role-only chunk timed as the first token, the
 first token's wait counted as a gap, failed requests counted as good, a fraction instead of a rate,
-the hourly price used per second, the largest batch instead of the cheapest, ties and edges); the
-learner's stream timer agrees with the openai client on the real server; the batch sweep through the
-server and the cost ladder come out right on a short run of the default model."""
+the hourly price used per second, the largest batch instead of the cheapest, ties and edges); every graded test cell fails on two or three
+plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails); the learner's stream timer agrees with
+the openai client on the real server; the learner's two speeds per batch are the load generator's own; the
+batch sweep through the server and the cost ladder come out right on a short run of the default model."""
 
 from __future__ import annotations
 
+import copy
 import json
+from types import SimpleNamespace
 
 import nbformat
 import pytest
 
-from lab_utils import nbgrader_cells, notebook_functions, solution_fixture
+from lab_utils import (
+    assert_check_fails,
+    nbgrader_cells,
+    notebook_functions,
+    run_solution_cells,
+)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab08
@@ -21,13 +29,42 @@ from minillm.lab.common import CheckFailed, figure_subtitle
 
 LAB = "08_serving_cost"
 MASTER = SOURCE_DIR / LAB / f"{LAB}.ipynb"
-EXERCISES = {"parse_sse", "stream_metrics", "goodput", "cost_per_million", "choose_batch_size"}
+EXERCISES = {"parse_sse", "stream_metrics", "goodput", "cost_per_million", "choose_batch_size",
+             "measure_batch_sweep", "answer_best_lever"}
 AUTOGRADED = {"test_parse_sse": 2, "test_parse_sse_edges": 1, "test_stream_metrics": 2, "test_stream_on_server": 2,
-              "test_goodput": 2, "test_cost_per_million": 2, "test_choose_batch_size": 3}
+              "test_goodput": 2, "test_cost_per_million": 2, "test_choose_batch_size": 3,
+              "test_measure_batch_sweep": 2, "test_answer_best_lever": 1}
 WRITEUP_POINTS = 4
+HOURLY = 0.08
 
 
-solution = solution_fixture(MASTER, {"lab08": lab08})  # the master's solution code cells, run in one namespace
+def _request(ttft: float, tpot: float, tokens: int, start: float) -> dict:
+    return {"success": True, "ttft_s": ttft, "tpot_s": tpot, "e2el_s": ttft + tpot * (tokens - 1),
+            "output_tokens": tokens, "start_s": start}
+
+
+def stub_sweep() -> list[dict]:
+    """serve_batch_sweep's raw rows, made up (batch 1, 2, 4; TPOTs that differ, so a mean of rates is not 1 / a mean)."""
+    rows = []
+    for b, tpot, duration in ((1, 0.040, 0.75), (2, 0.055, 1.10), (4, 0.090, 1.90)):
+        recs = [_request(0.05 + 0.03 * i, tpot * (1 + 0.1 * (i % 3)), 8, 0.2 * (i // b)) for i in range(2 * b)]
+        rows.append({"batch": b, "records": recs, "duration_s": duration, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2})
+    return rows
+
+
+def stub_stack(tokens_per_s=(10.0, 40.0, 64.0, 115.2)) -> list:
+    """cost_stack's rows, made up: an H100-like ladder where every lever helps (batching's step is the largest,
+    speculation's rung the cheapest)."""
+    stages = ["naive", "+ continuous batching + paging", "+ int8 weights", "+ speculative decoding"]
+    return [SimpleNamespace(stage=stage, tokens_per_s=tps, usd_per_mtok=lab08.reference_cost_per_million(tps, HOURLY),
+                            same_tokens=4, num_requests=4, acceptance_rate=None)
+            for stage, tps in zip(stages, tokens_per_s)]
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The master's solution code cells, run in one namespace (the measurement on a made-up sweep)."""
+    return run_solution_cells(MASTER, {"lab08": lab08, "sweep": stub_sweep(), "HOURLY": HOURLY})
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +86,7 @@ def test_master_has_every_graded_piece_with_hidden_tests():
         cell = meta[gid][0]
         assert cell.cell_type == "code" and "### BEGIN HIDDEN TESTS" in cell.source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and not graded[gid]["solution"] and graded[gid]["points"] == points, gid
-    assert sum(AUTOGRADED.values()) == 14
+    assert sum(AUTOGRADED.values()) == 17
     # the write-up: a markdown answer the learner edits, graded by hand, with the rubric inside the solution region
     writeup, m = meta["writeup"]
     assert writeup.cell_type == "markdown" and m["solution"] and m["grade"] and not m["locked"]
@@ -58,10 +95,13 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     assert lines[0] == "### BEGIN SOLUTION" and lines[-1] == "### END SOLUTION"
     assert lines.index("### BEGIN MARK SCHEME") < lines.index("### END MARK SCHEME")
     intro = nb.cells[0].source
-    assert "**18 points**" in intro and "14 points checked automatically" in intro
+    assert "**Graded (21 points)**" in intro and "17 points checked automatically" in intro
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell is not writeup:
-            assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+            if "nbgrader" in cell.metadata:
+                assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+            else:   # the learner's answers to the questions above it; the model answers reach solutions/ only
+                assert cell.source.startswith("**Your answers**") and "### BEGIN MODEL ANSWER" in cell.source, cell.id
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "serve_in_thread(llm)" in "".join(c.source for c in code[:4]), "the server starts among the first cells"
@@ -88,12 +128,15 @@ def test_student_and_solution_copies():
 # --------------------------------------------------------------------- the solutions pass
 def test_solution_passes_every_check(solution):
     lab08.check_parse_sse(solution["parse_sse"])
+    lab08.check_parse_sse_edges(solution["parse_sse"])
     lab08.check_stream_metrics(solution["stream_metrics"])
     lab08.check_goodput(solution["goodput"])
     lab08.check_cost_per_million(solution["cost_per_million"])
     lab08.check_choose_batch_size(solution["choose_batch_size"])
     assert [round(solution["cost_per_million"](tps, 2.50), 2) for _, tps in lab08.SOURCE_STACK] == \
         list(lab08.SOURCE_USD_PER_MTOK)
+    lab08.check_measure_batch_sweep(solution["sweep"])
+    assert solution["answer_best_lever"] in lab08.LADDER_LEVERS
 
 
 def test_references_agree_with_the_engine_side_modules():
@@ -329,6 +372,10 @@ def test_goodput_on_a_real_benchmark(server, solution):
                           max_tokens=3, dataset=lab08.chat_dataset(3), goodput=lab08.slo_ms(slo), progress=False)
     recs = lab08.records(bench)
     assert len(recs) == 3 and all(r["success"] and r["output_tokens"] == 3 for r in recs)
+    # the learner's two speeds (measure_batch_sweep) are the load generator's own output throughput and 1 / mean TPOT
+    aggregate, per_user = lab08.reference_sweep_speeds({"records": recs, "duration_s": bench.duration_s})
+    assert aggregate == pytest.approx(bench.output_throughput)
+    assert per_user == pytest.approx(1e3 / bench.metrics["tpot"]["mean_ms"])
     lab08.check_goodput_on(solution["goodput"], bench, slo)
     lab08.check_goodput_on(solution["goodput"], bench, {"ttft_s": 1e-6})   # nothing is that fast
     assert solution["goodput"](recs, {"ttft_s": 1e-6}, bench.duration_s) == 0.0
@@ -343,8 +390,14 @@ def test_goodput_on_a_real_benchmark(server, solution):
 def test_batch_sweep_through_the_server_and_the_floor(default_llm, solution, capsys):
     rows = lab08.serve_batch_sweep(default_llm, [1, 2], rounds=1, max_tokens=3, dataset=lab08.chat_dataset(4))
     assert [r["batch"] for r in rows] == [1, 2]
+    assert all("aggregate_tps" not in r and "per_user_tps" not in r for r in rows), "the speeds are the learner's"
+    lab08.print_sweep_records(rows)
+    assert "duration_s" in capsys.readouterr().out
+    run_solution_cells(MASTER, {"lab08": lab08, "sweep": rows})   # the model measurement, on the real rows
+    lab08.check_measure_batch_sweep(rows)
     for r in rows:
-        assert r["aggregate_tps"] > 0 and r["per_user_tps"] > 0 and r["output_tokens"] == 3 * r["batch"]
+        assert len(r["records"]) == r["batch"] and all(x["success"] and x["output_tokens"] == 3 for x in r["records"])
+        assert r["aggregate_tps"] > 0 and r["per_user_tps"] > 0
         r["usd_per_mtok"] = solution["cost_per_million"](r["aggregate_tps"], 0.08)
     lab08.print_batch_sweep(rows, "cpu: test device")
     assert "per-user tok/s" in capsys.readouterr().out
@@ -380,3 +433,182 @@ def test_cost_ladder_beside_the_h100(default_llm, solution, experiments, capsys)
     assert len(fig.data) == 2 and list(fig.data[1].y) == pytest.approx([r["h100_gain_vs_naive"] for r in ladder])
     with pytest.raises(CheckFailed, match="check exercise 4"):
         experiments["cost_ladder"](stack, lambda tps, usd: usd / tps * 1e6, 0.08)
+
+
+# --------------------------------------------------------------------- every graded test cell fails on plausible mistakes
+_PARSE = """
+import json
+
+def parse_sse(lines):
+    out = []
+    for line in lines:
+        {body}
+    return out
+"""
+
+_TIMER = """
+def stream_metrics(timed_lines, sent_s):
+    pieces, times = [], []
+    for arrival_s, line in timed_lines:
+        for event in parse_sse([line]):
+            choices = event.get("choices") or []
+            if not choices:
+                continue
+            choice = choices[0]
+            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {{}}).get("content")
+            {keep}
+    {ttft}
+    {gaps}
+    return {{"text": "".join(pieces), "ttft_s": ttft, "itl_s": [b - a for a, b in zip(gaps, gaps[1:])]}}
+"""
+_KEEP_TEXT = "if piece:\n                pieces.append(piece)\n                times.append(arrival_s)"
+_KEEP_EVERY = "pieces.append(piece or '')\n            times.append(arrival_s)"
+_TTFT = "ttft = times[0] - sent_s if times else None"
+_TIMER_ROLE = _TIMER.format(keep=_KEEP_EVERY, ttft=_TTFT, gaps="gaps = times")          # the role chunk is a token
+_TIMER_FROM_SENT = _TIMER.format(keep=_KEEP_TEXT, ttft=_TTFT, gaps="gaps = [sent_s] + times")   # TTFT is a gap
+_TIMER_ABSOLUTE = _TIMER.format(keep=_KEEP_TEXT, ttft="ttft = times[0] if times else None", gaps="gaps = times")
+_RERUN = '\nstream_run = run_stream(handle, stream_metrics, "Name a colour.", max_tokens=6)\n'
+
+_GOODPUT = """
+def goodput(records, slo, duration_s):
+    good = [r for r in records if {ok} and {meets}(r[k] is None or r[k] {cmp} v for k, v in slo.items())]
+    return len(good) / {per}
+"""
+
+
+def _goodput(ok="r['success']", meets="all", cmp="<=", per="duration_s"):
+    return _GOODPUT.format(ok=ok, meets=meets, cmp=cmp, per=per)
+
+
+_CHOOSE = """
+def choose_batch_size(measurements, per_user_floor_tps):
+    meeting = [m for m in measurements if {keep}]
+    return min(meeting, key=lambda m: {key})["batch"] if meeting else None
+"""
+
+_SPEEDS = """
+import statistics
+
+for row in sweep:
+    ok = [r for r in row["records"] if r["success"]]
+    row["per_user_tps"] = {per_user}
+    row["aggregate_tps"] = {aggregate}
+"""
+_PER_USER = '1 / statistics.fmean(r["tpot_s"] for r in ok if r["tpot_s"] is not None)'
+_AGGREGATE = 'sum(r["output_tokens"] for r in ok) / row["duration_s"]'
+
+MISTAKES = {
+    "test_parse_sse": [
+        (_PARSE.format(body='if line.startswith("data:"):\n            out.append(json.loads(line[5:]))'),
+         "raised JSONDecodeError"),                                              # [DONE] parsed as JSON
+        (_PARSE.format(body='line = line.rstrip("\\r")\n        if line.startswith("data:") and line[5:].strip() != "[DONE]":'
+                            '\n            out.append(json.loads(line[5:]))'),
+         "ends the stream"),                                                     # skips [DONE], reads on after it
+        (_PARSE.format(body='line = line.rstrip("\\r")\n        if line.startswith("data:"):\n            data = line[5:].strip()'
+                            '\n            if data == "[DONE]":\n                break\n            out.append(data)'),
+         "parsed JSON"),                                                         # the raw text, not json.loads
+    ],
+    "test_parse_sse_edges": [
+        (_PARSE.format(body='line = line.rstrip("\\r")\n        if line.startswith("data: [DONE]"):\n            break'
+                            '\n        if line.startswith("data: "):\n            out.append(json.loads(line[6:]))'),
+         "space is optional"),                                                   # 'data: ' with the space only
+        (_PARSE.format(body='if "[DONE]" in line:\n            break\n        line = line.rstrip("\\r")'
+                            '\n        if line.startswith("data:"):\n            out.append(json.loads(line[5:]))'),
+         "inside a JSON string is data"),                                        # searches the line for [DONE]
+        (_PARSE.format(body='if line.startswith("data:"):\n            data = line[5:].strip(" ")'
+                            '\n            if data == "[DONE]":\n                break\n            out.append(json.loads(data))'),
+         "strip a trailing"),                                                    # keeps the '\\r'
+    ],
+    "test_stream_metrics": [
+        (_TIMER_ROLE, "carries only the role"),
+        (_TIMER_FROM_SENT, "the wait for the first token"),
+        (_TIMER_ABSOLUTE, "subtract it"),
+    ],
+    "test_stream_on_server": [
+        (_TIMER_ROLE + _RERUN, "the role-only chunk"),
+        (_TIMER_FROM_SENT + _RERUN, "inter-token gaps"),
+        (_TIMER_ABSOLUTE + _RERUN, "after the request was sent"),
+    ],
+    "test_goodput": [
+        (_goodput(ok="True"), "failed request"),
+        (_goodput(meets="any"), "every limit"),
+        (_goodput(per="len(records) if records else 1"), "not the fraction"),
+        (_goodput(cmp="<"), "<=, not <"),
+    ],
+    "test_cost_per_million": [
+        ("def cost_per_million(tokens_per_s, hourly_usd):\n    return hourly_usd / tokens_per_s * 1e6\n",
+         "divide the hourly price by 3600"),
+        ("def cost_per_million(tokens_per_s, hourly_usd):\n    return hourly_usd / 3600 / tokens_per_s * 1e3\n",
+         "not 1e3"),
+        ("def cost_per_million(tokens_per_s, hourly_usd):\n    return hourly_usd / 3600 / tokens_per_s * 1e6\n",
+         "raise ValueError naming the value"),                                   # no guard for a rate of 0
+    ],
+    "test_choose_batch_size": [
+        (_CHOOSE.format(keep='m["per_user_tps"] >= per_user_floor_tps', key='-m["batch"]'),
+         "largest batch that meets the floor is not always"),
+        (_CHOOSE.format(keep='m["per_user_tps"] > per_user_floor_tps', key='(m["usd_per_mtok"], m["batch"])'),
+         ">=, not >"),
+        (_CHOOSE.format(keep="True", key='(m["usd_per_mtok"], m["batch"])'), "breaks the promise"),
+        (_CHOOSE.format(keep='m["per_user_tps"] >= per_user_floor_tps', key='(m["usd_per_mtok"], -m["batch"])'),
+         "smaller batch"),
+    ],
+    "test_measure_batch_sweep": [
+        (_SPEEDS.format(per_user='statistics.fmean(1 / r["tpot_s"] for r in ok if r["tpot_s"] is not None)',
+                        aggregate=_AGGREGATE), "not the mean of the 1 / TPOT"),
+        (_SPEEDS.format(per_user='statistics.fmean(r["output_tokens"] / r["e2el_s"] for r in ok)',
+                        aggregate=_AGGREGATE), "counts the wait for the first token"),
+        (_SPEEDS.format(per_user=_PER_USER, aggregate='row["per_user_tps"] * row["batch"]'),
+         "assumes every user streamed at full speed"),
+        (_SPEEDS.format(per_user=_PER_USER, aggregate='sum(r["output_tokens"] for r in ok) / sum(r["e2el_s"] for r in ok)'),
+         "not by the sum of the requests' e2el_s"),
+    ],
+    "test_answer_best_lever": [
+        ('answer_best_lever = "speculation"\n', "is the cheapest rung"),       # the cheapest rung, not the largest step
+        ('answer_best_lever = "quantization"\n', "x prev"),
+        ('answer_best_lever = "+ continuous batching + paging"\n', "one word"),  # the stage's name, not the word
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def graded_namespace(solution, server, experiments) -> dict:
+    """What the graded test cells read: the solution cells' names, the server and one stream through it, a short
+    benchmark on it, the made-up sweep (measured by the solution) and a ladder of made-up rungs."""
+    from minillm.bench.serve import run_benchmark
+
+    slo = {"ttft_s": 2.0, "tpot_s": 0.25}
+    bench = run_benchmark(server.base_url, endpoint="/v1/chat/completions", num_prompts=3, max_concurrency=3,
+                          max_tokens=3, dataset=lab08.chat_dataset(3), goodput=lab08.slo_ms(slo), progress=False)
+    run_stream = experiments["run_stream"]
+    return {**solution, "handle": server, "run_stream": run_stream, "SLO": slo, "bench": bench,
+            "stream_run": run_stream(server, solution["stream_metrics"], "Name a colour.", max_tokens=6),
+            "ladder": experiments["cost_ladder"](stub_stack(), solution["cost_per_million"], HOURLY)}
+
+
+@pytest.mark.parametrize("grade_id, mistake, names_the_case",
+                         [(g, m, n) for g, cases in MISTAKES.items() for m, n in cases],
+                         ids=[f"{g}-{i}" for g, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
+    namespace = dict(graded_namespace, sweep=copy.deepcopy(graded_namespace["sweep"]))
+    assert_check_fails(MASTER, grade_id, namespace, mistake, names_the_case)
+
+
+def test_best_lever_check_on_a_cpu_like_ladder(solution, experiments):
+    """On a CPU the levers after batching slow things down: the cheapest rung is batching's, and naming a
+    lever that made the ladder slower says so."""
+    ladder = experiments["cost_ladder"](stub_stack((8.0, 50.0, 33.0, 27.0)), solution["cost_per_million"], HOURLY)
+    lab08.check_answer_best_lever(" Batching", ladder)
+    with pytest.raises(CheckFailed, match="made tokens/s slower"):
+        lab08.check_answer_best_lever("quantization", ladder)
+    with pytest.raises(CheckFailed, match="run the cost ladder cell"):
+        lab08.check_answer_best_lever("batching", None)
+    tie = experiments["cost_ladder"](stub_stack((10.0, 20.0, 40.0, 40.0)), solution["cost_per_million"], HOURLY)
+    lab08.check_answer_best_lever("batching", tie)      # 2x and 2x: either is right
+    lab08.check_answer_best_lever("quantization", tie)
+
+
+def test_measure_check_names_missing_speeds():
+    with pytest.raises(CheckFailed, match="has no \\['aggregate_tps', 'per_user_tps'\\]"):
+        lab08.check_measure_batch_sweep(stub_sweep())
+    with pytest.raises(CheckFailed, match="run the sweep cell"):
+        lab08.check_measure_batch_sweep(None)

@@ -25,7 +25,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from .common import CheckFailed, call_learner, control_panel, new_figure, passed
+from .common import (
+    CheckFailed,
+    call_learner,
+    control_panel,
+    echo_prediction,
+    new_figure,
+    passed,
+)
 
 # The sources' cost ladder: one H100 at 2.50 USD per hour, output tokens per second as the levers
 # stack. The naive engine makes one token every 30 ms (33.3 tok/s): 20.83 USD per million tokens.
@@ -139,6 +146,39 @@ def check_parse_sse(parse_sse: Callable) -> None:
             raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}): "
                               + _diagnose_sse(lines, got_list, want))
     passed("parse_sse", len(cases))
+
+
+def _sse_edge_cases() -> list[tuple[list[str], str]]:
+    a = completion_chunk(" Paris")
+    return [
+        ([], "an empty stream: no events"),
+        (["", "", ""], "only blank lines: no events"),
+        (["data: [DONE]", _sse(a)], "[DONE] first: nothing counts"),
+        (["data:" + json.dumps(a), "data:[DONE]"], "'data:' without the space is legal SSE"),
+        ([_sse(a) + "\r", "\r", "data: [DONE]\r", _sse(a) + "\r"], "lines that end in '\\r' (the [DONE] too)"),
+        (['data: {"s": "data: [DONE]"}', "data: [DONE]"], "'[DONE]' inside a JSON string is data, not the end"),
+        (['data: {"s": "[DONE]"}', 'data:{"t": 2}'], "a JSON string '[DONE]', no [DONE] line: keep both"),
+    ]
+
+
+def check_parse_sse_edges(parse_sse: Callable) -> None:
+    """Your parser on the edges: empty input, no space after 'data:', '\\r' line ends, '[DONE]' inside JSON."""
+    cases = _sse_edge_cases()
+    for lines, why in cases:
+        call = f"parse_sse({lines!r})"
+        got = _call(parse_sse, (list(lines),), call,
+                    "strip a trailing '\\r' before looking at a line; only a line whose data is exactly [DONE] ends it")
+        want = reference_parse_sse(lines)
+        if not isinstance(got, (list, tuple)) or list(got) != want:
+            got_list = list(got) if isinstance(got, (list, tuple)) else []
+            if any("[DONE]" in line and line.rstrip("\r") not in ("data: [DONE]", "data:[DONE]") for line in lines) \
+                    and len(got_list) < len(want):
+                hint = ("only a line whose data is exactly [DONE] ends the stream; '[DONE]' inside a JSON string is "
+                        "data (compare the data with '[DONE]', do not search the line for it)")
+            else:
+                hint = _diagnose_sse(lines, got_list, want)
+            raise CheckFailed(f"{call} returned {got!r}, expected {want} ({why}): {hint}")
+    passed("parse_sse on the edges", len(cases))
 
 
 # =================================================================== 2. timing a stream
@@ -512,6 +552,9 @@ def print_stream(run: dict, num_lines: int = 6) -> None:
 def check_stream(run: dict) -> None:
     """Your stream_metrics on the server's real stream (the notebook's run_stream): the openai client's
     text, the reference timings of the same raw lines."""
+    if not isinstance(run, dict) or "mine" not in run:
+        raise CheckFailed(f"stream_run is {run!r}: run the cell that calls run_stream (it needs parse_sse and "
+                          "stream_metrics, exercises 1 and 2)")
     mine, want = run["mine"], reference_stream_metrics(run["lines"], run["sent_s"])
     if not isinstance(mine, dict) or not {"text", "ttft_s", "itl_s"} <= set(mine):
         raise CheckFailed(f"stream_metrics returned {mine!r}; expected a dict with 'text', 'ttft_s' and 'itl_s'")
@@ -642,8 +685,10 @@ def print_metrics(url: str, prefixes: Sequence[str] = ("num_requests", "kv_", "p
 def serve_batch_sweep(llm, batch_sizes: Sequence[int], rounds: int = 2, max_tokens: int = 16,
                       dataset: list[dict] | None = None) -> list[dict]:
     """For each batch size b: a server on llm.with_levers(max_num_seqs=b) (same weights), and the load
-    generator keeping b requests in flight for rounds × b requests of max_tokens tokens each.
-    aggregate tokens/s = the benchmark's output throughput; per-user tokens/s = 1 / mean TPOT."""
+    generator keeping b requests in flight for rounds × b requests of max_tokens tokens each (EOS ignored).
+    One row per batch size, raw: {"batch", "records" (records(result): one dict per request), "duration_s"
+    (the run's wall time, first request sent -> last answer done), "ttft_p50_s", "ttft_p99_s"}. The
+    speeds (aggregate and per-user tokens/s) are the learner's measurement (measure_batch_sweep)."""
     from tqdm.auto import tqdm
 
     from ..bench.serve import run_benchmark
@@ -664,13 +709,102 @@ def serve_batch_sweep(llm, batch_sizes: Sequence[int], rounds: int = 2, max_toke
                                 max_concurrency=b, max_tokens=max_tokens, dataset=dataset, seed=b, progress=False)
         if res.failed:
             raise RuntimeError(f"batch {b}: {res.failed} requests failed: {res.errors}")
-        tpot_s = res.metrics["tpot"]["mean_ms"] / 1e3
-        rows.append({"batch": b, "aggregate_tps": res.output_throughput, "per_user_tps": 1.0 / tpot_s,
-                     "tpot_s": tpot_s, "ttft_p50_s": res.metrics["ttft"]["median_ms"] / 1e3,
-                     "ttft_p99_s": res.metrics["ttft"].get("p99_ms", float("nan")) / 1e3,
-                     "duration_s": res.duration_s, "output_tokens": res.total_output_tokens})
+        rows.append({"batch": b, "records": records(res), "duration_s": res.duration_s,
+                     "ttft_p50_s": res.metrics["ttft"]["median_ms"] / 1e3,
+                     "ttft_p99_s": res.metrics["ttft"].get("p99_ms", float("nan")) / 1e3})
         del engine
     return rows
+
+
+def print_sweep_records(rows: Sequence[dict]) -> None:
+    """What the sweep measured, before any speed is computed: per batch size, its requests and their times."""
+    print(f"{'batch':>5} {'requests':>9} {'duration_s':>11} {'output tokens':>14}  first request's ttft_s / tpot_s / e2el_s")
+    for r in rows:
+        recs = r["records"]
+        first = recs[0] if recs else None
+        shown = (f"{first['ttft_s']:.3f} / {first['tpot_s']:.4f} / {first['e2el_s']:.3f}"
+                 if first and _number(first.get("tpot_s")) else "—")
+        print(f"{r['batch']:>5} {len(recs):>9} {r['duration_s']:>11.3f} "
+              f"{sum(x['output_tokens'] for x in recs if x['success']):>14}  {shown}")
+
+
+# =================================================================== the learner's measurement: two speeds per batch
+def reference_sweep_speeds(row: dict) -> tuple[float, float]:
+    """(aggregate_tps, per_user_tps) of one sweep row: the output tokens of the successful requests / the
+    run's duration_s, and 1 / the mean TPOT of the successful requests that have one (tpot_s not None)."""
+    ok = [r for r in row["records"] if r["success"]]
+    tpots = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    aggregate = sum(r["output_tokens"] for r in ok) / row["duration_s"]
+    per_user = 1.0 / statistics.fmean(tpots) if tpots else float("nan")
+    return aggregate, per_user
+
+
+def _diagnose_aggregate(row: dict, got: float, per_user_got) -> str:
+    ok = [r for r in row["records"] if r["success"]]
+    tokens = sum(r["output_tokens"] for r in ok)
+    want, _ = reference_sweep_speeds(row)
+    guesses = [
+        (row["duration_s"] / tokens if tokens else None,
+         "tokens per second is tokens / duration_s, not duration_s / tokens"),
+        (tokens / sum(r["e2el_s"] for r in ok) if ok else None,
+         ("divide by the run's duration_s (its wall time: the requests overlap), not by the sum of the requests' "
+          "e2el_s — that sum counts the same second once per request in flight")),
+        (per_user_got * row["batch"] if _number(per_user_got) else None,
+         ("per_user_tps × batch assumes every user streamed at full speed the whole run; measure it: all output "
+          "tokens / duration_s")),
+        (tokens / row["duration_s"] / row["batch"],
+         "that is per batch slot; aggregate tokens/s is all the output tokens / duration_s"),
+        (statistics.fmean(r["output_tokens"] / r["e2el_s"] for r in ok) if ok else None,
+         "that is one request's speed; aggregate tokens/s is all the output tokens / duration_s"),
+    ]
+    for value, why in guesses:
+        if value is not None and not math.isclose(value, want, rel_tol=1e-9) and math.isclose(got, value, rel_tol=1e-6):
+            return why
+    return "aggregate_tps = sum of the successful requests' output_tokens / the row's duration_s"
+
+
+def _diagnose_per_user(row: dict, got: float) -> str:
+    ok = [r for r in row["records"] if r["success"]]
+    tpots = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    _, want = reference_sweep_speeds(row)
+    guesses = [
+        (statistics.fmean(1 / t for t in tpots) if tpots else None,
+         "per-user tokens/s is 1 / (the mean TPOT), as the benchmark reports it, not the mean of the 1 / TPOT values"),
+        (statistics.fmean(r["output_tokens"] / r["e2el_s"] for r in ok) if ok else None,
+         ("output_tokens / e2el_s counts the wait for the first token; the reading speed is 1 / TPOT (tpot_s leaves "
+          "the TTFT out)")),
+        (statistics.fmean(tpots) if tpots else None, "that is the mean TPOT in seconds per token; take 1 / it"),
+        (1 / statistics.median(tpots) if tpots else None, "1 / the mean TPOT, not 1 / the median"),
+    ]
+    for value, why in guesses:
+        if value is not None and not math.isclose(value, want, rel_tol=1e-9) and math.isclose(got, value, rel_tol=1e-6):
+            return why
+    return "per_user_tps = 1 / the mean of the successful requests' tpot_s (leave out a tpot_s of None)"
+
+
+def check_measure_batch_sweep(sweep) -> None:
+    """Your two speeds per sweep row, recomputed from the row's own records and duration_s."""
+    if not isinstance(sweep, (list, tuple)) or not sweep:
+        raise CheckFailed(f"sweep is {sweep!r}: run the sweep cell of section 6 first")
+    for row in sweep:
+        where = f"batch {row.get('batch')!r}"
+        missing = [key for key in ("aggregate_tps", "per_user_tps") if key not in row]
+        if missing:
+            raise CheckFailed(f"{where}: the row has no {missing}: set row['aggregate_tps'] and row['per_user_tps'] "
+                              "for every row of sweep")
+        want_agg, want_user = reference_sweep_speeds(row)
+        agg, user = row["aggregate_tps"], row["per_user_tps"]
+        if not _number(agg) or not math.isclose(agg, want_agg, rel_tol=1e-6):
+            shown = f"{agg:.4g}" if _number(agg) else repr(agg)
+            raise CheckFailed(f"{where}: aggregate_tps = {shown}, expected {want_agg:.4g} tokens/s from its "
+                              f"{len(row['records'])} records and duration_s = {row['duration_s']:.4g}: "
+                              + (_diagnose_aggregate(row, agg, user) if _number(agg) else "a number"))
+        if not _number(user) or not math.isclose(user, want_user, rel_tol=1e-6):
+            shown = f"{user:.4g}" if _number(user) else repr(user)
+            raise CheckFailed(f"{where}: per_user_tps = {shown}, expected {want_user:.4g} tokens/s from its "
+                              f"{len(row['records'])} records: "
+                              + (_diagnose_per_user(row, user) if _number(user) else "a number"))
+    passed("your aggregate and per-user tokens/s", len(sweep))
 
 
 def print_batch_sweep(rows: Sequence[dict], device: str) -> None:
@@ -766,6 +900,41 @@ def ladder_figure(ladder: Sequence[dict], device: str):
     return fig
 
 
+# =================================================================== the checked answer: which lever bought the most
+# The ladder's rungs after naive, each named by the one word the learner answers with.
+LEVER_OF_STAGE = (("batching", "batching"), ("weights", "quantization"), ("speculative", "speculation"))
+LADDER_LEVERS = tuple(lever for _, lever in LEVER_OF_STAGE)
+
+
+def _lever(stage: str) -> str | None:
+    return next((lever for key, lever in LEVER_OF_STAGE if key in stage), None)
+
+
+def check_answer_best_lever(answer, ladder) -> None:
+    """answer_best_lever: the lever whose own step of the ladder (x prev: its rung's tokens/s over the rung
+    above) was the largest on this machine, read from the learner's ladder."""
+    if not isinstance(ladder, (list, tuple)) or len(ladder) < 2:
+        raise CheckFailed(f"ladder is {ladder!r}: run the cost ladder cell of section 7 first (it needs cost_per_million)")
+    steps = {_lever(r["stage"]): r for r in ladder[1:] if _lever(r["stage"])}
+    if not isinstance(answer, str) or answer.strip().lower() not in steps:
+        raise CheckFailed(f"answer_best_lever = {answer!r}: answer with one word of {sorted(steps)}")
+    chosen = steps[answer.strip().lower()]
+    best = max(r["gain_vs_previous"] for r in steps.values())
+    table = ", ".join(f"{lever} {r['gain_vs_previous']:.2f}x" for lever, r in steps.items())
+    if math.isclose(chosen["gain_vs_previous"], best, rel_tol=1e-9):
+        passed("answer_best_lever", 1)
+        return
+    cheapest = min(ladder, key=lambda r: r["usd_per_mtok"])
+    if chosen is cheapest:
+        why = (f"'{chosen['stage']}' is the cheapest rung, but the ladder stacks the levers: its price holds every "
+               "lever above it too. Which single lever bought the most is its own step, the x prev column")
+    elif chosen["gain_vs_previous"] < 1:
+        why = f"on your ladder {answer.strip()} made tokens/s slower than the rung above (x prev < 1): it bought nothing"
+    else:
+        why = "read the x prev column: each lever's own step is its rung's tokens/s over the rung above"
+    raise CheckFailed(f"answer_best_lever = {answer!r}: {why} (your ladder's steps: {table})")
+
+
 def greedy(max_tokens: int):
     """SamplingParams for a short greedy answer."""
     from ..sampling import SamplingParams
@@ -779,4 +948,5 @@ __all__ = ["CheckFailed", "SOURCE_STACK", "SOURCE_HOURLY_USD", "SOURCE_USD_PER_M
            "openai_client", "print_stream", "check_stream", "stream_figure", "chat_dataset", "records",
            "slo_ms", "check_goodput_on", "requests_figure", "scrape_metrics", "print_metrics", "serve_batch_sweep",
            "print_batch_sweep", "batch_figure", "FloorExplorer", "print_ladder", "ladder_figure",
-           "greedy"]
+           "greedy", "echo_prediction", "check_parse_sse_edges", "print_sweep_records", "reference_sweep_speeds",
+           "check_measure_batch_sweep", "LADDER_LEVERS", "check_answer_best_lever"]
