@@ -1,14 +1,19 @@
-"""Lab 06 helpers — prefix caching: checks for the block hash chain, the cache lookup and the
-hosted-API pricing; ChainHash, which plugs the learner's hash chain into the engine's BlockManager;
-the prompts, tables and figures of the notebook's experiments (the shared document, the one-word
-edit, the eviction sweep: their code is in the notebook).
+"""Lab 06 helpers — prefix caching: checks for the block hash chain, the cache lookup, the engine's
+hash link, the reading-time measurement and the hosted-API pricing; CountedLink, which hands the
+learner's hash_link to the engine's BlockManager (counting its calls, a crash naming the call); the
+prompts, tables and figures of the notebook's experiments (the shared document, the one-word edit,
+the eviction sweep: their code is in the notebook).
 
 The learner writes, with fixed signatures:
 
     block_hashes(token_ids, block_size, salt=None) -> list[key]     # one hashable key per FULL block
     lookup(cache, keys) -> list[block_id]                            # the run of hits from the start
     reusable_blocks(cache, token_ids, block_size, salt=None) -> list[block_id]   # <= (len - 1) // block_size
+    hash_link(parent_key, block_token_ids, salt) -> key              # one link of the chain: the engine's hash_fn
     cached_cost(prefix_tokens, suffix_tokens, n_requests, write=1.25, read=0.1) -> float
+
+and the measurement reading_off, reading_on, saving (sums of TTFT, 1 - on / off) and the short answer
+answer_break_even (the fewest requests for which the prompt cache is cheaper).
 
 Keys are the learner's own (ints, tuples, bytes...): the checks never compare them with the
 engine's SHA-256 keys, only with each other — two prompts must get equal keys for block i exactly
@@ -20,7 +25,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Hashable, Sequence
 
-from .common import CheckFailed, call_learner, expect_number, format_seconds, new_figure, passed
+from .common import CheckFailed, call_learner, expect_number, format_seconds, is_close, new_figure, passed
+from .common import echo_prediction  # noqa: F401 - the notebook echoes its predictions as lab06.echo_prediction
 
 # What the sources measured on a laptop: ten questions about one long document, total reading
 # (prefill) time without and with a kept prefix; and the re-read cost after changing one word at
@@ -108,20 +114,9 @@ def _why_equal(a, b, i: int, bs: int) -> str:
     return f"block {i} differs ({own_a} vs {own_b}) — two different prefixes collided"
 
 
-def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 0) -> None:
-    """Keys agree exactly where prompts agree: key i of prompts a and b are equal iff their first
-    (i + 1) * block_size tokens and their salts are equal. One key per full block, hashable, stable."""
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be >= 1")
-    bs = block_size
-    for n in (0, 1, bs - 1, bs, bs + 1, 3 * bs - 1, 3 * bs):
-        if n >= 0:
-            _keys_of(block_hashes, list(range(7, 7 + n)), bs, None)
-    cases = _hash_cases(bs, seed)
-    keys = [_keys_of(block_hashes, ids, bs, salt) for _, ids, salt in cases]
-    default = _call(block_hashes, (list(cases[0][1]), bs), f"block_hashes({_ids(cases[0][1])}, {bs})")
-    if list(default) != keys[0]:
-        raise CheckFailed(f"block_hashes(ids, {bs}) and block_hashes(ids, {bs}, salt=None) differ: salt defaults to None")
+def _compare_keys(cases: list, keys: list[list], bs: int) -> int:
+    """Key i of cases a and b must be equal exactly when their first (i + 1) * bs tokens and their salts
+    are equal (None and "" are different salts); the number of pairs compared."""
     num_pairs = 0
     for x in range(len(cases)):
         for y in range(x + 1, len(cases)):
@@ -141,7 +136,60 @@ def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 
                 if equal and not same:
                     raise CheckFailed(f"block {i} ({bs} tokens a block): {a[0]!r} and {b[0]!r} got the same key, but "
                                       + _why_equal(a, b, i, bs))
+    return num_pairs
+
+
+def check_block_hashes(block_hashes: Callable, block_size: int = 4, seed: int = 0) -> None:
+    """Keys agree exactly where prompts agree: key i of prompts a and b are equal iff their first
+    (i + 1) * block_size tokens and their salts are equal. One key per full block, hashable, stable."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    bs = block_size
+    for n in (0, 1, bs - 1, bs, bs + 1, 3 * bs - 1, 3 * bs):
+        if n >= 0:
+            _keys_of(block_hashes, list(range(7, 7 + n)), bs, None)
+    cases = _hash_cases(bs, seed)
+    keys = [_keys_of(block_hashes, ids, bs, salt) for _, ids, salt in cases]
+    default = _call(block_hashes, (list(cases[0][1]), bs), f"block_hashes({_ids(cases[0][1])}, {bs})")
+    if list(default) != keys[0]:
+        raise CheckFailed(f"block_hashes(ids, {bs}) and block_hashes(ids, {bs}, salt=None) differ: salt defaults to None")
+    num_pairs = _compare_keys(cases, keys, bs)
     passed("block_hashes", num_pairs)
+
+
+SALT_CASES = (  # (salt a, salt b, what it shows)
+    ("alice", "alice", "the same tenant: the same keys"),
+    ("alice", "bob", "two tenants: every key differs, not only the first"),
+    (None, "bob", "no salt and a salt"),
+    (None, "", "salt None (no salt) and salt '' (an empty salt): different salts"),
+    ("", "alice", "an empty salt and a salt"),
+)
+
+
+def check_block_hashes_salt(block_hashes: Callable, block_size: int = 4) -> None:
+    """One 4-block prompt under pairs of salts: equal salts give equal keys, different salts (None and ""
+    included: the reference and the engine's SHA-256 keep them apart) give different keys for every block."""
+    ids = list(range(100, 100 + 4 * block_size + 1))
+    for salt_a, salt_b, why in SALT_CASES:
+        a = _keys_of(block_hashes, ids, block_size, salt_a)
+        b = _keys_of(block_hashes, ids, block_size, salt_b)
+        call = f"block_hashes({_ids(ids)}, {block_size}, salt=...)"
+        if salt_a == salt_b and a != b:
+            raise CheckFailed(f"{call} with salt {salt_a!r} twice gave different keys ({why})")
+        if salt_a != salt_b:
+            shared = [i for i in range(len(a)) if a[i] == b[i]]
+            if shared:
+                hint = ""
+                if {salt_a, salt_b} == {None, ""}:
+                    hint = (" — compare the salt with `is None`, not its truth value: an empty salt is still a salt "
+                            "(`salt or None` makes '' and None one tenant)")
+                elif len(shared) < len(a):
+                    hint = " — the salt must reach every key: put it in each link (or let the chain carry it on)"
+                else:
+                    hint = " — the salt must enter the key, or two tenants share a cache"
+                raise CheckFailed(f"{call}: salt {salt_a!r} and salt {salt_b!r} gave equal keys for blocks {shared} "
+                                  f"({why}){hint}")
+    passed("block_hashes with salts", len(SALT_CASES))
 
 
 def reference_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
@@ -239,25 +287,73 @@ def check_reusable_blocks(reusable_blocks: Callable, block_hashes: Callable, blo
     passed("reusable_blocks", num_cases)
 
 
-# =================================================================== C. the engine on your hash chain
-class ChainHash:
-    """The BlockManager's `hash_fn(parent_key, token_ids, salt) -> key`, computed by your
-    `block_hashes`: it remembers which prefix every key it returned covers, so a block's key is
-    block_hashes(parent's prefix + this block's tokens, block_size, salt)[-1]."""
+# =================================================================== C. the engine on your hash link
+def reference_hash_link(parent_key: Hashable | None, block_token_ids: Sequence[int], salt: str | None) -> int:
+    """One of many correct answers: the reference chain's link, Python's hash of (parent key, tokens, salt)."""
+    return hash((parent_key, tuple(block_token_ids), salt))
 
-    def __init__(self, block_hashes: Callable, block_size: int):
-        self.block_hashes = block_hashes
-        self.block_size = block_size
-        self.prefix_of: dict[tuple[Hashable, str | None], tuple[int, ...]] = {}
+
+def _link_call(parent, i: int, block: Sequence[int], salt) -> str:
+    parent_text = "None" if parent is None else f"<key of block {i - 1}>"
+    return f"hash_link({parent_text}, {_ids(block)}, {salt!r})"
+
+
+def _link_chain(hash_link: Callable, token_ids: Sequence[int], bs: int, salt: str | None) -> list:
+    """The keys of a prompt's full blocks, link by link, as the engine computes them."""
+    keys, parent = [], None
+    for i in range(len(token_ids) // bs):
+        block = tuple(token_ids[i * bs:(i + 1) * bs])
+        call = _link_call(parent, i, block, salt)
+        key = _call(hash_link, (parent, block, salt), call)
+        try:
+            hash(key)
+        except TypeError:
+            raise CheckFailed(f"{call} returned a {type(key).__name__}, which cannot be a dict key; return a hashable "
+                              "key (an int, a tuple, bytes), not a list") from None
+        if key is None:
+            raise CheckFailed(f"{call} returned None: None is the parent of a first block, not a key")
+        if _call(hash_link, (parent, block, salt), call) != key:
+            raise CheckFailed(f"{call} gave different keys when called twice: a key must depend only on the parent "
+                              "key, the tokens and the salt")
+        keys.append(key)
+        parent = key
+    return keys
+
+
+def check_hash_link(hash_link: Callable, block_size: int = 4, seed: int = 0) -> None:
+    """The engine calls hash_fn(parent_key, block_token_ids, salt) once per full block, the parent being
+    the previous block's key (None for block 0). Chained that way, the keys of prompts a and b must agree
+    for block i exactly when their first (i + 1) * block_size tokens and their salts agree."""
+    cases = _hash_cases(block_size, seed)
+    keys = [_link_chain(hash_link, ids, block_size, salt) for _, ids, salt in cases]
+    num_pairs = _compare_keys(cases, keys, block_size)
+    passed("hash_link", num_pairs)
+
+
+class CountedLink:
+    """The BlockManager's `hash_fn`: your `hash_link`, called through call_learner (a crash names the
+    call), counting its calls."""
+
+    def __init__(self, hash_link: Callable):
+        self.hash_link = hash_link
         self.num_calls = 0
 
     def __call__(self, parent: Hashable | None, token_ids: tuple[int, ...], salt: str | None) -> Hashable:
         self.num_calls += 1
-        prefix = (self.prefix_of[(parent, salt)] if parent is not None else ()) + tuple(token_ids)
-        keys = self.block_hashes(list(prefix), self.block_size, salt)
-        key = keys[-1]
-        self.prefix_of[(key, salt)] = prefix
-        return key
+        parent_text = "None" if parent is None else "<parent key>"
+        return _call(self.hash_link, (parent, tuple(token_ids), salt),
+                     f"hash_link({parent_text}, {_ids(token_ids)}, {salt!r}) (called by the engine)")
+
+
+def sibling_prompts(block_size: int = 8) -> list[dict]:
+    """Three prompts whose blocks 1-2 repeat under a different block 0 (A = X Y Z .., B = W Y Z .., C = W Y Z ..):
+    C must find B's three blocks. A link that ignores its parent keys Y and Z of B like A's, the engine
+    refuses those keys for B (they are A's blocks), and C finds only W."""
+    bs = block_size
+    x, w = [11 + i for i in range(bs)], [900 + i for i in range(bs)]
+    yz = [300 + 7 * i for i in range(2 * bs)]
+    return [{"prompt_token_ids": x + yz + [5]}, {"prompt_token_ids": w + yz + [6, 7]},
+            {"prompt_token_ids": w + yz + [8, 9, 10]}]
 
 
 def chat_prompts(llm, system: str, questions: Sequence[str]) -> list[dict]:
@@ -273,19 +369,25 @@ def print_hash_run(result: dict) -> None:
     for i, (n, c, e, text) in enumerate(zip(result["prompt_tokens"], result["cached_tokens"],
                                             result["expected_cached_tokens"], result["text"])):
         print(f"{i:>8}{n:>15}{c:>16}{e:>17}  {text!r}")
-    print(f"your block_hashes ran {result['hash_calls']} times "
+    print(f"your hash_link ran {result['hash_calls']} times "
           "(once per full block of each request: the engine keeps a request's keys)")
 
 
 def check_hash_run(result: dict) -> None:
     if not result["equal"]:
-        raise CheckFailed(f"with your hash chain the engine generated {result['tokens']}, with the cache off "
+        raise CheckFailed(f"with your hash_link the engine generated {result['tokens']}, with the cache off "
                           f"{result['expected']}: a block was served after a different start — check that each key "
                           "covers its parent's key")
     if result["cached_tokens"] != result["expected_cached_tokens"]:
-        raise CheckFailed(f"cached prompt tokens per request: {result['cached_tokens']} with your hash chain, "
-                          f"{result['expected_cached_tokens']} with the engine's — equal prefixes must give equal keys "
-                          "(and different ones different keys)")
+        hint = ""
+        if any(c < e for c, e in zip(result["cached_tokens"], result["expected_cached_tokens"])):
+            hint = (" — a request found fewer cached tokens: if a block repeats under another first block, a key that "
+                    "ignores its parent equals the other prompt's key, the engine refuses it (that key holds another "
+                    "block, after another parent), and later requests lose the rest of their start; each key must "
+                    "cover its parent's key")
+        raise CheckFailed(f"cached prompt tokens per request: {result['cached_tokens']} with your hash_link, "
+                          f"{result['expected_cached_tokens']} with the engine's SHA-256 chain — equal prefixes must "
+                          "give equal keys (and different ones different keys)" + hint)
     if not any(result["cached_tokens"]):
         raise CheckFailed("no request found a cached block: the prompts share a system prompt, so later ones should")
     passed("the engine on your hash chain", len(result["tokens"]))
@@ -314,25 +416,76 @@ def document_questions(llm, doc: Sequence[int], num_questions: int) -> list[dict
 
 
 def reading_s(rows: Sequence[dict]) -> float:
-    """Total time to first token over requests sent one after another: the time spent reading prompts."""
+    """Total time to first token over requests sent one after another: the time spent reading prompts
+    (for the printouts and the check; the learner computes it in the notebook)."""
     return sum(r["ttft_s"] for r in rows)
 
 
 def print_shared_document(result: dict) -> None:
+    """The raw rows, question by question (the totals are the learner's measurement)."""
     off, on = result["off"], result["on"]
     n = result["num_questions"]
-    print(f"{n} questions about one document ({result['prompt_tokens'][0]} tokens with its question), "
-          f"one after another — {result['device']}")
-    print(f"{'prefix_caching':<16}{'reading (sum of TTFT)':>23}{'mean TTFT':>12}{'tokens read':>13}{'from the cache':>16}")
-    for label, rows in (("off", off), ("on", on)):
+    print(f"{n} questions about one document, one after another — {result['device']}")
+    print(f"{'question':>9}{'prompt tokens':>15}{'TTFT off':>11}{'TTFT on':>11}{'from the cache (on)':>21}")
+    for i, (a, b) in enumerate(zip(off, on)):
+        print(f"{i:>9}{a['prompt_tokens']:>15}{format_seconds(a['ttft_s']):>11}{format_seconds(b['ttft_s']):>11}"
+              f"{b['cached_tokens']:>21}")
+    print(f"greedy outputs identical: {result['identical']}/{n}")
+
+
+def print_reading(result: dict, reading_off: float, reading_on: float) -> None:
+    """The learner's totals beside the tokens read and the sources' laptop."""
+    for label, rows, total in (("off", result["off"], reading_off), ("on", result["on"], reading_on)):
         read = sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows)
-        cached = sum(r["cached_tokens"] for r in rows)
-        print(f"{label:<16}{format_seconds(reading_s(rows)):>23}{format_seconds(reading_s(rows) / n):>12}"
-              f"{read:>13}{cached:>16}")
-    print(f"reading with the cache: {reading_s(on) / reading_s(off):.1%} of without "
+        print(f"prefix_caching={label:<4} reading {format_seconds(total):>9}  ({read} prompt tokens computed, "
+              f"{sum(r['cached_tokens'] for r in rows)} from the cache)")
+    print(f"reading with the cache: {reading_on / reading_off:.1%} of without "
           f"(the sources' laptop, ten questions: {SOURCE_READING_S['off']:.0f} s -> {SOURCE_READING_S['on']} s, "
           f"{SOURCE_READING_S['on'] / SOURCE_READING_S['off']:.1%})")
-    print(f"greedy outputs identical: {result['identical']}/{n}")
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise CheckFailed(f"{name} is {value!r} ({type(value).__name__}); expected a number")
+    return float(value)
+
+
+def check_measure_reading(result: dict, reading_off, reading_on, saving) -> None:
+    """reading_off / reading_on: the sum of the rows' TTFTs (seconds) of each run; saving = 1 - on / off,
+    from your two totals (a fraction: 0.8 = 80 % of the reading saved; negative when the cache made it slower)."""
+    for name, label, value in (("reading_off", "off", reading_off), ("reading_on", "on", reading_on)):
+        rows = result[label]
+        ttfts = [r["ttft_s"] for r in rows]
+        want = sum(ttfts)
+        got = _number(name, value)
+        if not is_close(got, want, rel=1e-6):
+            hint = ""
+            if ttfts and is_close(got, want / len(ttfts)):
+                hint = " — that is the mean TTFT; the reading time of requests sent one after another is their sum"
+            elif is_close(got, max(ttfts, default=0.0)) or is_close(got, ttfts[0] if ttfts else 0.0):
+                hint = " — one request's TTFT; the reading time is the sum over all the requests"
+            elif is_close(got, reading_s(result["on" if label == "off" else "off"])):
+                hint = " — that is the other run's total: shared['off'] is the run with the cache off"
+            elif is_close(got, want * 1e3):
+                hint = " — in seconds, as ttft_s is, not milliseconds"
+            raise CheckFailed(f"{name} = {got:.6g}, but the sum of shared[{label!r}]'s {len(ttfts)} TTFTs is "
+                              f"{want:.6g} s{hint}")
+    off, on = float(reading_off), float(reading_on)
+    want = 1 - on / off
+    got = _number("saving", saving)
+    if not is_close(got, want, rel=1e-6, abs_tol=1e-9):
+        hint = ""
+        if is_close(got, on / off):
+            hint = " — that is the share of the reading left (on / off); the saving is what the cache took away, 1 - on / off"
+        elif on and is_close(got, 1 - off / on):
+            hint = " — divided the wrong way: the saving is relative to the reading without the cache, 1 - on / off"
+        elif is_close(got, off - on):
+            hint = " — in seconds; the saving is a fraction of the reading without the cache, (off - on) / off"
+        elif is_close(got, 100 * want):
+            hint = " — a fraction (0.8), not a percentage (80)"
+        raise CheckFailed(f"saving = {got:.6g} with reading_off = {off:.6g} s and reading_on = {on:.6g} s; "
+                          f"expected 1 - on / off = {want:.6g}{hint}")
+    passed("the reading measurement", 3)
 
 
 def shared_document_figure(result: dict):
@@ -434,6 +587,35 @@ def check_cached_cost(cached_cost: Callable, cases=COST_CASES) -> None:
         name = "cached_cost" if not kwargs else f"cached_cost[{', '.join(f'{k}={v}' for k, v in kwargs.items())}]"
         expect_number(name, args, got, want, hint=(hint or why))
     passed("cached_cost", len(cases))
+
+
+def break_even_requests(write: float = CACHE_WRITE, read: float = CACHE_READ, limit: int = 1000) -> int:
+    """The fewest requests sharing a start for which the cached bill is strictly below the plain one
+    (n * prefix; the suffixes cost the same either way)."""
+    for n in range(1, limit + 1):
+        if reference_cached_cost(1.0, 0, n, write, read) < n * 1.0:
+            return n
+    raise ValueError(f"the cache never pays for itself within {limit} requests at write={write}, read={read}")
+
+
+def check_answer_break_even(answer) -> None:
+    want = break_even_requests()
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise CheckFailed(f"answer_break_even = {answer!r}; expected a whole number of requests (an int)")
+    if answer == want and float(answer).is_integer():
+        passed("answer_break_even", 1)
+        return
+    n = answer
+    if not float(n).is_integer():
+        hint = (f"{n} is not a whole number of requests: solving 1.25 + 0.1 (n - 1) = n gives n = 1.28; "
+                "the answer is the smallest whole n above it")
+    elif n < want:
+        hint = (f"with {int(n)} request(s) the start is written and never read: "
+                f"{reference_cached_cost(1.0, 0, int(n)):.2f}x the plain price (the write costs {CACHE_WRITE}x)")
+    else:
+        hint = (f"already {want} requests pay: {CACHE_WRITE} + {CACHE_READ} = "
+                f"{reference_cached_cost(1.0, 0, want):.2f} prefix-prices instead of {want}")
+    raise CheckFailed(f"answer_break_even = {answer!r}, but the prompt cache is cheaper from {want} requests on — {hint}")
 
 
 def cost_figure(cached_cost: Callable, prefix_tokens: int = 10_000, suffix_tokens: int = 0, max_requests: int = 20):
