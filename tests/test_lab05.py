@@ -2,7 +2,8 @@
 minillm.quant, the Triton int4 matmul under the interpreter and compiled for sm_80/sm_90, salient
 channels, KV arithmetic against the engine), the checks name each usual mistake, the kernel runs inside
 the int4 engine with the reference's tokens, the Q4_1 alignment effect is real, the ablation ranks the
-variants, and the setting widget updates."""
+variants, and the setting widget updates. MISTAKES feeds every graded test cell plausible wrong answers
+(wrong kernels are the solution's source with one line changed, imported from a file)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import import_file, nbgrader_cells, notebook_functions, solution_module_fixture, solution_source
+from lab_utils import assert_check_fails, import_file, nbgrader_cells, notebook_functions
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab05
@@ -28,12 +29,37 @@ import triton
 import triton.language as tl
 from minillm.lab import lab05
 """
-GRADED = {"test_int8": 2, "test_int4": 2, "test_pack": 1, "test_int4_matmul_rows": 2, "test_int4_matmul_groups": 2,
-          "test_salient": 2, "test_kv_bytes": 2, "test_sequences_fit": 1}
+GRADED = {"test_int8": 2, "test_int4": 2, "test_pack": 1, "test_measure_layer_errors": 1, "test_int4_matmul_rows": 2,
+          "test_int4_matmul_groups": 2, "test_salient": 2, "test_kv_bytes": 2, "test_sequences_fit": 1,
+          "test_answer_llama_fit": 1}
 
 
 LAUNCHER = "def int4_matmul("  # the code cell that launches the kernel, kept with the solution cells
-solution = solution_module_fixture(MASTER, MODULE_HEADER, LAUNCHER, "lab05_solution")
+# Solution cells that run on the notebook's state (the measurement reads `weight`, the real layer) stay out of
+# the module: the wrong-answer tests exec them in their namespace instead.
+STATEFUL = ("measure_", "answer_")
+
+
+def solution_source(master=MASTER, header=MODULE_HEADER, launcher_prefix=LAUNCHER) -> str:
+    """lab_utils.solution_source without the STATEFUL solution cells: header, the solution functions and the
+    kernel's launcher, as one module's source (Triton reads a kernel's source from its file)."""
+    nb = nbformat.read(master, as_version=4)
+    parts = [header]
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and (meta.get("solution") and not meta["grade_id"].startswith(STATEFUL)
+                                         or cell.source.startswith(launcher_prefix)):
+            parts.append(cell.source)
+    return "\n\n".join(parts) + "\n"
+
+
+@pytest.fixture(scope="module")
+def solution(tmp_path_factory):
+    """The master's solution functions and kernel launcher, imported from a file."""
+    path = tmp_path_factory.mktemp("lab05_solution") / "lab05_solution.py"
+    path.write_text(solution_source())
+    return import_file(path, "lab05_solution")
+
 EXPERIMENTS = ("weight_table", "error_sweep", "run_with_kernel", "collect_linear_inputs", "layer_ablation",
                "ablation_perplexity", "kv_table", "kv_int8_run")
 
@@ -56,12 +82,12 @@ def test_master_has_every_graded_piece_with_hidden_tests():
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"]
     for cell in nb.cells:
-        if cell.cell_type == "markdown":
+        if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:   # model answers: plain markdown
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
     setup = nb.cells[2].source
     assert setup.index('os.environ["TRITON_INTERPRET"] = "1"') < setup.index("import triton")
-    assert "Graded (14 points)" in nb.cells[0].source
+    assert "Graded (16 points)" in nb.cells[0].source
 
 
 def test_student_kernel_keeps_the_signature_and_pointer_comments():
@@ -117,7 +143,7 @@ def test_solution_kernel_compiles_for_sm80_and_sm90(solution):
 
 
 def test_stub_kernel_raises_not_implemented(tmp_path):
-    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
+    source = solution_source()
     start = source.index("    ### BEGIN SOLUTION\n    acc = tl.zeros")
     end = source.index("    ### END SOLUTION\n", start) + len("    ### END SOLUTION\n")
     path = tmp_path / "lab05_stub.py"
@@ -336,3 +362,152 @@ def test_kernel_run_and_timing_printouts(capsys):
     out = capsys.readouterr().out
     assert "yours: 10 µs  reads 10 MB (bound 2.5 µs) -> 1000 GB/s, 25% of the bound" in out
     assert "fp16: 20 µs  reads 40 MB (bound 10 µs) -> 2000 GB/s, 50% of the bound" in out
+
+
+# --------------------------------------------------------------------- wrong answers: every graded cell can fail
+# One line of the solution kernel changed (the usual slips), as {name: (old, new, occurrences)}.
+KERNEL_SLIPS = {
+    "swapped_nibbles": ("low = (byte & 0xF).to(tl.float32)\n        high = (byte >> 4).to(tl.float32)",
+                        "low = (byte >> 4).to(tl.float32)\n        high = (byte & 0xF).to(tl.float32)", 1),
+    "no_zero_term": ("acc += s * q_dot_x + z * tl.sum(x_even + x_odd, axis=0)", "acc += s * q_dot_x", 1),
+    "group_0_scale": ("cols * num_groups + g, mask=is_col", "cols * num_groups, mask=is_col", 2),
+    "no_row_offset": ("x_ptr + row * K + g * GROUP", "x_ptr + g * GROUP", 2),
+    "skips_group_0": ("for g in range(0, num_groups):", "for g in range(1, num_groups):", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def wrong_kernels(tmp_path_factory) -> dict:
+    """{slip: int4_matmul launching the solution kernel with that one slip}, each imported from its own file."""
+    source, launchers = solution_source(), {}
+    folder = tmp_path_factory.mktemp("lab05_wrong")
+    for name, (old, new, count) in KERNEL_SLIPS.items():
+        assert source.count(old) == count, f"the solution kernel changed: {old!r} is not there {count} time(s)"
+        path = folder / f"lab05_{name}.py"
+        path.write_text(source.replace(old, new))
+        launchers[name] = import_file(path, f"lab05_{name}").int4_matmul
+    return launchers
+
+
+@pytest.fixture(scope="module")
+def namespace(solution, default_llm, wrong_kernels) -> dict:
+    """What the graded test cells read: the solution functions, the loaded model, the real layer and the
+    measurement and short answer computed from them (their solution cells run here), int4_matmul_spec, and
+    WRONG (the wrong kernels, for the mistakes' sources)."""
+    ns = {key: value for key, value in vars(solution).items() if not key.startswith("__")}
+    layer = "layers.3.gate_up_proj"
+    ns.update(lab05=lab05, torch=torch, llm=default_llm, LAYER=layer, weight=lab05.layer_weight(default_llm, layer),
+              WRONG=wrong_kernels)
+    ns.update(notebook_functions(MASTER, "int4_matmul_spec", torch=torch, lab05=lab05))
+    for gid, (cell, meta) in nbgrader_cells(nbformat.read(MASTER, as_version=4)).items():
+        if meta.get("solution") and gid.startswith(STATEFUL):
+            exec(compile(cell.source, f"<master:{gid}>", "exec"), ns)
+    return ns
+
+
+INT8_BODY = """
+def quantize_int8(w):
+    w = w.float()
+    scale = {scale}
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = {codes}.clamp(-127, 127).to(torch.int8)
+    return q, scale
+"""
+INT4_BODY = """
+def quantize_int4(w, group_size):
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = {lo}, groups.amax(dim=2)
+    scale = (hi - lo) / {levels}
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, {zero}
+"""
+MEASURE = """
+layer_errors = {{label: {error} for label, w_hat in reconstructions.items()}}
+int4_g64_over_int8 = {ratio}
+"""
+
+MISTAKES = {
+    "test_int8": [
+        (INT8_BODY.format(scale="w.abs().amax(dim=1) / 128", codes="torch.round(w / scale[:, None])"),
+         "you divided by 128"),
+        (INT8_BODY.format(scale="w.abs().amax(dim=1) / 127", codes="(w / scale[:, None])"),
+         "truncates toward zero"),
+        ("def quantize_int8(w):\n    scale = w.float().abs().max() / 127\n"
+         "    return torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale\n",
+         "one number for the whole matrix"),
+        ("def dequantize_int8(q, scale):\n    return q.float() * scale.float()\n",   # forgot [:, None]
+         "dequantize_int8(q, scale) after quantize_int8(w of shape (64, 128))"),
+    ],
+    "test_int4": [
+        (INT4_BODY.format(lo="groups.amin(dim=2)", levels=16, zero="lo"), "you divided by 16"),
+        (INT4_BODY.format(lo="groups.amin(dim=2)", levels=15, zero="torch.round(-lo / scale)"), "integer zero point"),
+        (INT4_BODY.format(lo="w.float().amin(dim=1, keepdim=True).expand(n, k // group_size)", levels=15, zero="lo"),
+         "the whole row's minimum"),
+        ("def dequantize_int4(q, scale, zero):\n    n, k = q.shape\n    g = k // scale.shape[1]\n"
+         "    return (q.float().reshape(n, -1, g) * scale[..., None] - zero[..., None]).reshape(n, k)\n",
+         "w = q * scale + zero"),
+    ],
+    "test_pack": [
+        ("def pack_int4(q):\n    q = q.to(torch.uint8)\n    return q[:, 1::2] | (q[:, 0::2] << 4)\n", "nibbles swapped"),
+        ("def unpack_int4(packed):\n    return torch.cat([packed & 0x0F, packed >> 4], dim=1)\n", "interleave them back"),
+        ("def pack_int4(q):\n    q = q.to(torch.uint8)\n    return q[:, 0::2] | (q[:, 1::2] << 8)\n",   # shifted a byte
+         "pack_int4(q of shape (4, 8)): byte [0, 0]"),
+    ],
+    "test_measure_layer_errors": [
+        (MEASURE.format(error="float((w_hat - weight).norm())", ratio='layer_errors["int4 g64"] / layer_errors["int8"]'),
+         "divide by ||W||"),
+        (MEASURE.format(error="float((w_hat - weight).abs().mean() / weight.abs().mean())",
+                        ratio='layer_errors["int4 g64"] / layer_errors["int8"]'), "mean |W - Q(W)| / mean |W|"),
+        (MEASURE.format(error="float((w_hat - weight).norm() / weight.norm())",
+                        ratio='layer_errors["int8"] / layer_errors["int4 g64"]'), "divided the wrong way"),
+        ('reconstructions["int4 g64"] = dequantize_int4(*quantize_int4(weight, 32))\n'   # the label and the group differ
+         + MEASURE.format(error="float((w_hat - weight).norm() / weight.norm())",
+                          ratio='layer_errors["int4 g64"] / layer_errors["int8"]'), "that is the error of int4 g32"),
+    ],
+    "test_int4_matmul_rows": [
+        ('int4_matmul = WRONG["swapped_nibbles"]', "(one row, two groups)"),
+        ('int4_matmul = WRONG["no_zero_term"]', "the zero term is missing"),
+        ('int4_matmul = WRONG["group_0_scale"]', "every group used group 0's scale"),
+    ],
+    "test_int4_matmul_groups": [
+        ('int4_matmul = WRONG["no_row_offset"]', "(three rows, three groups of 128)"),
+        ('int4_matmul = WRONG["skips_group_0"]', "(three rows, three groups of 128)"),
+        ('int4_matmul = WRONG["swapped_nibbles"]', "nibbles swapped"),
+    ],
+    "test_salient": [
+        ("def salient_channels(x, fraction):\n    return x.abs().amax(dim=0).topk(max(1, round(fraction * x.shape[1]))).indices\n",
+         "rank by the MEAN |x|"),
+        ("def salient_channels(x, fraction):\n    return x.mean(dim=0).topk(max(1, round(fraction * x.shape[1]))).indices\n",
+         "rank by |x| (magnitude)"),
+        ("def salient_channels(x, fraction):\n    return x.abs().mean(dim=0).topk(round(fraction * 100)).indices\n",
+         "fraction is already a share"),
+    ],
+    "test_kv_bytes": [
+        ("def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return num_layers * num_kv_heads * head_dim * bytes_per_value\n", "K and V: both are cached"),
+        ("def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value):\n"   # counts values, not bytes
+         "    return 2 * num_layers * num_kv_heads * head_dim\n", "kv_bytes_per_token(30, 3, 64, 4) returned 11520"),
+    ],
+    "test_sequences_fit": [
+        ("def sequences_that_fit(budget_bytes, seq_len, bytes_per_token):\n"
+         "    return budget_bytes / (seq_len * bytes_per_token)\n", "use floor division"),
+        ("def sequences_that_fit(budget_bytes, seq_len, bytes_per_token):\n"
+         "    return -(-budget_bytes // (seq_len * bytes_per_token))\n", "rounded up"),
+        ("def sequences_that_fit(budget_bytes, seq_len, bytes_per_token):\n"
+         "    return round(budget_bytes / (seq_len * bytes_per_token))\n", "sequences_that_fit(10, 1, 11) returned 1"),
+    ],
+    "test_answer_llama_fit": [
+        ("answer_llama_fit = (20, 160)", "an fp32 scale per token and KV head"),
+        ("answer_llama_fit = (155, 20)", "the order is (MHA in bf16, GQA in int8)"),
+        ("answer_llama_fit = (20, 80)", "that is GQA in bf16"),
+    ],
+}
+
+
+@pytest.mark.parametrize("grade_id, mistake, names_the_case",
+                         [(gid, source, case) for gid, cases in MISTAKES.items() for source, case in cases],
+                         ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_cell_fails_on_a_plausible_mistake(namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, namespace, mistake, names_the_case)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
 from . import common
-from .common import CheckFailed, Stopwatch, call_learner, control_panel, new_figure, passed, require_kernel
+from .common import (CheckFailed, Stopwatch, call_learner, control_panel, echo_prediction, new_figure, passed,  # noqa: F401
+                     require_kernel)
 
 MB = 1e6
 GiB = 1 << 30
@@ -325,6 +326,81 @@ def error_figure(rows: Sequence[dict], name: str):
     fig.add_bar(x=labels, y=[r["random"] for r in rows], name="random Gaussian (never quantized)")
     fig.update_layout(barmode="group")
     return fig
+
+
+MEASURED_SETTINGS = ("int8", "int4 g32", "int4 g64")   # the keys of the learner's layer_errors
+
+
+def _as_number(value):
+    """A float from a Python number or a one-element tensor; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def check_measure_layer_errors(layer_errors, int4_g64_over_int8, weight: torch.Tensor, quantize_int8: Callable,
+                               dequantize_int8: Callable, quantize_int4: Callable, dequantize_int4: Callable) -> None:
+    """The learner's measurement on `weight`: layer_errors[label] = ||W - Q(W)|| / ||W|| (Frobenius norms) with
+    THEIR quantizers, for int8 per channel and int4 in groups of 32 and 64; and int4_g64_over_int8 = the g64
+    error divided by the int8 one. Recomputed here from the learner's own functions, so only the measurement
+    (its definition, its arithmetic, its direction) is graded."""
+    if not isinstance(layer_errors, dict):
+        raise CheckFailed(f"layer_errors is {type(layer_errors).__name__}; expected a dict {{label: relative error}} "
+                          f"with the keys {list(MEASURED_SETTINGS)}")
+    missing = [label for label in MEASURED_SETTINGS if label not in layer_errors]
+    if missing:
+        raise CheckFailed(f"layer_errors has no {missing}: measure every one of {list(MEASURED_SETTINGS)} "
+                          f"(it has {list(layer_errors)})")
+    w = weight.float()
+    rebuilt = {}
+    for label in MEASURED_SETTINGS:
+        if label == "int8":
+            call = f"dequantize_int8(*quantize_int8(weight)) for layer_errors[{label!r}]"
+            w_hat = _call(lambda: dequantize_int8(*quantize_int8(weight.clone())), (), call)
+        else:
+            g = int(label.split("g")[-1])
+            call = f"dequantize_int4(*quantize_int4(weight, {g})) for layer_errors[{label!r}]"
+            w_hat = _call(lambda g=g: dequantize_int4(*quantize_int4(weight.clone(), g)), (), call)
+        rebuilt[label] = _expect_tensor(w_hat, tuple(w.shape), call, "the reconstruction").float()
+    want = {label: float((rebuilt[label] - w).norm() / w.norm()) for label in MEASURED_SETTINGS}
+    for label in MEASURED_SETTINGS:
+        got = _as_number(layer_errors[label])
+        case = f"layer_errors[{label!r}]"
+        if got is None:
+            raise CheckFailed(f"{case} is {layer_errors[label]!r}; expected a number, ||W - Q(W)|| / ||W|| = "
+                              f"{want[label]:.4g}")
+        if common.is_close(got, want[label], rel=1e-3, abs_tol=1e-9):
+            continue
+        diff = rebuilt[label] - w
+        hint = ""
+        if common.is_close(got, float(diff.norm()), rel=1e-3):
+            hint = " — that is ||W - Q(W)|| alone: divide by ||W|| to make it relative"
+        elif want[label] > 0 and common.is_close(got, 1 / want[label], rel=1e-3):
+            hint = " — upside down: the error goes on top, ||W - Q(W)|| / ||W||"
+        elif common.is_close(got, want[label] ** 2, rel=1e-3):
+            hint = " — that is the ratio of squared norms (sums of squares): take the square root, or use .norm()"
+        elif common.is_close(got, float(diff.abs().mean() / w.abs().mean()), rel=1e-3):
+            hint = (" — that is mean |W - Q(W)| / mean |W|: the lab's relative error uses Frobenius norms, "
+                    "(w_hat - w).norm() / w.norm()")
+        else:
+            other = next((o for o in MEASURED_SETTINGS if o != label and common.is_close(got, want[o], rel=1e-3)), None)
+            if other is not None:
+                hint = f" — that is the error of {other}: the label and the setting you quantized with do not match"
+        raise CheckFailed(f"{case} is {got:.6g}, but your own quantizers give ||W - Q(W)|| / ||W|| = "
+                          f"{want[label]:.6g} on this weight{hint}")
+    ratio = _as_number(int4_g64_over_int8)
+    g64, i8 = float(layer_errors["int4 g64"]), float(layer_errors["int8"])
+    if ratio is None:
+        raise CheckFailed(f"int4_g64_over_int8 is {int4_g64_over_int8!r}; expected a number, "
+                          f"layer_errors['int4 g64'] / layer_errors['int8'] = {g64 / i8:.4g}")
+    if not common.is_close(ratio, g64 / i8, rel=1e-3):
+        upside_down = common.is_close(ratio, i8 / g64, rel=1e-3)
+        hint = " — divided the wrong way: g64's error over int8's" if upside_down else ""
+        raise CheckFailed(f"int4_g64_over_int8 is {ratio:.6g}, expected layer_errors['int4 g64'] / layer_errors['int8'] "
+                          f"= {g64:.4g} / {i8:.4g} = {g64 / i8:.4g}{hint}")
+    passed("your measurement of the layer's quantization error", len(MEASURED_SETTINGS) + 1)
 
 
 # ------------------------------------------------------------------ E. the int4 matmul kernel
@@ -773,6 +849,59 @@ def check_sequences_that_fit(sequences_that_fit: Callable) -> None:
                 hint = " — rounded up: the last sequence would not fit"
             raise CheckFailed(f"{call} returned {got!r}, expected {budget} // ({seq_len} * {per_token}) = {want}{hint}")
     passed("sequences_that_fit", len(cases))
+
+
+LLAMA_FIT = {"seq_len": 4096, "budget_bytes": 40 * GiB, "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
+
+
+def llama_fit_reference() -> tuple[int, int]:
+    """(MHA in bf16, GQA in int8): whole sequences of 4,096 tokens of Llama-3-8B in 40 GiB of KV cache, with
+    the engine's fp32 scale per token and KV head in the int8 case (as kv_table's rows)."""
+    c = LLAMA_FIT
+    mha_bf16 = kv_reference(c["layers"], c["heads"], c["head_dim"], 2)
+    gqa_int8 = kv_reference(c["layers"], c["kv_heads"], c["head_dim"], 1) + 2 * c["layers"] * c["kv_heads"] * 4
+    return tuple(int(c["budget_bytes"] // (c["seq_len"] * per_token)) for per_token in (mha_bf16, gqa_int8))
+
+
+def check_answer_llama_fit(answer) -> None:
+    """answer_llama_fit = (sequences with MHA in bf16, sequences with GQA in int8), Llama-3-8B at 4,096 tokens
+    in 40 GiB: whole sequences, int8 with its scales (the table's rows)."""
+    want = llama_fit_reference()
+    c = LLAMA_FIT
+    case = f"answer_llama_fit = {answer!r}"
+
+    def whole(v) -> bool:
+        return not isinstance(v, bool) and (isinstance(v, int) or isinstance(v, float) and v.is_integer())
+
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2 or not all(whole(v) for v in answer):
+        raise CheckFailed(f"{case}: expected two whole numbers, (sequences with MHA in bf16, sequences with GQA in int8)")
+    got = tuple(int(v) for v in answer)
+    if got == want:
+        passed("answer_llama_fit", 2)
+        return
+    per_seq = {name: c["seq_len"] * kv_reference(c["layers"], heads, c["head_dim"], nbytes)
+               for name, heads, nbytes in (("mha_bf16", c["heads"], 2), ("gqa_bf16", c["kv_heads"], 2),
+                                           ("gqa_int8_no_scales", c["kv_heads"], 1), ("mha_int8", c["heads"], 1),
+                                           ("mha_fp32", c["heads"], 4))}
+    fits = {name: int(c["budget_bytes"] // b) for name, b in per_seq.items()}
+    hint = ""
+    if got == want[::-1]:
+        hint = " — the order is (MHA in bf16, GQA in int8): the fewer sequences first"
+    elif got[1] == fits["gqa_int8_no_scales"]:
+        hint = (" — int8 KV also stores an fp32 scale per token and KV head (2 x layers x kv_heads x 4 bytes per token), "
+                "as the table's int8 rows do")
+    elif got[1] == fits["gqa_bf16"]:
+        hint = " — that is GQA in bf16: int8 stores one byte per value"
+    elif got[0] in (fits["mha_int8"], fits["mha_fp32"]):
+        hint = " — MHA here is in bf16: two bytes per value"
+    elif got[1] == math.ceil(c["budget_bytes"] / (per_seq["gqa_int8_no_scales"]
+                                                  + c["seq_len"] * 2 * c["layers"] * c["kv_heads"] * 4)):
+        hint = " — rounded up: a sequence that does not fit whole does not count"
+    wrong = [name for name, g, w in zip(("MHA in bf16", "GQA in int8"), got, want) if g != w]
+    verb = "is" if len(wrong) == 1 else "are"
+    raise CheckFailed(f"{case}: {' and '.join(wrong)} {verb} not right{hint}. Per token, MHA bf16 stores "
+                      "2 x 32 layers x 32 KV heads x 128 x 2 bytes, GQA int8 2 x 32 x 8 x 128 x 1 byte plus 2 x 32 x 8 fp32 scales; a sequence is "
+                      "4,096 tokens; count the whole sequences in 40 GiB (kv_table's rows do this)")
 
 
 def print_kv_table(rows: Sequence[dict], seq_len: int, budget_bytes: int) -> None:
