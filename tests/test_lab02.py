@@ -11,7 +11,7 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import nbgrader_cells, notebook_functions
+from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab02
@@ -55,15 +55,18 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     for name in ("append_kv", "attend_with_cache", "kv_cache_bytes_per_token", "kv_cache_bytes"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
-    assert set(graded) == {"test_append_kv", "test_attend_with_cache", "test_in_engine",
-                           "test_kv_cache_bytes_per_token", "test_kv_cache_bytes"}
+    assert set(graded) == {"test_append_kv", "test_attend_with_cache", "test_in_engine", "test_measure_kv_speedup",
+                           "test_kv_cache_bytes_per_token", "test_kv_cache_bytes", "test_answer_users_on_80gb"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
-    assert sum(m["points"] for m in graded.values()) == 12
+        assert meta[gid][0].source.startswith("lab02.check_"), f"{gid} does not call its check first"
+    assert sum(m["points"] for m in graded.values()) == 15
     for cell in nb.cells:
-        if cell.cell_type == "markdown":
+        if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+        elif cell.cell_type == "markdown":  # the learner writes their answers there: a plain markdown cell
+            assert "nbgrader" not in cell.metadata and cell.source.startswith("**Your answers**")
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
 
 
@@ -247,16 +250,19 @@ def test_flop_ratio_and_growth_for_smollm2():
     assert [r["context_len"] for r in rows] == [16, 4096] and rows[1]["ratio"] > rows[0]["ratio"]
 
 
-def test_reveal_predictions_grades_guesses_in_words(capsys):
+def test_reveal_predictions_echoes_every_guess(capsys):
     truth = lab02.reveal_predictions(SMOLLM2, 200, "Quadratic", "linear")
     text = capsys.readouterr().out
     assert truth["growth_without_cache"] == "quadratic" and 190 < truth["ratio"] < 205
-    assert "within a factor of 2" in text and text.count("right") == 2
+    assert "at context 256 (counted): you predicted 200x, measured 19" in text and "%, too high)" in text
+    assert text.count(": right") == 2
     lab02.reveal_predictions(SMOLLM2, 2, "linear", "cubic")
     text = capsys.readouterr().out
-    assert "off by a factor of" in text and "not quite" in text and "'cubic' is not one of" in text
+    assert "x too low)" in text and "not this time" in text and "'cubic' is not one of" in text
+    lab02.reveal_predictions(SMOLLM2, "lots")
+    assert "'lots' is not a number" in capsys.readouterr().out
     lab02.reveal_predictions(SMOLLM2)
-    assert capsys.readouterr().out.count("you left it at None") == 3
+    assert capsys.readouterr().out.count("you predicted nothing") == 3
 
 
 # --------------------------------------------------------------------- part 3: toggle view and summary
@@ -285,7 +291,8 @@ def test_toggle_view_switches_between_step_time_and_running_total():
 
 
 def test_summary_reports_slopes_ratios_and_flops(capsys, experiments):
-    summary = experiments["summarize_kv_toggle"](_fake_result(), SMOLLM2)
+    step_ratio, total_ratio = lab02.reference_kv_speedup(_fake_result())
+    summary = experiments["summarize_kv_toggle"](_fake_result(), step_ratio, total_ratio, SMOLLM2)
     assert summary["without cache"]["ms_per_extra_token"] == pytest.approx(10.0)
     assert summary["with cache"]["ms_per_extra_token"] == pytest.approx(0.0, abs=1e-9)
     assert summary["with cache"]["last_context_len"] == 23
@@ -477,3 +484,149 @@ def test_cache_formula_matches_the_engines_count(llm):
     assert llm.stats.peak_kv_bytes == kv_cache_bytes(1, 23, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4)
     assert kv_cache_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4) == 46_080
     assert math.isclose(llm.stats.peak_kv_bytes / 46_080, 23)
+
+
+# --------------------------------------------------------------------- the graded checks fail on plausible mistakes
+_ATTEND = """
+def attend_with_cache(q, k, v, scale, num_cached):
+    num_q, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[0]
+    k = k.{expand}(group{dim})
+    v = v.{expand}(group{dim})
+    scores = (q.transpose(0, 1) @ k.transpose(1, 2)){scale}
+    q_pos = {first} + torch.arange(num_q).unsqueeze(1)
+    k_pos = torch.arange(k.shape[1]).unsqueeze(0)
+    weights = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+    return (weights @ v){out}
+"""
+
+
+def _attend(expand="repeat_interleave", dim=", dim=0", scale=" * scale", first="num_cached", out=".transpose(0, 1)"):
+    return _ATTEND.format(expand=expand, dim=dim, scale=scale, first=first, out=out)
+
+
+_SPEEDUP = """
+import statistics
+def kv_speedup(result):
+    def step_time(run):
+        decode = [d for d, kind in zip(run["duration_s"], run["kind"]) if kind == "decode"]
+        {step}
+    fast, slow = step_time(result["with cache"]), step_time(result["without cache"])
+    step_ratio = None if fast is None or slow is None else {ratio}
+    return step_ratio, {total}
+"""
+
+
+def _speedup(step="return statistics.median(decode[-4:]) if decode else None", ratio="slow / fast",
+             total='sum(result["without cache"]["duration_s"]) / sum(result["with cache"]["duration_s"])'):
+    return _SPEEDUP.format(step=step, ratio=ratio, total=total)
+
+
+MISTAKES = {
+    "test_append_kv": [
+        ("def append_kv(k_cache, v_cache, k_new, v_new, slots):\n"  # token i into slot i
+         "    k_cache[:, :len(slots)] = k_new.transpose(0, 1)\n    v_cache[:, :len(slots)] = v_new.transpose(0, 1)\n",
+         "token i went to slot i; it belongs in slot slots[i]"),
+        ("def append_kv(k_cache, v_cache, k_new, v_new, slots):\n"  # the keys into both pools
+         "    k_cache[:, slots] = k_new.transpose(0, 1)\n    v_cache[:, slots] = k_new.transpose(0, 1)\n",
+         "v_cache holds the keys"),
+        ("def append_kv(k_cache, v_cache, k_new, v_new, slots):\n"  # slots index the first (head) dimension: crashes
+         "    k_cache[slots] = k_new.transpose(0, 1)\n    v_cache[slots] = v_new.transpose(0, 1)\n",
+         "Case: prefill of 7 tokens into slots 10..16 (head_dim 80, 3 KV heads) raised RuntimeError"),
+    ],
+    "test_attend_with_cache": [
+        (_attend(first="0"), "sits at position num_cached + i"),  # forgot the cached keys before the queries
+        (_attend(expand="repeat", dim=", 1, 1"), "use repeat_interleave, not repeat"),  # head h reads kv head h % n
+        (_attend(scale=""), "the scores were not scaled"),
+    ],
+    "test_in_engine": [
+        (_attend(first="0"), "made by decode step"),
+        ("def append_kv(k_cache, v_cache, k_new, v_new, slots):\n"
+         "    k_cache[:, :len(slots)] = k_new.transpose(0, 1)\n    v_cache[:, :len(slots)] = v_new.transpose(0, 1)\n",
+         "after append_kv, k_cache[:, slots] does not hold"),
+        (_attend(out=""), "raised RuntimeError: Sizes of tensors must match except in dimension 0. Expected size 5 but "
+                          "got size 13 for tensor number 1 in the list. attend_with_cache returned shape [9, 5, 64], "
+                          "expected [num_q, num_heads, head_dim]"),  # forgot the final transpose: the engine crashes
+    ],
+    "test_measure_kv_speedup": [
+        (_speedup(ratio="fast / slow", total='sum(result["with cache"]["duration_s"]) / sum(result["without cache"]["duration_s"])'),
+         "upside down"),
+        (_speedup(step="return statistics.fmean(decode[-4:]) if decode else None"), "took the mean"),
+        (_speedup(step="return statistics.median(decode[:4]) if decode else None"), "took the FIRST 4"),
+        (_speedup(step="return statistics.median(decode[-4:])"), "the prefill only (num_steps=1)"),  # the edge case
+        (_speedup(total='sum(result["without cache"]["duration_s"][1:]) / sum(result["with cache"]["duration_s"][1:])'),
+         "left out the prefill"),
+    ],
+    "test_kv_cache_bytes_per_token": [
+        ("def kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return num_layers * num_kv_heads * head_dim * bytes_per_value\n",
+         "kv_cache_bytes_per_token(30, 3, 64, 2) returned 1.152e+04, expected 2.304e+04: SmolLM2-135M, bf16"),
+        ("def kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return 2 * num_layers * num_kv_heads * head_dim * 2\n",
+         "kv_cache_bytes_per_token(30, 3, 64, 4)"),
+        ("def kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_value * 8\n",
+         "not bits"),
+    ],
+    "test_kv_cache_bytes": [
+        ("def kv_cache_bytes(num_users, tokens_per_user, num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return tokens_per_user * kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value)\n",
+         "you left out num_users"),
+        ("def kv_cache_bytes(num_users, tokens_per_user, num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return num_users * tokens_per_user * kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim,"
+         " bytes_per_value) / 1e9\n",
+         "return bytes, not GB"),
+        ("def kv_cache_bytes(num_users, tokens_per_user, num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
+         "    return num_users * kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value)\n",
+         "you left out tokens_per_user"),
+    ],
+    "test_answer_users_on_80gb": [
+        ("answer_users_on_80gb = 38", "answer_users_on_80gb = 38 is not right: you left out the weights"),
+        ("answer_users_on_80gb = 32", "answer_users_on_80gb = 32 is not right: you rounded up"),
+        ("answer_users_on_80gb = 34", "answer_users_on_80gb = 34 is not right: 80 GB is 80 x 10^9 bytes"),
+        ("answer_users_on_80gb = 31.7", "answer_users_on_80gb = 31.7: a whole number"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def graded_namespace(llm, llm_no_cache) -> dict:
+    """What the graded test cells read: the master's solution cells, the setup cell's names (quick mode) and, for
+    the measurement, a made-up kv on/off run in place of a real one."""
+    from minillm import SamplingParams
+
+    seed = {"lab02": lab02, "torch": torch, "statistics": __import__("statistics"), "SamplingParams": SamplingParams,
+            "llm": llm, "llm_no_cache": llm_no_cache, "cfg": llm.model_config, "KV_BYTES_PER_VALUE": 4,
+            "CHECK_PROMPTS": lab02.DEFAULT_CHECK_PROMPTS[:2], "CHECK_TOKENS": 6, "kv_result": _fake_result()}
+    return run_solution_cells(MASTER, seed)
+
+
+@pytest.mark.parametrize("grade_id, mistake, names_the_case",
+                         [(gid, m, case) for gid, entries in MISTAKES.items() for m, case in entries],
+                         ids=[f"{gid}-{i}" for gid, entries in MISTAKES.items() for i in range(len(entries))])
+def test_graded_check_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+    assert llm_backend_restored(graded_namespace)
+
+
+def llm_backend_restored(namespace) -> bool:
+    return namespace["llm"].config.attention_backend == "torch"
+
+
+def test_speedup_check_on_made_up_runs(passes):
+    namespace = run_solution_cells(MASTER, {"lab02": lab02, "torch": torch, "statistics": __import__("statistics")})
+    assert passes(lab02.check_kv_speedup, namespace["kv_speedup"], _fake_result()).startswith("✓ kv_speedup: all 4")
+    step, total = lab02.reference_kv_speedup(lab02.made_up_run([0.5, 0.1, 0.1, 0.3, 0.1], [0.5, 0.6, 0.7, 0.8, 0.9]))
+    assert step == pytest.approx(7.5) and total == pytest.approx(3.5 / 1.1)
+    assert lab02.reference_kv_speedup(lab02.made_up_run([0.2], [0.3]))[0] is None
+    with pytest.raises(CheckFailed, match="return the pair"):
+        lab02.check_kv_speedup(lambda result: 4.3)
+
+
+def test_users_on_80gb_answer_counts_whole_users(capsys):
+    assert lab02.users_that_fit() == 31 and lab02.users_that_fit(memory_bytes=80 * 2**30) == 34
+    lab02.check_answer_users_on_80gb(31)
+    assert "31 users" in capsys.readouterr().out
+    for wrong, why in ((None, "set it"), ("31", "set it"), (63, "a key AND a value"), (15, "not 4"), (20, "GB of cache")):
+        with pytest.raises(CheckFailed, match=why):
+            lab02.check_answer_users_on_80gb(wrong)

@@ -1,6 +1,8 @@
 """Lab 02 helpers — the KV cache: checks, the engine adapter, the kv on/off view and printout, the
 cache-size calculator. The kv on/off measurement (measure_kv_toggle, summarize_kv_toggle) and the
-plug_in seam are written in the notebook itself, where the learner reads them.
+plug_in seam are written in the notebook itself, where the learner reads them; the speed-up the learner
+computes from that run (kv_speedup) is checked here (check_kv_speedup), as is the short answer
+(check_answer_users_on_80gb).
 
 The learner writes two functions with the engine's own contract (see layers/attention.py):
 
@@ -15,14 +17,16 @@ element and the likely mistake.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .common import CheckFailed, format_seconds, new_figure, passed
+from .common import CheckFailed, call_learner, call_repr, echo_prediction, expect_number, format_seconds, new_figure, passed
 
 GROWTHS = ("linear", "quadratic")
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "fp8 / int8": 1}
@@ -70,39 +74,37 @@ def flops_table(cfg, context_lens: Sequence[int] = (16, 64, 256, 1024, 4096)) ->
     return rows
 
 
-def _growth_verdict(name: str, guess, truth: str) -> str:
-    if guess is None:
-        return f"  {name}: you left it at None; the answer is {truth!r}"
-    if not isinstance(guess, str) or guess.strip().lower() not in GROWTHS:
-        return f"  {name}: {guess!r} is not one of {GROWTHS}; the answer is {truth!r}"
-    ok = guess.strip().lower() == truth
-    return f"  {name}: you said {guess.strip().lower()!r} — {'right' if ok else 'not quite'}, it is {truth!r}"
+def _growth_note(name: str, guess) -> str | None:
+    """A line for a growth guess that is not one of GROWTHS (echo_prediction can only say 'not this time')."""
+    if guess is not None and (not isinstance(guess, str) or guess.strip().lower() not in GROWTHS):
+        return f"  ({name}: {guess!r} is not one of {GROWTHS})"
+    return None
 
 
 def reveal_predictions(cfg, predicted_flops_ratio_at_256=None, predicted_growth_without_cache=None,
                        predicted_growth_with_cache=None, context_len: int = 256) -> dict:
-    """Print the FLOP model next to the learner's guesses; return the true values."""
+    """Print the FLOP model, then each of the learner's guesses beside the true value (echo_prediction:
+    for the ratio, how far off it was); return the true values."""
     ratio = step_flops(cfg, context_len, False) / step_flops(cfg, context_len, True)
-    lines = ["FLOPs per decode step of this model (a count, not a measurement):",
-             f"{'context':>9} {'with cache':>12} {'without':>12} {'ratio':>8}"]
+    print("FLOPs per decode step of this model (a count, not a measurement):")
+    print(f"{'context':>9} {'with cache':>12} {'without':>12} {'ratio':>8}")
     for row in flops_table(cfg):
-        lines.append(f"{row['context_len']:>9} {row['gflops_with_cache']:>10.3f} G {row['gflops_without_cache']:>10.1f} G"
-                     f" {row['ratio']:>7.0f}x")
-    lines.append("")
-    if predicted_flops_ratio_at_256 is None:
-        lines.append(f"  ratio at {context_len}: you left it at None; it is {ratio:.0f}x")
-    else:
-        try:
-            off = float(predicted_flops_ratio_at_256) / ratio
-            lines.append(f"  ratio at {context_len}: you said {float(predicted_flops_ratio_at_256):.4g}x, it is {ratio:.0f}x"
-                         f" ({'within a factor of 2' if 0.5 <= off <= 2 else f'off by a factor of {max(off, 1 / off):.1f}'})")
-        except (TypeError, ValueError, ZeroDivisionError):
-            lines.append(f"  ratio at {context_len}: {predicted_flops_ratio_at_256!r} is not a number; it is {ratio:.0f}x")
-    lines.append(_growth_verdict("total work without a cache", predicted_growth_without_cache, "quadratic"))
-    lines.append(_growth_verdict("total work with a cache   ", predicted_growth_with_cache, "linear"))
-    lines.append("Why: without a cache step t re-runs all t tokens (work ~ t), so n steps cost ~ n²/2 token-passes;"
-                 " with one, each step runs 1 token (+ attention over t cached keys, small next to the weights).")
-    print("\n".join(lines))
+        print(f"{row['context_len']:>9} {row['gflops_with_cache']:>10.3f} G {row['gflops_without_cache']:>10.1f} G"
+              f" {row['ratio']:>7.0f}x")
+    print()
+    guess = predicted_flops_ratio_at_256
+    if guess is not None and (isinstance(guess, bool) or not isinstance(guess, (int, float))):
+        print(f"  ({guess!r} is not a number: predicted_flops_ratio_at_256 is a ratio, e.g. 30)")
+        guess = str(guess)
+    echo_prediction(f"FLOPs without / with the cache at context {context_len} (counted)", guess, round(ratio, 1), unit="x")
+    for name, guess, truth in (("total work without a cache", predicted_growth_without_cache, "quadratic"),
+                               ("total work with a cache", predicted_growth_with_cache, "linear")):
+        echo_prediction(name, guess.strip().lower() if isinstance(guess, str) else guess, truth)
+        note = _growth_note(name, guess)
+        if note:
+            print(note)
+    print("Why: without a cache step t re-runs all t tokens (work ~ t), so n steps cost ~ n²/2 token-passes;"
+          " with one, each step runs 1 token (+ attention over t cached keys, small next to the weights).")
     return {"ratio": ratio, "growth_without_cache": "quadratic", "growth_with_cache": "linear"}
 
 
@@ -203,8 +205,9 @@ def diagnose_attend(out: torch.Tensor, q, k, v, scale, num_cached, atol: float =
     return None
 
 
-class _UsedSDPA(Exception):
-    pass
+class _UsedSDPA(BaseException):
+    """Raised by the refused SDPA: a BaseException, so call_learner (which turns a learner's crash into a
+    CheckFailed) lets it through to the check that says what it means."""
 
 
 @contextlib.contextmanager
@@ -275,7 +278,11 @@ def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CA
         slots = torch.tensor(case.slots, dtype=torch.int64)
         k_cache, v_cache = (p.clone() for p in pools)
         k_new, v_new = (n.clone() for n in news)
-        returned = append_kv(k_cache, v_cache, k_new, v_new, slots.clone())
+        returned = call_learner(append_kv, (k_cache, v_cache, k_new, v_new, slots.clone()),
+                                f"append_kv(k_cache {list(k_cache.shape)}, v_cache, k_new {list(k_new.shape)}, v_new, "
+                                f"slots {list(case.slots)[:6]}{' ...' if len(case.slots) > 6 else ''}) [{case.dtype}]. "
+                                f"Case: {case.name}",
+                                "k_new is [num_tokens, num_kv_heads, head_dim], the pools [num_kv_heads, num_slots, head_dim]")
         expected = []
         for pool, new in zip(pools, news):
             e = pool.clone()
@@ -339,7 +346,9 @@ def _call_attend(attend_with_cache, q, k, v, scale, num_cached, context: str):
     inputs = [t.clone() for t in (q, k, v)]
     try:
         with _no_sdpa():
-            out = attend_with_cache(q, k, v, scale, num_cached)
+            out = call_learner(attend_with_cache, (q, k, v, scale, num_cached),
+                               f"attend_with_cache(q {list(q.shape)}, k {list(k.shape)}, v, scale={scale:.4g}, "
+                               f"num_cached={num_cached}). {context}")
     except _UsedSDPA:
         raise CheckFailed("attend_with_cache called F.scaled_dot_product_attention: build it from matmuls, a mask and "
                           "torch.softmax, so you see each step (the engine's backend is the one that may use SDPA)") from None
@@ -464,7 +473,13 @@ def check_in_engine(append_kv: Callable, attend_with_cache: Callable, llm, promp
     previous = llm.config.attention_backend
     llm.set_attention_backend(backend)
     try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        try:
+            outs = call_learner(llm.generate, (prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)),
+                                f"llm.generate({prompts!r}, max_tokens={max_tokens}) with your append_kv and attend_with_cache "
+                                f"in every layer ({'kv_cache=True' if llm.config.kv_cache else 'kv_cache=False'})")
+        except CheckFailed as crash:  # the engine crashed on what your functions gave it: say which call went wrong first
+            raise CheckFailed(f"{str(crash).rstrip('.')}. " + (backend.first_problem or "Run check_append_kv and check_attend_with_cache "
+                                              "(the cells above) for the details.")) from crash
     finally:
         llm.set_attention_backend(previous)
     near_ties = []
@@ -513,6 +528,109 @@ def print_kv_toggle_summary(summary: dict) -> None:
     else:
         print(f"  the tokens differ from token {summary.get('first_different_token')} on: the two paths multiply "
               "matrices of different shapes, so rounding differs and can flip a near-tie (more likely in bf16)")
+
+
+SPEEDUP_TAIL = 4  # kv_speedup: a run's step time is the median of its last SPEEDUP_TAIL decode steps
+
+
+def made_up_run(with_cache_s: Sequence[float], without_cache_s: Sequence[float], prompt_len: int = 16,
+                device: str = "made up") -> dict:
+    """A measure_kv_toggle result with these step durations (seconds; step 0 is the prefill, the rest decode
+    steps), for checking kv_speedup on numbers whose answer is known."""
+    if len(with_cache_s) != len(without_cache_s) or not with_cache_s:
+        raise ValueError("made_up_run: give both runs the same number of steps, at least 1")
+    n = len(with_cache_s)
+    contexts = [prompt_len + i for i in range(n)]
+    kinds = ["prefill"] + ["decode"] * (n - 1)
+    return {"device": device, "prompt_len": prompt_len, "num_steps": n, "same_tokens": True, "first_different_token": None,
+            "with cache": {"context_len": contexts, "duration_s": list(with_cache_s), "kind": kinds,
+                           "num_tokens": [prompt_len] + [1] * (n - 1), "total_s": sum(with_cache_s)},
+            "without cache": {"context_len": contexts, "duration_s": list(without_cache_s), "kind": list(kinds),
+                              "num_tokens": contexts, "total_s": sum(without_cache_s)}}
+
+
+def _decode_durations(run: dict) -> list[float]:
+    return [d for d, kind in zip(run["duration_s"], run["kind"]) if kind == "decode"]
+
+
+def reference_kv_speedup(result: dict) -> tuple[float | None, float]:
+    """(step_ratio, total_ratio) as exercise 3 defines them: the median of the last SPEEDUP_TAIL decode steps
+    without the cache over the same with it (None when a run has no decode step), and the sum of every step's
+    duration (the prefill included) without over with."""
+    tails = [_decode_durations(result[label])[-SPEEDUP_TAIL:] for label in ("with cache", "without cache")]
+    step = None if not all(tails) else statistics.median(tails[1]) / statistics.median(tails[0])
+    return step, sum(result["without cache"]["duration_s"]) / sum(result["with cache"]["duration_s"])
+
+
+def _speedup_mistakes(result: dict) -> list[tuple[str, float | None, float]]:
+    """(explanation, step_ratio, total_ratio) of the usual wrong definitions, on this result."""
+    w, wo = result["with cache"], result["without cache"]
+    dw, dwo = _decode_durations(w), _decode_durations(wo)
+    step, total = reference_kv_speedup(result)
+    found = []
+    if step:
+        found.append(("it is upside down: divide the time WITHOUT the cache by the time WITH it (> 1 when the cache "
+                      "helps)", 1 / step, 1 / total))
+        found.append(("took the mean of the last 4 decode steps; take the median (one slow step, another process "
+                      "on the machine, must not move it)",
+                      statistics.fmean(dwo[-SPEEDUP_TAIL:]) / statistics.fmean(dw[-SPEEDUP_TAIL:]), total))
+        found.append(("took the FIRST 4 decode steps; the step time is the median of the LAST 4 (the longest "
+                      "context, where the gap is widest)",
+                      statistics.median(dwo[:SPEEDUP_TAIL]) / statistics.median(dw[:SPEEDUP_TAIL]), total))
+        found.append(("took only the last decode step; take the median of the last 4 (one step is noisy)",
+                      dwo[-1] / dw[-1], total))
+        found.append(("the last 4 steps included the prefill; keep only steps whose kind is 'decode'",
+                      statistics.median(wo["duration_s"][-SPEEDUP_TAIL:]) / statistics.median(w["duration_s"][-SPEEDUP_TAIL:]),
+                      total))
+        if len(dw) > 1:
+            found.append(("took the median of every decode step; take only the last 4",
+                          statistics.median(dwo) / statistics.median(dw), total))
+    if dw and sum(dw) > 0:
+        found.append(("the totals left out the prefill: sum every step's duration_s, the prefill (step 0) included",
+                      step, sum(dwo) / sum(dw)))
+    return found
+
+
+def _same(actual, expected) -> bool:
+    if expected is None:
+        return actual is None
+    return actual is not None and not isinstance(actual, bool) and math.isclose(actual, expected, rel_tol=1e-9)
+
+
+def check_kv_speedup(kv_speedup: Callable, result: dict | None = None) -> None:
+    """kv_speedup(result) -> (step_ratio, total_ratio) on made-up runs whose answers are known (a slow outlier,
+    growing steps, fewer than 4 decode steps, no decode step), then on `result`, your own run: the ratios are
+    recomputed from its step durations."""
+    cases = [
+        ("8 steps, one slow outlier among the last 4 cached steps",
+         made_up_run([0.2, 0.05, 0.05, 0.05, 0.05, 0.05, 0.5, 0.05], [0.16, 0.17, 0.18, 0.19, 0.20, 0.21, 0.22, 0.23])),
+        ("3 steps: a prefill and only 2 decode steps (fewer than 4: take both)",
+         made_up_run([0.1, 0.02, 0.04], [0.1, 0.3, 0.5])),
+        ("1 step, the prefill only (num_steps=1): no decode step, so step_ratio is None",
+         made_up_run([0.2], [0.3])),
+    ]
+    if result is not None:
+        cases.append((f"your own run (kv_result: {result['with cache']['context_len'][-1] + 1 - result['prompt_len']} "
+                      f"steps on {result['device']})", result))
+    for name, run in cases:
+        got = call_learner(kv_speedup, (run,), f"kv_speedup(...) on {name}")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CheckFailed(f"kv_speedup(...) on {name} returned {got!r}; return the pair (step_ratio, total_ratio)")
+        step, total = got
+        want_step, want_total = reference_kv_speedup(run)
+        for what, value, want in (("step_ratio", step, want_step), ("total_ratio", total, want_total)):
+            if want is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise CheckFailed(f"kv_speedup(...) on {name}: {what} = {value!r}; expected a number, {want:.4g}")
+        if _same(step, want_step) and _same(total, want_total):
+            continue
+        shown = lambda x: "None" if x is None else f"{x:.4g}"  # noqa: E731
+        message = (f"kv_speedup(...) on {name} returned (step_ratio, total_ratio) = ({shown(step)}, {shown(total)}), "
+                   f"expected ({shown(want_step)}, {shown(want_total)})")
+        if want_step is None and step is not None:
+            raise CheckFailed(message + ": a run without a decode step has no step time to compare; return None for step_ratio")
+        why = next((why for why, s, t in _speedup_mistakes(run) if _same(step, s) and _same(total, t)), None)
+        raise CheckFailed(message + (f": you probably {why}" if why else ""))
+    passed("kv_speedup", len(cases))
 
 
 class KVToggleView:
@@ -586,6 +704,128 @@ def device_memory_bytes(device: str = "auto") -> tuple[int, str]:
         return total, f"{device_name(dev)} memory"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total, f"{device_name(dev)} RAM"
+
+
+# ------------------------------------------------------------------- checks: the cache's size
+SIZE_CASES = (  # (the case in words, num_layers, num_kv_heads, head_dim, bytes_per_value)
+    ("SmolLM2-135M, bf16", 30, 3, 64, 2),
+    ("SmolLM2-135M, fp32 (this engine on a CPU)", 30, 3, 64, 4),
+    ("Llama-2-7B, fp16", 32, 32, 128, 2),
+    ("Llama-2-70B (GQA, 8 KV heads), fp16", 80, 8, 128, 2),
+    ("Llama-3.1-8B, fp8 (1 byte per value)", 32, 8, 128, 1),
+    ("a model of 0 layers (degenerate: nothing to cache)", 0, 8, 128, 2),
+)
+
+
+def _bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value) -> float:
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_value
+
+
+def _size_hint(actual, expected: float, bytes_per_value) -> str:
+    try:
+        ratio = float(actual) / expected if expected else None
+    except (TypeError, ValueError):
+        return ""
+    if ratio is None:
+        return ""
+    # The cases run 2-byte values first, so a ratio of 2 / bytes_per_value later means bytes_per_value was ignored.
+    if bytes_per_value != 2 and math.isclose(ratio, 2 / bytes_per_value):
+        return "you used 2 bytes per value whatever bytes_per_value says"
+    if math.isclose(ratio, 0.5):
+        return "half the answer: count the keys AND the values (the factor 2)"
+    if math.isclose(ratio, 8):
+        return "8x too many: bytes_per_value is already in bytes, not bits"
+    if math.isclose(ratio, 1e-9) or math.isclose(ratio, 2**-30):
+        return "return bytes, not GB or GiB"
+    return ""
+
+
+def check_kv_cache_bytes_per_token(kv_cache_bytes_per_token: Callable) -> None:
+    """Bytes of K and V per token for a few real models, and a degenerate one; says what a wrong count forgot."""
+    for name, *args in SIZE_CASES:
+        expected = _bytes_per_token(*args)
+        got = call_learner(kv_cache_bytes_per_token, tuple(args), f"{call_repr('kv_cache_bytes_per_token', args)} ({name})")
+        expect_number("kv_cache_bytes_per_token", args, got, expected,
+                      f"{name}: 2 x {args[0]} layers x {args[1]} KV heads x {args[2]} x {args[3]} bytes"
+                      + (f"; {_size_hint(got, expected, args[3])}" if _size_hint(got, expected, args[3]) else ""))
+    passed("kv_cache_bytes_per_token", len(SIZE_CASES))
+
+
+TOTAL_CASES = (  # (the case in words, num_users, tokens_per_user, num_layers, num_kv_heads, head_dim, bytes_per_value)
+    ("16 users x 4,000 tokens on Llama-2-7B, fp16", 16, 4000, 32, 32, 128, 2),
+    ("1 user, 1 token of SmolLM2-135M in fp32", 1, 1, 30, 3, 64, 4),
+    ("3 users x 1,000 tokens of SmolLM2-135M in bf16", 3, 1000, 30, 3, 64, 2),
+    ("0 users (an idle server holds no cache)", 0, 4000, 32, 32, 128, 2),
+    ("64 users x 8,192 tokens on Llama-2-70B (GQA), fp16", 64, 8192, 80, 8, 128, 2),
+)
+
+
+def check_kv_cache_bytes(kv_cache_bytes: Callable) -> None:
+    """Bytes of KV cache for num_users sequences of tokens_per_user tokens; says what a wrong total forgot."""
+    for name, users, tokens, *shape in TOTAL_CASES:
+        args = (users, tokens, *shape)
+        per_token = _bytes_per_token(*shape)
+        expected = users * tokens * per_token
+        got = call_learner(kv_cache_bytes, args, f"{call_repr('kv_cache_bytes', args)} ({name})")
+        hint = f"{name}: {users} users x {tokens:,} tokens x {per_token:,} bytes per token"
+        try:
+            value = float(got)
+        except (TypeError, ValueError):
+            value = None
+        if value is not None and expected:
+            if math.isclose(value, tokens * per_token):
+                hint += "; you left out num_users"
+            elif math.isclose(value, users * per_token):
+                hint += "; you left out tokens_per_user"
+            elif math.isclose(value, users * tokens * tokens * per_token):
+                hint += "; tokens_per_user counted twice"
+            elif _size_hint(value, expected, shape[-1]):
+                hint += f"; {_size_hint(value, expected, shape[-1])}"
+        expect_number("kv_cache_bytes", args, got, expected, hint)
+    passed("kv_cache_bytes", len(TOTAL_CASES))
+
+
+# ------------------------------------------------------------------- the short answer: users on one GPU
+GPU_BYTES = 80e9  # "an 80 GB GPU": 80 x 10^9 bytes (an H100 80GB), the course's GB
+
+
+def users_that_fit(model: str = "Llama-2-7B (MHA, 32 KV heads)", tokens_per_user: int = 4000, bytes_per_value: float = 2,
+                   memory_bytes: float = GPU_BYTES) -> int:
+    """Whole users whose cache of tokens_per_user tokens fits in memory_bytes next to the weights (same dtype)."""
+    shape = MODEL_SHAPES[model]
+    free = memory_bytes - shape.num_params * bytes_per_value
+    per_user = tokens_per_user * _bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, bytes_per_value)
+    return max(0, math.floor(free / per_user))
+
+
+def check_answer_users_on_80gb(answer) -> None:
+    """answer_users_on_80gb: how many users of 4,000 tokens fit on an 80 GB GPU next to Llama-2-7B's fp16 weights."""
+    model = "Llama-2-7B (MHA, 32 KV heads)"
+    shape = MODEL_SHAPES[model]
+    per_user = 4000 * _bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2)
+    weights = shape.num_params * 2
+    right = users_that_fit(model)
+    said = f"answer_users_on_80gb = {answer!r}"
+    if answer is None or isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise CheckFailed(f"{said}: set it to a whole number of users")
+    if answer != int(answer):
+        raise CheckFailed(f"{said}: a whole number of users (a user whose cache does not fit whole does not fit): "
+                          f"round down")
+    wrong = {
+        math.ceil((GPU_BYTES - weights) / per_user): "you rounded up: the last user's cache does not fit whole, round down",
+        math.floor(GPU_BYTES / per_user): f"you left out the weights: {weights / 1e9:.2f} GB of the 80 GB hold the model",
+        users_that_fit(model, memory_bytes=80 * 2**30): "80 GB is 80 x 10^9 bytes here, not 80 GiB (2^30 bytes each)",
+        math.floor((GPU_BYTES - weights) / (per_user / 2)): "each token stores a key AND a value: 2 x layers x kv_heads x "
+                                                           "head_dim x bytes",
+        math.floor((GPU_BYTES - weights) / (per_user * 2)): "fp16 is 2 bytes per value, not 4",
+    }
+    wrong.pop(right, None)
+    if int(answer) != right:
+        why = wrong.get(int(answer), f"each user needs {per_user / 1e9:.3f} GB of cache (4,000 tokens x "
+                                     f"{per_user // 4000:,} bytes), and {(GPU_BYTES - weights) / 1e9:.2f} GB are left "
+                                     "next to the weights")
+        raise CheckFailed(f"{said} is not right: {why}")
+    print(f"✓ answer_users_on_80gb: {right} users ({(GPU_BYTES - weights) / 1e9:.2f} GB free / {per_user / 1e9:.3f} GB each)")
 
 
 def worked_examples(kv_cache_bytes_per_token: Callable) -> list[dict]:
@@ -709,7 +949,9 @@ def bytes_to_human(nbytes: float) -> str:
 
 
 __all__ = [
-    "LabAttentionBackend", "check_append_kv", "check_attend_with_cache", "check_in_engine",
+    "LabAttentionBackend", "check_append_kv", "check_attend_with_cache", "check_in_engine", "check_kv_speedup",
+    "check_kv_cache_bytes_per_token", "check_kv_cache_bytes", "check_answer_users_on_80gb", "made_up_run",
+    "reference_kv_speedup", "users_that_fit",
     "reveal_predictions", "step_flops", "flops_table", "print_kv_toggle_summary", "KVToggleView", "MODEL_SHAPES",
     "KVSizeExplorer", "worked_examples", "print_worked_examples", "print_decode_traffic", "device_memory_bytes",
     "bytes_to_human",
