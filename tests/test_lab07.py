@@ -1,7 +1,9 @@
 """Lab 07 (speculative decoding): the master's solutions pass every check; the checks name each usual
 mistake (no bonus token, the guess kept at a disagreement, verifying past it, the earliest or the
 shortest n-gram match, a replacement drawn from p instead of the residual, no bonus draw, k terms for
-k + 1); the engine runs on the learner's functions with speculation-off tokens and gets its own back
+k + 1, a chi-square test with the wrong degrees of freedom, a speed-up divided the wrong way); every
+graded test cell fails on two or more plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails);
+the engine runs on the learner's functions with speculation-off tokens and gets its own back
 afterwards; the toy reproduces three rounds / twelve tokens / three passes; the sweep and its
 figures come out right on a tiny run."""
 
@@ -13,17 +15,19 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import nbgrader_cells, notebook_functions, solution_fixture
+from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells, solution_fixture
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab07
 from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "07_speculative_decoding" / "07_speculative_decoding.ipynb"
-EXERCISES = {"greedy_verify", "ngram_propose", "rejection_sample", "expected_tokens_per_pass"}
+EXERCISES = {"greedy_verify", "ngram_propose", "rejection_sample", "measure_chi_square", "expected_tokens_per_pass",
+             "answer_tokens_limit", "measure_spec_rates"}
 
 
-solution = solution_fixture(MASTER, {"lab07": lab07})  # the master's solution cells, run in one namespace
+# the master's solution cells, run in one namespace
+solution = solution_fixture(MASTER, {"lab07": lab07, "torch": torch})
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +51,14 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
     assert set(graded) == {"test_greedy_verify", "test_greedy_verify_edges", "test_ngram_propose", "test_ngram_edges",
                            "test_engine_plugged", "test_rejection_sample_corners", "test_rejection_sample_chi_square",
-                           "test_expected_tokens_per_pass"}
+                           "test_measure_chi_square", "test_expected_tokens_per_pass", "test_answer_tokens_limit",
+                           "test_measure_spec_rates"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
-    assert sum(m["points"] for m in graded.values()) == 14
+    assert sum(m["points"] for m in graded.values()) == 19 and "**Graded (19 points)**" in nb.cells[0].source
     for cell in nb.cells:
-        if cell.cell_type == "markdown":
+        if cell.cell_type == "markdown" and "BEGIN MODEL ANSWER" not in cell.source:
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
 
@@ -81,6 +86,18 @@ def test_solution_passes_every_check(solution):
     lab07.check_rejection_sample(solution["rejection_sample"], seed=7, vocab=8, k=2)
     lab07.check_rejection_sample(solution["rejection_sample"], seed=8, vocab=5, k=4, far=False)
     lab07.check_expected_tokens_per_pass(solution["expected_tokens_per_pass"])
+    lab07.check_chi_square_test(solution["chi_square_test"],
+                                lab07.chi_square_report(solution["rejection_sample"], num_rounds=500))
+    lab07.check_answer_tokens_limit(solution["answer_tokens_limit"])
+    lab07.check_spec_rates(solution["spec_rates"], STUB_SWEEP)
+
+
+def test_chi_square_test_solution_matches_the_reference_p_value(solution):
+    for counts, probs in (([520, 240, 240], [0.5, 0.25, 0.25]), ([5, 5, 0], [0.5, 0.5, 0.0]), ([90, 10], [0.5, 0.5])):
+        stat, p_value = solution["chi_square_test"](torch.tensor(counts), torch.tensor(probs))
+        assert p_value == pytest.approx(lab07.chi_square_p_value(torch.tensor(counts), torch.tensor(probs)), rel=1e-9)
+        assert stat >= 0
+    assert solution["chi_square_test"](torch.tensor([5, 5, 1]), torch.tensor([0.5, 0.5, 0.0])) == (float("inf"), 0.0)
 
 
 # --------------------------------------------------------------------- the checks name mistakes
@@ -222,7 +239,10 @@ def test_engine_samples_with_the_learner_sampler(llm, solution, experiments):
 
 
 def test_sweep_and_figures(llm, solution, capsys):
-    result = lab07.sweep(llm, [("ngram", 1), ("ngram", 3)], num_requests=1, max_tokens=8)
+    raw = lab07.sweep(llm, [("ngram", 1), ("ngram", 3)], num_requests=1, max_tokens=8)
+    lab07.print_runs(raw)
+    lab07.check_spec_rates(solution["spec_rates"], raw)   # the learner's rates, recomputed from the raw counters
+    result = lab07.sweep_rows(raw, solution["spec_rates"])
     rows = result["rows"]
     assert [r["k"] for r in rows] == [0, 1, 3]
     assert all(r["identical"] == 1 for r in rows)
@@ -242,3 +262,308 @@ def test_distribution_figure(solution):
     wrong = lab07.chi_square_report(lab07.skip_correction_sample, num_rounds=300)
     fig = lab07.distribution_figure(report, wrong)
     assert len(fig.data) == 4 and list(fig.data[0].y) == pytest.approx(report["rows"][0]["target"])
+
+
+# --------------------------------------------------------------------- every graded cell fails on plausible mistakes
+# A stub of lab07.sweep's result (its raw counters, as the engine reports them: emitted == decode_tokens).
+_OFF = {"label": "off", "method": None, "k": 0, "decode_s": 1.2, "decode_tokens": 23, "passes": 0, "emitted": 0,
+        "proposed": 0, "accepted": 0, "identical": 1, "outputs": [[1] * 24]}
+STUB_SWEEP = {"device": "cpu: stub", "num_requests": 1, "output_tokens": 24, "runs": [
+    _OFF,
+    dict(_OFF, label="ngram k=1", method="ngram", k=1, decode_s=0.9, passes=14, emitted=23, proposed=14, accepted=9),
+    dict(_OFF, label="ngram k=2", method="ngram", k=2, decode_s=0.8, passes=10, emitted=23, proposed=20, accepted=13),
+    dict(_OFF, label="ngram k=4", method="ngram", k=4, decode_s=0.85, passes=8, emitted=23, proposed=32, accepted=15)]}
+
+_ENGINE_PROMPTS = "[lab07.repeat_prompt(llm), lab07.open_prompt(llm)]"
+
+MISTAKES = {
+    "test_greedy_verify": [
+        ("""def greedy_verify(proposal, target_argmax):   # forgets the bonus token
+    kept = []
+    for guess, target in zip(proposal, target_argmax):
+        kept.append(target)
+        if guess != target:
+            return kept
+    return kept
+""", "bonus"),
+        ("""def greedy_verify(proposal, target_argmax):   # keeps the guess, not the target's token, at the disagreement
+    kept = []
+    for guess, target in zip(proposal, target_argmax):
+        kept.append(guess)
+        if guess != target:
+            return kept
+    return kept + [target_argmax[len(proposal)]]
+""", "not the proposal's"),
+        ("""def greedy_verify(proposal, target_argmax):   # verifies past the first disagreement
+    return [t for g, t in zip(proposal, target_argmax)] + [target_argmax[len(proposal)]]
+""", "stop at the first disagreement"),
+    ],
+    "test_greedy_verify_edges": [
+        ("""def greedy_verify(proposal, target_argmax):   # the bonus read from the loop variable: none when k = 0
+    kept = []
+    for i in range(len(proposal)):
+        kept.append(target_argmax[i])
+        if proposal[i] != target_argmax[i]:
+            return kept
+    return kept + [target_argmax[i + 1]]
+""", "greedy_verify([], [7]) raised UnboundLocalError"),
+        ("""def greedy_verify(proposal, target_argmax):   # 1-based: compares g_i with target_argmax[i + 1]
+    kept = []
+    for i, guess in enumerate(proposal):
+        if guess != target_argmax[i + 1]:
+            return kept + [target_argmax[i + 1]]
+        kept.append(guess)
+    return kept + [target_argmax[-1]]
+""", "greedy_verify([1, 2, 3], [9, 2, 3, 4])"),
+        ("""def greedy_verify(proposal, target_argmax):   # keeps every agreeing guess, even after a disagreement
+    kept = [g for g, t in zip(proposal, target_argmax) if g == t]
+    return kept + [target_argmax[len(kept)]]
+""", "greedy_verify([1, 2, 3], [9, 2, 3, 4])"),
+    ],
+    "test_ngram_propose": [
+        ("ngram_propose = lab07._variant_first_occurrence   # the earliest occurrence\n", "most recent"),
+        ("ngram_propose = lab07._variant_shortest_first   # short n-grams first\n", "max_n first"),
+        ("""def ngram_propose(token_ids, k, max_n=3, min_n=1):   # the tail matches itself: nothing follows it
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        for start in range(length - n, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return list(token_ids[start + n:start + n + k])
+    return []
+""", "a match exists"),
+    ],
+    "test_ngram_edges": [
+        ("""def ngram_propose(token_ids, k, max_n=3, min_n=1):   # the match may not overlap the tail
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        for start in range(length - 2 * n, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return list(token_ids[start + n:start + n + k])
+    return []
+""", "overlapping"),
+        ("""def ngram_propose(token_ids, k, max_n=3, min_n=1):   # off by one: k + 1 tokens
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return list(token_ids[start + n:start + n + k + 1])
+    return []
+""", "at most k"),
+        ("""def ngram_propose(token_ids, k, max_n=3, min_n=1):   # ignores min_n
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), 0, -1):
+        tail = token_ids[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return list(token_ids[start + n:start + n + k])
+    return []
+""", "min_n = 2"),
+    ],
+    "test_engine_plugged": [
+        ("""def greedy_verify(proposal, target_argmax):   # keeps the guess at the disagreement
+    kept = []
+    for guess, target in zip(proposal, target_argmax):
+        kept.append(guess)
+        if guess != target:
+            return kept
+    return kept + [target_argmax[len(proposal)]]
+plug_run = run_plugged(llm, greedy_verify, ngram_propose, """ + _ENGINE_PROMPTS + """, k=4, max_tokens=12)
+""", "they part at output token"),
+        ("""def ngram_propose(token_ids, k, max_n=3, min_n=1):   # proposes the match itself, not what followed it
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return list(token_ids[start:start + min(n, k)])
+    return []
+plug_run = run_plugged(llm, greedy_verify, ngram_propose, """ + _ENGINE_PROMPTS + """, k=4, max_tokens=12)
+""", "no proposed token was accepted"),
+        ("plug_run = None   # the run cell was not run\n", "run the cell above"),
+    ],
+    "test_rejection_sample_corners": [
+        ("""def rejection_sample(proposal, draft_probs, target_probs, generator=None):   # no bonus draw
+    kept = []
+    for i, x in enumerate(proposal):
+        p, q = target_probs[i], draft_probs[i]
+        u = torch.rand(1, generator=generator).item()
+        if q[x] > 0 and u < min(1.0, (p[x] / q[x]).item()):
+            kept.append(int(x))
+            continue
+        residual = (p - q).clamp_min(0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p
+        kept.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return kept
+    return kept or [int(torch.multinomial(target_probs[0], 1, generator=generator))]
+""", "bonus"),
+        ("""def rejection_sample(proposal, draft_probs, target_probs, generator=None):   # no q(x) = 0 guard
+    kept = []
+    for i, x in enumerate(proposal):
+        p, q = target_probs[i], draft_probs[i]
+        u = torch.rand(1, generator=generator).item()
+        if u < min(1.0, (p[x] / q[x]).item()):
+            kept.append(int(x))
+            continue
+        residual = (p - q).clamp_min(0)
+        kept.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return kept
+    kept.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return kept
+""", "the residual sums to zero"),
+        ("""def rejection_sample(proposal, draft_probs, target_probs, generator=None):   # goes on after a rejection
+    kept = []
+    for i, x in enumerate(proposal):
+        p, q = target_probs[i], draft_probs[i]
+        u = torch.rand(1, generator=generator).item()
+        if q[x] > 0 and u < min(1.0, (p[x] / q[x]).item()):
+            kept.append(int(x))
+            continue
+        residual = (p - q).clamp_min(0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p
+        kept.append(int(torch.multinomial(residual, 1, generator=generator)))
+    kept.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return kept
+""", "rejected at once"),
+    ],
+    "test_rejection_sample_chi_square": [
+        ("rejection_sample = lab07.skip_correction_sample   # replacement drawn from p\n",
+         "draws the replacement from p itself"),
+        ("""def rejection_sample(proposal, draft_probs, target_probs, generator=None):   # accepts with q/p, not p/q
+    kept = []
+    for i, x in enumerate(proposal):
+        p, q = target_probs[i], draft_probs[i]
+        if p[x] > 0 and torch.rand(1, generator=generator).item() < min(1.0, (q[x] / p[x]).item()):
+            kept.append(int(x))
+            continue
+        residual = (p - q).clamp_min(0)
+        kept.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return kept
+    kept.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return kept
+""", "chi-square test at position"),
+        ("""def rejection_sample(proposal, draft_probs, target_probs, generator=None):   # accepts with p(x), forgets q
+    kept = []
+    for i, x in enumerate(proposal):
+        p, q = target_probs[i], draft_probs[i]
+        if torch.rand(1, generator=generator).item() < p[x].item():
+            kept.append(int(x))
+            continue
+        residual = (p - q).clamp_min(0)
+        kept.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return kept
+    kept.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return kept
+""", "chi-square test at position"),
+    ],
+    "test_measure_chi_square": [
+        ("""def chi_square_test(counts, probs):   # degrees of freedom = the vocabulary size
+    counts, probs = counts.double(), probs.double()
+    keep = probs > 0
+    if counts[~keep].sum() > 0:
+        return float("inf"), 0.0
+    expected = probs * counts.sum()
+    statistic = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = len(counts)
+    return float(statistic), float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
+""", "degrees of freedom"),
+        ("""def chi_square_test(counts, probs):   # divides by the observed counts
+    counts, probs = counts.double(), probs.double()
+    keep = probs > 0
+    if counts[~keep].sum() > 0:
+        return float("inf"), 0.0
+    expected = probs * counts.sum()
+    statistic = ((counts[keep] - expected[keep]) ** 2 / counts[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(statistic), float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
+""", "divide by the expected count"),
+        ("""def chi_square_test(counts, probs):   # gammaincc(df, x): forgets both halves
+    counts, probs = counts.double(), probs.double()
+    keep = probs > 0
+    if counts[~keep].sum() > 0:
+        return float("inf"), 0.0
+    expected = probs * counts.sum()
+    statistic = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(statistic), float(torch.special.gammaincc(torch.tensor(float(df), dtype=torch.float64), statistic))
+""", "both halved"),
+        ("""def chi_square_test(counts, probs):   # forgets the tokens of probability 0
+    counts, probs = counts.double(), probs.double()
+    expected = probs * counts.sum()
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    df = len(counts) - 1
+    return float(statistic), float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic / 2))
+""", "probability 0"),
+    ],
+    "test_expected_tokens_per_pass": [
+        ("""def expected_tokens_per_pass(alpha, k):   # k terms, not k + 1
+    return float(sum(alpha ** i for i in range(k)))
+""", "k + 1"),
+        ("""def expected_tokens_per_pass(alpha, k):   # the accepted guesses only
+    return float(sum(alpha ** i for i in range(1, k + 1)))
+""", "target's own token"),
+        ("""def expected_tokens_per_pass(alpha, k):   # the closed form, which divides by zero at alpha = 1
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+""", "expected_tokens_per_pass(1.0, 5) raised ZeroDivisionError"),
+    ],
+    "test_answer_tokens_limit": [
+        ("answer_tokens_limit = 4.0   # alpha / (1 - alpha): the accepted guesses only\n", "only the accepted guesses"),
+        ("answer_tokens_limit = float('inf')   # more guesses, more tokens\n", "does not grow without bound"),
+        ("answer_tokens_limit = 1 / 0.8   # 1 / alpha\n", "1 / (1 - alpha)"),
+    ],
+    "test_measure_spec_rates": [
+        ("""def spec_rates(run, base):   # speed-up divided the wrong way
+    passes = run["passes"] if run["k"] > 0 else run["decode_tokens"]
+    step_s = base["decode_s"] / base["decode_tokens"]
+    return {"acceptance_rate": run["accepted"] / run["proposed"] if run["proposed"] else float("nan"),
+            "tokens_per_pass": run["emitted"] / passes if run["k"] > 0 else 1.0,
+            "pass_cost": run["decode_s"] / passes / step_s,
+            "speedup": (base["decode_tokens"] / base["decode_s"]) / (run["decode_tokens"] / run["decode_s"])}
+""", "divided the wrong way"),
+        ("""def spec_rates(run, base):   # tokens per pass = accepted guesses per pass
+    passes = run["passes"] if run["k"] > 0 else run["decode_tokens"]
+    step_s = base["decode_s"] / base["decode_tokens"]
+    return {"acceptance_rate": run["accepted"] / run["proposed"] if run["proposed"] else float("nan"),
+            "tokens_per_pass": run["accepted"] / passes if run["k"] > 0 else 1.0,
+            "pass_cost": run["decode_s"] / passes / step_s,
+            "speedup": (run["decode_tokens"] / run["decode_s"]) / (base["decode_tokens"] / base["decode_s"])}
+""", "target's own token"),
+        ("""def spec_rates(run, base):   # forgets that k = 0 counts no speculative passes
+    step_s = base["decode_s"] / base["decode_tokens"]
+    return {"acceptance_rate": run["accepted"] / run["proposed"] if run["proposed"] else float("nan"),
+            "tokens_per_pass": run["emitted"] / run["passes"] if run["k"] > 0 else 1.0,
+            "pass_cost": run["decode_s"] / run["passes"] / step_s,
+            "speedup": (run["decode_tokens"] / run["decode_s"]) / (base["decode_tokens"] / base["decode_s"])}
+""", "spec_rates(run 'off', base 'off') raised ZeroDivisionError"),
+        ("""def spec_rates(run, base):   # acceptance over the emitted tokens, pass cost per emitted token
+    step_s = base["decode_s"] / base["decode_tokens"]
+    emitted = run["emitted"] if run["k"] > 0 else run["decode_tokens"]
+    passes = run["passes"] if run["k"] > 0 else run["decode_tokens"]
+    return {"acceptance_rate": run["accepted"] / emitted if run["proposed"] else float("nan"),
+            "tokens_per_pass": emitted / passes,
+            "pass_cost": run["decode_s"] / emitted / step_s,
+            "speedup": (run["decode_tokens"] / run["decode_s"]) / (base["decode_tokens"] / base["decode_s"])}
+""", "not / emitted"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def graded_namespace(llm, experiments) -> dict:
+    """What the graded test cells read: the master's solution cells, the default model, the notebook's
+    experiments, and the state the run cells leave (a small engine run, the chi-square counts, a sweep stub)."""
+    ns = run_solution_cells(MASTER, {"lab07": lab07, "torch": torch})
+    ns.update(llm=llm, run_plugged=experiments["run_plugged"], spec_sweep=STUB_SWEEP)
+    ns["plug_run"] = ns["run_plugged"](llm, ns["greedy_verify"], ns["ngram_propose"],
+                                       [lab07.repeat_prompt(llm), lab07.open_prompt(llm)], k=4, max_tokens=12)
+    ns["chi"] = lab07.chi_square_report(ns["rejection_sample"], num_rounds=3000, test=ns["chi_square_test"])
+    return ns
+
+
+@pytest.mark.parametrize("grade_id, mistake, names_the_case",
+                         [(gid, m, case) for gid, cases in MISTAKES.items() for m, case in cases],
+                         ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)

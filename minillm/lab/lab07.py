@@ -8,7 +8,12 @@ The learner writes, with fixed signatures:
     greedy_verify(proposal, target_argmax) -> kept tokens            # target_argmax has k + 1 entries
     ngram_propose(token_ids, k, max_n=3, min_n=1) -> up to k tokens   # [] when nothing matches
     rejection_sample(proposal, draft_probs, target_probs, generator) -> kept tokens
+    chi_square_test(counts, probs) -> (statistic, p_value)             # a measurement: Pearson's test
     expected_tokens_per_pass(alpha, k) -> float
+    answer_tokens_limit: float                                         # a short answer: the k -> inf limit
+    spec_rates(run, base) -> {acceptance_rate, tokens_per_pass, pass_cost, speedup}   # from a sweep's raw counters
+
+Every check calls the learner's code through `call_learner`, so a crash is a CheckFailed that names the call.
 
 The engine takes a Proposer and a Verifier as parts (`llm.with_levers(proposer=, verifier=)`,
 protocols in minillm/seams.py); `plugged` wraps the learner's functions into them and records each call.
@@ -28,7 +33,9 @@ from ..spec.ngram import ngram_propose as ref_ngram_propose
 from ..spec.verify import greedy_verify as ref_greedy_verify
 from ..spec.verify import rejection_sample as ref_rejection_sample
 from ..spec.verify import residual_distribution
-from .common import CheckFailed, new_figure, passed
+from .common import CheckFailed, call_learner, echo_prediction, is_close, new_figure, passed
+
+_call = call_learner   # lab/common.py
 
 TOY_SENTENCE = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
                 "father had taught him.")
@@ -149,7 +156,7 @@ def _diagnose_greedy(proposal, target, got, want) -> str:
 def check_greedy_verify(greedy_verify: Callable, seed: int = 0, num_cases: int = 200) -> None:
     """Your verifier vs minillm.spec.verify.greedy_verify on random cases."""
     for proposal, target in _greedy_cases(seed, num_cases):
-        got = greedy_verify(list(proposal), list(target))
+        got = _call(greedy_verify, (list(proposal), list(target)), f"greedy_verify({proposal}, {target})")
         want = ref_greedy_verify(proposal, target)
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
             raise CheckFailed(f"greedy_verify({proposal}, {target}) returned {got!r}, expected {want}: "
@@ -164,7 +171,7 @@ def check_greedy_verify_edges(greedy_verify: Callable) -> None:
              ([5], [5, 5], "k = 1, accepted, bonus"),
              ([1, 2, 3, 4], [1, 2, 8, 4, 6], "agreement after a disagreement does not count")]
     for proposal, target, why in cases:
-        got = greedy_verify(list(proposal), list(target))
+        got = _call(greedy_verify, (list(proposal), list(target)), f"greedy_verify({proposal}, {target})", why)
         want = ref_greedy_verify(proposal, target)
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
             raise CheckFailed(f"greedy_verify({proposal}, {target}) returned {got!r}, expected {want} ({why}): "
@@ -228,7 +235,8 @@ def _ngram_cases(seed: int, num: int):
 def check_ngram_propose(ngram_propose: Callable, seed: int = 0, num_cases: int = 300) -> None:
     """Your proposer vs minillm.spec.ngram.ngram_propose on random short sequences."""
     for ids, k, max_n, min_n in _ngram_cases(seed, num_cases):
-        got = ngram_propose(list(ids), k, max_n=max_n, min_n=min_n)
+        got = _call(lambda *a: ngram_propose(*a[:2], max_n=a[2], min_n=a[3]), (list(ids), k, max_n, min_n),
+                    f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n})")
         want = ref_ngram_propose(ids, k, max_n, min_n)
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
             got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else []
@@ -247,7 +255,8 @@ def check_ngram_edges(ngram_propose: Callable) -> None:
              ([1, 2, 3, 4, 2], 2, 3, 2, "min_n = 2: a lone '2' does not count"),
              ([5, 5, 5, 5], 3, 2, 1, "overlapping: the tail '5 5' last occurred at 1, followed by [5]")]
     for ids, k, max_n, min_n, why in cases:
-        got = ngram_propose(list(ids), k, max_n=max_n, min_n=min_n)
+        got = _call(lambda *a: ngram_propose(*a[:2], max_n=a[2], min_n=a[3]), (list(ids), k, max_n, min_n),
+                    f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n})", why)
         want = ref_ngram_propose(ids, k, max_n, min_n)
         if not isinstance(got, (list, tuple)) or [int(t) for t in got] != want:
             got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else []
@@ -269,7 +278,11 @@ def print_plugged(result: dict) -> None:
         print(f"  {text[:100]!r}")
 
 
-def check_plugged(result: dict) -> None:
+def check_plugged(result: dict | None) -> None:
+    """The engine's run on the learner's proposer and verifier (run_plugged's result): same tokens as
+    speculation off, the functions were called, and some proposals were accepted."""
+    if result is None:
+        raise CheckFailed("plug_run is None: run the cell above (it needs greedy_verify and ngram_propose)")
     if result["record"]["verify_calls"] == 0 or result["record"]["propose_calls"] == 0:
         raise CheckFailed("the engine never called your functions: run the cell above with speculative='ngram'")
     if not result["equal"]:
@@ -323,7 +336,8 @@ def sample_rounds(rejection_sample: Callable, p: torch.Tensor, q: torch.Tensor, 
     lengths = torch.zeros(k + 2, dtype=torch.long)
     for _ in range(num_rounds):
         proposal = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
-        out = rejection_sample(list(proposal), q.clone(), p.clone(), g)
+        out = _call(rejection_sample, (list(proposal), q.clone(), p.clone(), g),
+                    f"rejection_sample({proposal}, draft_probs, target_probs, generator) with k = {k}")
         if not isinstance(out, (list, tuple)) or not 1 <= len(out) <= k + 1:
             raise CheckFailed(f"rejection_sample({proposal}, ...) with k = {k} returned {out!r}; expected 1 to "
                               f"k + 1 = {k + 1} tokens (the accepted prefix, then one corrected or bonus token)")
@@ -353,18 +367,110 @@ def skip_correction_sample(proposal, draft_probs, target_probs, generator=None):
 
 
 def chi_square_report(rejection_sample: Callable, num_rounds: int = 3000, vocab: int = 6, k: int = 3,
-                      seed: int = 0, far: bool = True) -> dict:
-    """Per position: the p-value of the emitted tokens against the target's p_i."""
+                      seed: int = 0, far: bool = True, test: Callable | None = None) -> dict:
+    """Per position: the emitted tokens' counts and their p-value against the target's p_i, from `test`
+    (the learner's chi_square_test(counts, probs) -> (statistic, p_value)) or, for grading, from
+    chi_square_p_value. Positions reached by fewer than 50 rounds get no p-value (nan)."""
     p, q = synthetic_case(vocab, k, seed, far)
     counts, lengths = sample_rounds(rejection_sample, p, q, num_rounds, seed=seed + 1)
     rows = []
     for i in range(k + 1):
         n = int(counts[i].sum())
-        rows.append({"position": i, "n": n, "p_value": chi_square_p_value(counts[i], p[i]) if n >= 50 else float("nan"),
+        p_value = float("nan")
+        if n >= 50 and test is None:
+            p_value = chi_square_p_value(counts[i], p[i])
+        elif n >= 50:
+            result = _call(test, (counts[i].clone(), p[i].clone()), f"chi_square_test(counts[{i}], p[{i}])")
+            p_value = float(result[1])
+        rows.append({"position": i, "n": n, "p_value": p_value, "counts": counts[i].tolist(),
                      "observed": (counts[i].double() / max(n, 1)).tolist(), "target": p[i].tolist()})
     accepted = sum((len_ - 1) * int(c) for len_, c in enumerate(lengths.tolist()) if len_ > 0)
-    return {"rows": rows, "num_rounds": num_rounds, "k": k, "vocab": vocab, "p": p, "q": q,
+    return {"rows": rows, "num_rounds": num_rounds, "k": k, "vocab": vocab, "p": p, "q": q, "counts": counts,
             "acceptance_rate": accepted / (k * num_rounds), "tokens_per_round": float(counts.sum()) / num_rounds}
+
+
+def _ref_chi_square(counts, probs) -> tuple[float, float]:
+    """Pearson's statistic and its p-value; tokens with probability 0 are left out (inf and 0.0 when one
+    of them was emitted)."""
+    counts = torch.as_tensor(counts).double()
+    expected = torch.as_tensor(probs).double() * counts.sum()
+    keep = expected > 0
+    if (counts[~keep] > 0).any():
+        return float("inf"), 0.0
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return stat, chi_square_p_value(counts, torch.as_tensor(probs))
+
+
+def _chi_square_hint(counts, probs, stat: float, p_value: float, want_stat: float, want_p: float) -> str:
+    counts = torch.as_tensor(counts).double()
+    probs = torch.as_tensor(probs).double()
+    n = float(counts.sum())
+    keep = probs > 0
+    df = int(keep.sum()) - 1
+    if math.isinf(want_stat):
+        return ("a token the target gives probability 0 was emitted: the sampler is certainly wrong, so the "
+                "statistic is inf and the p-value 0.0")
+    if is_close(stat, want_stat, rel=1e-6):
+        def upper(a: float, x: float) -> float:
+            a_, x_ = torch.tensor(a, dtype=torch.float64), torch.tensor(x, dtype=torch.float64)
+            return float(torch.special.gammaincc(a_, x_))
+
+        for wrong_df, why in ((df + 1, "the degrees of freedom are (tokens with p > 0) - 1, not the vocabulary size"),
+                              (df + 1 + int((~keep).sum()), "the degrees of freedom are (tokens with p > 0) - 1")):
+            if is_close(p_value, upper(wrong_df / 2, stat / 2), rel=1e-6):
+                return why
+        if df > 0 and is_close(p_value, upper(df, stat), rel=1e-6):
+            return "the p-value is gammaincc(df / 2, statistic / 2): both halved"
+        if is_close(p_value, 1 - want_p, rel=1e-6):
+            return ("the p-value is the upper tail, gammaincc (the chance of a deviation at least this large), "
+                    "not gammainc")
+        return "the p-value is torch.special.gammaincc(df / 2, statistic / 2) with df = (tokens with p > 0) - 1"
+    e = probs * n
+    if is_close(stat, float(((counts[keep] - e[keep]) ** 2 / counts[keep].clamp_min(1)).sum()), rel=1e-6):
+        return "divide by the expected count n * p, not by the observed count"
+    if is_close(stat, float(((counts - probs) ** 2 / probs.clamp_min(1e-300))[keep].sum()), rel=1e-6):
+        return "the expected counts are n * p (n = counts.sum()), not the probabilities p"
+    if is_close(stat, float((((counts[keep] - e[keep]) ** 2) / e[keep]).sum()) / n, rel=1e-6):
+        return "the statistic is a sum of counts, not of frequencies: do not divide by n"
+    if math.isnan(stat) or math.isinf(stat):
+        return ("leave out the tokens the target gives probability 0 (their expected count is 0): they are not "
+                "emitted by a right sampler")
+    return "the statistic is sum((observed - expected)^2 / expected) with expected = n * p"
+
+
+def check_chi_square_test(chi_square_test: Callable, report: dict | None) -> None:
+    """The learner's Pearson test: recomputed on the counts of their own sampler's run (`report`, from
+    chi_square_report), then on small cases with zero-probability tokens."""
+    if report is None:
+        raise CheckFailed("chi is None: run the cell above (it needs rejection_sample and chi_square_test)")
+    p = report["p"]
+    cases = [(f"chi_square_test(counts[{i}], p[{i}]) (your sampler's position {i}, {int(report['counts'][i].sum())} "
+              "tokens)", report["counts"][i].clone(), p[i].clone()) for i in range(report["k"] + 1)
+             if int(report["counts"][i].sum()) >= 50]
+    cases += [("chi_square_test([520, 240, 240], [0.5, 0.25, 0.25])", torch.tensor([520, 240, 240]),
+               torch.tensor([0.5, 0.25, 0.25])),
+              ("chi_square_test([60, 40], [0.5, 0.5]) (two tokens: 1 degree of freedom)", torch.tensor([60, 40]),
+               torch.tensor([0.5, 0.5], dtype=torch.float64)),
+              ("chi_square_test([50, 30, 0, 20], [0.5, 0.3, 0.0, 0.2]) (a token of probability 0, never emitted)",
+               torch.tensor([50, 30, 0, 20]), torch.tensor([0.5, 0.3, 0.0, 0.2], dtype=torch.float64)),
+              ("chi_square_test([50, 30, 1, 19], [0.5, 0.3, 0.0, 0.2]) (a token of probability 0, emitted once)",
+               torch.tensor([50, 30, 1, 19]), torch.tensor([0.5, 0.3, 0.0, 0.2], dtype=torch.float64))]
+    for call, counts, probs in cases:
+        got = _call(chi_square_test, (counts.clone(), probs.clone()), call)
+        want_stat, want_p = _ref_chi_square(counts, probs)
+        if not isinstance(got, (list, tuple)) or len(got) != 2:
+            raise CheckFailed(f"{call} returned {got!r}; expected a pair (statistic, p_value) = "
+                              f"({want_stat:.4g}, {want_p:.4g})")
+        try:
+            stat, p_value = float(got[0]), float(got[1])
+        except (TypeError, ValueError):
+            raise CheckFailed(f"{call} returned {got!r}; expected two numbers (statistic, p_value)") from None
+        stat_ok = (math.isinf(want_stat) and math.isinf(stat) and stat > 0) or is_close(stat, want_stat, rel=1e-6)
+        p_ok = is_close(p_value, want_p, rel=1e-6, abs_tol=1e-12)
+        if not (stat_ok and p_ok):
+            raise CheckFailed(f"{call} returned ({stat:.6g}, {p_value:.6g}), expected ({want_stat:.6g}, {want_p:.6g}): "
+                              + _chi_square_hint(counts, probs, stat, p_value, want_stat, want_p))
+    passed("chi_square_test", len(cases))
 
 
 ALPHA = 1e-3   # reject "follows p" below this p-value (seeded runs: a correct sampler passes with margin)
@@ -382,13 +488,15 @@ def print_chi_square(report: dict, name: str = "your rejection_sample") -> None:
 
 
 def check_rejection_sample_shape(rejection_sample: Callable) -> None:
-    """Deterministic corners: q == p accepts everything; p(x) = 0 always rejects x."""
+    """Deterministic corners: q == p accepts everything; p(x) = 0 always rejects x; an empty proposal
+    is one draw from target_probs[0]; a residual that sums to zero falls back to p."""
     vocab, k = 5, 3
     p = torch.full((k + 1, vocab), 1 / vocab, dtype=torch.float64)
     g = torch.Generator().manual_seed(3)
     for _ in range(20):
         proposal = [int(t) for t in torch.randint(0, vocab, (k,), generator=g)]
-        out = rejection_sample(list(proposal), p[:k].clone(), p.clone(), g)
+        out = _call(rejection_sample, (list(proposal), p[:k].clone(), p.clone(), g),
+                    f"rejection_sample({proposal}, q=p, p) (q == p: every guess accepted)")
         if not isinstance(out, (list, tuple)) or len(out) != k + 1 or [int(t) for t in out[:k]] != proposal:
             raise CheckFailed(f"with q == p every proposal must be accepted (min(1, p/q) = 1) and a bonus token drawn "
                               f"from target_probs[k]: rejection_sample({proposal}, q=p, p) returned {out!r}")
@@ -397,14 +505,26 @@ def check_rejection_sample_shape(rejection_sample: Callable) -> None:
     q = torch.full((k, vocab), 1 / vocab, dtype=torch.float64)
     q[0] = torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
     for _ in range(20):
-        out = rejection_sample([0, 1, 2], q.clone(), zero.clone(), g)
+        out = _call(rejection_sample, ([0, 1, 2], q.clone(), zero.clone(), g),
+                    "rejection_sample([0, 1, 2], q, p) with p[0][0] = 0 (the first guess must be rejected)")
         if not isinstance(out, (list, tuple)) or len(out) != 1 or int(out[0]) == 0:
             raise CheckFailed(f"the target gives token 0 probability 0 at position 0, so proposal [0, 1, 2] must be "
                               f"rejected at once and a token other than 0 drawn from the residual: got {out!r}")
-    out = rejection_sample([], torch.zeros(0, vocab, dtype=torch.float64), p[:1].clone(), g)
+    out = _call(rejection_sample, ([], torch.zeros(0, vocab, dtype=torch.float64), p[:1].clone(), g),
+                "rejection_sample([], q of shape [0, 5], p of shape [1, 5]) (an empty proposal)")
     if not isinstance(out, (list, tuple)) or len(out) != 1:
         raise CheckFailed(f"an empty proposal is a plain step: one token drawn from target_probs[0]; got {out!r}")
-    passed("rejection_sample corners", 41)
+    # the degenerate case: q(x) = 0 (the draft could not have proposed x) rejects x, and with p == q the
+    # residual max(p - q, 0) sums to zero: the replacement is drawn from p itself
+    same = torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0], [0.2] * 5], dtype=torch.float64)
+    for _ in range(20):
+        out = _call(rejection_sample, ([2], same[:1].clone(), same.clone(), g),
+                    "rejection_sample([2], q = p = [0.5, 0.5, 0, 0, 0]) (q(2) = 0, and the residual sums to zero)")
+        if not isinstance(out, (list, tuple)) or len(out) != 1 or int(out[0]) not in (0, 1):
+            raise CheckFailed(f"q(2) = 0 = p(2): the guess 2 is rejected (a token the target never emits), and as "
+                              f"p == q the residual sums to zero, so the replacement is drawn from p (token 0 or 1) "
+                              f"— one token; got {out!r}")
+    passed("rejection_sample corners", 61)
 
 
 def check_rejection_sample(rejection_sample: Callable, num_rounds: int = 3000, seed: int = 0, vocab: int = 6,
@@ -445,7 +565,9 @@ def check_expected_tokens_per_pass(fn: Callable) -> None:
     cases = [(0.0, 4), (0.5, 1), (0.5, 3), (0.8, 8), (0.9, 2), (1.0, 5), (1.0, 1), (0.3, 0), (0.999, 6)]
     for alpha, k in cases:
         want = float(sum(alpha ** i for i in range(k + 1)))
-        got = fn(alpha, k)
+        got = _call(fn, (alpha, k), f"expected_tokens_per_pass({alpha}, {k})",
+                    "alpha may be 0 or 1 (the closed form (1 - a^(k+1)) / (1 - a) divides by zero at a = 1: "
+                    "there every guess is kept, k + 1 tokens)" if alpha == 1.0 else "")
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-6):
             hint = "E = 1 + a + a^2 + ... + a^k: the target's own token always comes, the i-th proposal with a^i"
             if isinstance(got, (int, float)) and not isinstance(got, bool):
@@ -455,6 +577,35 @@ def check_expected_tokens_per_pass(fn: Callable) -> None:
                     hint = "you counted the accepted proposals only; the target's own token (1) comes every pass"
             raise CheckFailed(f"expected_tokens_per_pass({alpha}, {k}) returned {got!r}, expected {want:.6g}: {hint}")
     passed("expected_tokens_per_pass", len(cases))
+
+
+TOKENS_LIMIT_ALPHA = 0.8   # the short answer: expected_tokens_per_pass(0.8, k) as k grows
+
+
+def check_answer_tokens_limit(value) -> None:
+    """answer_tokens_limit: the limit of 1 + a + ... + a^k as k grows, for a = TOKENS_LIMIT_ALPHA."""
+    alpha = TOKENS_LIMIT_ALPHA
+    want = 1 / (1 - alpha)   # the geometric series 1 + a + a^2 + ... (it converges: a < 1)
+    case = f"answer_tokens_limit (alpha = {alpha}, k -> infinity)"
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckFailed(f"{case} is {value!r}; set it to a number (a float)")
+    if is_close(value, want, rel=1e-3):
+        passed("answer_tokens_limit", 1)
+        return
+    if math.isinf(value) or value > 100:
+        hint = ("the series does not grow without bound: the i-th guess adds alpha^i, terms that shrink "
+                "geometrically, so the sum converges to 1 / (1 - alpha)")
+    elif is_close(value, alpha / (1 - alpha), rel=1e-3):
+        hint = ("that counts only the accepted guesses (alpha + alpha^2 + ... = alpha / (1 - alpha)); every pass "
+                "also yields the target's own token, + 1")
+    elif is_close(value, 1 / alpha, rel=1e-3) or is_close(value, 1 - alpha, rel=1e-3):
+        hint = "the limit of 1 + a + a^2 + ... is 1 / (1 - a): 1 / (1 - alpha), not 1 / alpha or 1 - alpha"
+    elif value < 1:
+        hint = "a pass always yields at least one token (the target's own), so the limit is at least 1"
+    else:
+        hint = ("sum the geometric series 1 + a + a^2 + ...: 1 / (1 - a) (check it with "
+                "expected_tokens_per_pass(0.8, 200))")
+    raise CheckFailed(f"{case} = {value!r} is not the limit: {hint}")
 
 
 def available_methods() -> tuple[str, ...]:
@@ -502,21 +653,127 @@ def sweep(llm, settings, num_requests: int = 4, max_tokens: int = 96, requests=N
             run.update(method=method, k=k)
             runs.append(run)
     base = runs[0]
-    base_tps = base["decode_tokens"] / base["decode_s"] if base["decode_s"] else float("nan")
-    rows = []
     for r in runs:
-        tps = r["decode_tokens"] / r["decode_s"] if r["decode_s"] else float("nan")
-        # decode passes (each request's first token came from its prefill, which SpecStats does not count)
-        decode_passes = r["passes"] if r["k"] else r["decode_tokens"]
-        pass_s = r["decode_s"] / decode_passes if decode_passes > 0 else float("nan")
-        rows.append({"label": r["label"], "method": r["method"], "k": r["k"], "decode_tok_per_s": tps,
-                     "speedup": tps / base_tps,
-                     "acceptance_rate": r["accepted"] / r["proposed"] if r["proposed"] else float("nan"),
-                     "tokens_per_pass": r["emitted"] / r["passes"] if r["k"] and r["passes"] else 1.0,
-                     "pass_cost": pass_s / (1 / base_tps) if base_tps else float("nan"),
-                     "identical": sum(a == b for a, b in zip(r["outputs"], base["outputs"])), "run": r})
-    return {"device": llm.engine.device_label, "rows": rows, "num_requests": len(requests),
+        r["identical"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"]))
+    return {"device": llm.engine.device_label, "runs": runs, "num_requests": len(requests),
             "output_tokens": sum(len(o) for o in base["outputs"])}
+
+
+RUN_COUNTERS = ("decode_s", "decode_tokens", "passes", "emitted", "proposed", "accepted")
+
+
+def print_runs(result: dict) -> None:
+    """The sweep's raw counters, one line per run: what spec_rates(run, base) reads."""
+    print(f"batch 1 on {result['device']}: {result['num_requests']} requests, {result['output_tokens']} greedy "
+          "output tokens; spec_sweep['runs'][i] holds:")
+    print(f"{'label':12}{'k':>3}{'decode_s':>10}{'decode_tokens':>15}{'passes':>8}{'emitted':>9}{'proposed':>10}"
+          f"{'accepted':>10}{'identical':>11}")
+    for r in result["runs"]:
+        print(f"{r['label']:12}{r['k']:>3}{r['decode_s']:>10.3f}{r['decode_tokens']:>15}{r['passes']:>8}"
+              f"{r['emitted']:>9}{r['proposed']:>10}{r['accepted']:>10}{r['identical']:>8}/{result['num_requests']}")
+
+
+def _ref_spec_rates(run: dict, base: dict) -> dict:
+    """The reference of the learner's spec_rates (for grading)."""
+    passes = run["passes"] if run["k"] > 0 else run["decode_tokens"]
+    base_step_s = base["decode_s"] / base["decode_tokens"]
+    return {"acceptance_rate": run["accepted"] / run["proposed"] if run["proposed"] else float("nan"),
+            "tokens_per_pass": run["emitted"] / passes if run["k"] > 0 else 1.0,
+            "pass_cost": (run["decode_s"] / passes) / base_step_s,
+            "speedup": (run["decode_tokens"] / run["decode_s"]) / (base["decode_tokens"] / base["decode_s"])}
+
+
+RATES = ("acceptance_rate", "tokens_per_pass", "pass_cost", "speedup")
+
+
+def sweep_rows(result: dict, spec_rates: Callable) -> dict:
+    """The sweep's table: each run's rates from the learner's spec_rates(run, base = the first run)."""
+    base = result["runs"][0]
+    rows = []
+    for r in result["runs"]:
+        rates = _call(spec_rates, (r, base), f"spec_rates(run {r['label']!r}, base {base['label']!r})")
+        rows.append({"label": r["label"], "method": r["method"], "k": r["k"],
+                     "decode_tok_per_s": r["decode_tokens"] / r["decode_s"] if r["decode_s"] else float("nan"),
+                     **{key: float(rates[key]) for key in RATES}, "identical": r["identical"], "run": r})
+    return {**{key: value for key, value in result.items() if key != "runs"}, "rows": rows}
+
+
+# synthetic runs where every usual mistake gives another number (decode_tokens == emitted, as in the engine)
+_BASE_RUN = {"label": "off", "method": None, "k": 0, "decode_s": 2.0, "decode_tokens": 40, "passes": 0,
+             "emitted": 0, "proposed": 0, "accepted": 0}
+_SYNTHETIC_RUNS = [
+    dict(_BASE_RUN),
+    dict(_BASE_RUN, label="ngram k=4", method="ngram", k=4, decode_s=1.0, passes=16, emitted=40, proposed=64,
+         accepted=24),
+    dict(_BASE_RUN, label="ngram k=4 (open)", method="ngram", k=4, decode_s=3.0, passes=38, emitted=40,
+         proposed=120, accepted=2),
+    dict(_BASE_RUN, label="ngram k=2 (no match)", method="ngram", k=2, decode_s=2.2, passes=40, emitted=40,
+         proposed=0, accepted=0),
+]
+
+
+def _rates_hint(key: str, got: float, run: dict, base: dict) -> str:
+    want = _ref_spec_rates(run, base)[key]
+    passes = run["passes"] if run["k"] > 0 else run["decode_tokens"]
+    if key == "speedup":
+        if is_close(got, 1 / want, rel=1e-6):
+            return ("you divided the wrong way: speed-up = this run's tokens per second / speculation off's "
+                    "(above 1 when speculation is faster)")
+        return "speed-up = (decode_tokens / decode_s of this run) / (decode_tokens / decode_s of speculation off)"
+    if key == "tokens_per_pass":
+        if run["k"] > 0 and is_close(got, run["accepted"] / passes, rel=1e-6):
+            return ("you counted the accepted guesses only: every pass also yields the target's own token "
+                    "(emitted = accepted + passes), so divide emitted by passes")
+        if run["k"] == 0:
+            return "speculation off (k = 0): every decode pass yields exactly one token, so 1.0"
+        return "tokens per pass = emitted / passes (target passes of the speculating run)"
+    if key == "acceptance_rate":
+        if run["proposed"] == 0:
+            return "nothing was proposed: the acceptance rate is undefined, float('nan') (no division by zero)"
+        if is_close(got, run["accepted"] / run["emitted"], rel=1e-6):
+            return "acceptance = accepted / proposed (of the guesses, how many were kept), not / emitted"
+        if is_close(got, run["accepted"] / passes, rel=1e-6):
+            return "acceptance = accepted / proposed, not accepted guesses per pass"
+        return "acceptance = accepted / proposed"
+    # pass_cost
+    base_step_s = base["decode_s"] / base["decode_tokens"]
+    if is_close(got, (run["decode_s"] / run["emitted"] if run["emitted"] else float("nan")) / base_step_s, rel=1e-6):
+        return ("that is seconds per emitted token; the pass cost is seconds per target pass (decode_s / passes) "
+                "over seconds per plain decode step")
+    if is_close(got, 1 / want, rel=1e-6):
+        return ("you divided the wrong way: pass cost = (this run's seconds per pass) / (one plain decode "
+                "step's seconds)")
+    if run["k"] == 0:
+        return "speculation off (k = 0): passes = decode_tokens (the counters count speculative passes only), cost 1.0"
+    return "pass cost = (decode_s / passes) / (base decode_s / base decode_tokens)"
+
+
+def check_spec_rates(spec_rates: Callable, result: dict | None) -> None:
+    """The learner's rates, recomputed from the raw counters of their own sweep (`result`, from sweep), then
+    from synthetic runs where each usual mistake gives a different number."""
+    if result is None or not result.get("runs"):
+        raise CheckFailed("spec_sweep is None: run the sweep cell above")
+    cases = [(r, result["runs"][0]) for r in result["runs"]] + [(r, _BASE_RUN) for r in _SYNTHETIC_RUNS]
+    for run, base in cases:
+        call = f"spec_rates(run {run['label']!r}, base {base['label']!r})"
+        got = _call(spec_rates, (dict(run), dict(base)), call)
+        if not isinstance(got, dict) or set(RATES) - set(got):
+            raise CheckFailed(f"{call} returned {got!r}; expected a dict with the keys {list(RATES)}")
+        want = _ref_spec_rates(run, base)
+        for key in RATES:
+            value = got[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+                raise CheckFailed(f"{call}[{key!r}] is {value!r}; expected a number, {want[key]:.4g}")
+            value = float(value)
+            ok = math.isnan(value) if math.isnan(want[key]) else is_close(value, want[key], rel=1e-6)
+            if not ok:
+                raise CheckFailed(f"{call}[{key!r}] = {value:.4g}, expected {want[key]:.4g} ({_describe_run(run)}): "
+                                  + _rates_hint(key, value, run, base))
+    passed("spec_rates", len(cases))
+
+
+def _describe_run(run: dict) -> str:
+    return ", ".join(f"{key} = {run[key]}" for key in ("k",) + RUN_COUNTERS)
 
 
 def print_sweep(result: dict) -> None:
@@ -576,5 +833,6 @@ __all__ = ["plugged", "print_toy", "check_greedy_verify", "check_greedy_verify_e
            "check_ngram_propose", "check_ngram_edges", "print_plugged", "check_plugged",
            "synthetic_case", "chi_square_p_value", "chi_square_report", "print_chi_square",
            "check_rejection_sample", "check_rejection_sample_shape", "skip_correction_sample", "distribution_figure",
-           "check_expected_tokens_per_pass", "sweep", "print_sweep", "sweep_figure",
-           "tokens_per_pass_figure", "open_workload", "available_methods", "residual_distribution"]
+           "check_chi_square_test", "check_expected_tokens_per_pass", "check_answer_tokens_limit", "sweep",
+           "print_runs", "sweep_rows", "check_spec_rates", "print_sweep", "sweep_figure", "tokens_per_pass_figure",
+           "open_workload", "available_methods", "residual_distribution", "echo_prediction"]
