@@ -160,7 +160,7 @@ def lab00_batch(tmp_path_factory):
     student = nbformat.read(REPO_ROOT / "labs" / f"{LAB}.ipynb", as_version=4)
     stub = {c.metadata["nbgrader"]["grade_id"]: c.source for c in student.cells if c.metadata.get("nbgrader", {}).get("solution")}
     solved = {c.metadata["nbgrader"]["grade_id"]: c.source for c in solution.cells if c.metadata.get("nbgrader", {}).get("solution")}
-    assert sorted(solved) == ["count_tokens", "e2e_latency", "tokens_per_second"]
+    assert sorted(solved) == ["answer_decode_90", "count_tokens", "e2e_latency", "measure_rates", "tokens_per_second"]
 
     def notebook(**sources):
         nb = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
@@ -178,29 +178,29 @@ def lab00_batch(tmp_path_factory):
 
 
 def test_half_solved_lab_earns_exactly_its_points(lab00_batch):
-    row = lab00_batch["half"]
-    assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
-    assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more"}
+    row = lab00_batch["half"]   # the measurement uses tokens_per_second: its 2 points go too
+    assert (row["status"], row["score"], row["max_score"]) == ("graded", 5.0, 9.0), row
+    assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more", "test_measure_rates"}
 
 
 def test_a_kernel_death_costs_only_its_exercise(lab00_batch):
     """The kernel dies in the first exercise; a fresh one replays the cells before it, and the
     two later exercises still earn their points."""
     row = lab00_batch["crash_first"]
-    assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
+    assert (row["status"], row["score"], row["max_score"]) == ("graded", 7.0, 9.0), row
     assert row["reason"] == "kernel died in cell count_tokens"
     assert set(row["failures"]) == {"test_count_tokens", "test_count_tokens_engine"}
 
 
-@pytest.mark.slow  # the loop costs two per-cell timeouts (77 s each for lab 00)
+@pytest.mark.slow  # the loop costs three per-cell timeouts (the measurement calls it too)
 def test_a_looping_exercise_costs_only_its_tests(tmp_path):
-    """tokens_per_second never returns: its two tests are interrupted at the lab's measured
-    per-cell limit, the other exercises earn their points."""
+    """tokens_per_second never returns: its two tests and the measurement that uses it are interrupted at the
+    lab's measured per-cell limit, the other exercises earn their points."""
     nb = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
     _set_solution(nb, "tokens_per_second", "def tokens_per_second(num_tokens, seconds):\n    while True:\n        pass")
     path = _write(tmp_path, "loops", LAB, nbformat.writes(nb))
     (row,) = grader.autograde({"loops": {LAB: path}})
-    assert (row["status"], row["score"], row["max_score"]) == ("graded", 4.0, 6.0), row
-    assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more"}
+    assert (row["status"], row["score"], row["max_score"]) == ("graded", 5.0, 9.0), row
+    assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more", "test_measure_rates"}
     # a plain cell that calls it later times out too (it is named by position)
     assert "cell test_tokens_per_second timed out; cell test_tokens_per_second_more timed out" in row["reason"]
