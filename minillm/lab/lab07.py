@@ -200,10 +200,23 @@ def _variant_shortest_first(token_ids, k, max_n=3, min_n=1):
     return []
 
 
+def _variant_no_overlap(token_ids, k, max_n=3, min_n=1):
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        for start in range(length - 2 * n, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
 def _diagnose_ngram(token_ids, k, max_n, min_n, got) -> str:
     want = ref_ngram_propose(token_ids, k, max_n, min_n)
     if len(got) > k:
         return f"return at most k = {k} tokens"
+    if got == _variant_no_overlap(token_ids, k, max_n, min_n):
+        return ("an earlier occurrence may overlap the tail: any start before len(token_ids) - n counts, and the most "
+                "recent one is the largest such start")
     if got == _variant_first_occurrence(token_ids, k, max_n, min_n):
         return "you took the earliest occurrence; take the most recent one (scan start positions from the end)"
     if got == _variant_shortest_first(token_ids, k, max_n, min_n):
@@ -756,7 +769,9 @@ def check_spec_rates(spec_rates: Callable, result: dict | None) -> None:
     cases = [(r, result["runs"][0]) for r in result["runs"]] + [(r, _BASE_RUN) for r in _SYNTHETIC_RUNS]
     for run, base in cases:
         call = f"spec_rates(run {run['label']!r}, base {base['label']!r})"
-        got = _call(spec_rates, (dict(run), dict(base)), call)
+        got = _call(spec_rates, (dict(run), dict(base)), call,
+                    "with k = 0 the counters hold no speculative passes (passes = 0): every decode token was one "
+                    "plain pass" if run["k"] == 0 else "")
         if not isinstance(got, dict) or set(RATES) - set(got):
             raise CheckFailed(f"{call} returned {got!r}; expected a dict with the keys {list(RATES)}")
         want = _ref_spec_rates(run, base)
