@@ -15,7 +15,8 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import import_file, nbgrader_cells, notebook_functions, solution_module_fixture, solution_source
+from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, solution_module_fixture,
+                       solution_source)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab04
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 from minillm.lab import lab04
 BLOCK_SIZE = 16
+waste = {"paged (paged=True)": {"lengths": [49, 51, 47]}}   # the answer cell reads section 3's measured lengths
 """
 
 
@@ -45,17 +47,19 @@ def experiments() -> dict:
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
     meta = nbgrader_cells(nb)
-    for name in ("BlockAllocator", "max_concurrent", "paged_decode_kernel"):
+    for name in ("BlockAllocator", "measure_kv_utilization", "answer_utilization_8192", "max_concurrent",
+                 "paged_decode_kernel"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
     assert set(graded) == {"test_allocate_slot", "test_append", "test_free", "test_fork", "test_allocator_vs_engine",
-                           "test_max_concurrent", "test_paged_decode_blocks", "test_paged_decode_gqa"}
+                           "test_measure_kv_utilization", "test_answer_utilization_8192", "test_max_concurrent",
+                           "test_paged_decode_blocks", "test_paged_decode_gqa"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
-    assert sum(m["points"] for m in graded.values()) == 14
+    assert sum(m["points"] for m in graded.values()) == 17
     for cell in nb.cells:
-        if cell.cell_type == "markdown":
+        if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:  # the answers cell is theirs
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
     # The interpreter must be chosen before the notebook imports triton.
@@ -309,3 +313,288 @@ def test_kernel_run_and_timing_printouts(capsys):
     out = capsys.readouterr().out
     assert "yours: 50 µs  reads 50 MB (bound 12.5 µs) -> 1000 GB/s, 25% of the bound" in out
     assert "engine: 12.5 µs" in out and "100% of the bound" in out
+
+
+# --------------------------------------------------------------------- the learner's measurement and answer
+BYTES_PER_TOKEN = 46_080   # bytes of KV per token (SmolLM2, fp32): the stub's records are in whole tokens
+STUB_LENGTHS = [49, 51, 47]
+STUB_STEPS = {  # (tokens used, tokens reserved, num_running, num_seqs) after each step: 3 requests, 1024 slots
+    "contiguous (paged=False)": [(90, 1024, 2, 2), (92, 1024, 2, 2), (94, 1024, 2, 2), (47, 512, 1, 1),
+                                 (48, 512, 1, 1), (0, 0, 0, 0)],
+    "paged (paged=True)": [(141, 160, 3, 3), (144, 160, 3, 3), (147, 160, 3, 3), (0, 0, 0, 0)],
+}
+
+
+def stub_waste() -> dict:
+    """What measure_waste returns, as far as the measurement and answer cells read it (no engine run)."""
+    from minillm.engine.metrics import RunStats
+
+    waste = {"_meta": {"max_model_len": 512, "budget_tokens": 1024, "block_size": 16, "bytes_per_token": BYTES_PER_TOKEN,
+                       "num_requests": 3, "max_tokens": 4, "device": "stub"}}
+    for label, rows in STUB_STEPS.items():
+        steps = lab04._steps([(u * BYTES_PER_TOKEN, r * BYTES_PER_TOKEN, running, seqs) for u, r, running, seqs in rows])
+        waste[label] = {"paged": label.startswith("paged"), "lengths": list(STUB_LENGTHS),
+                        "stats": RunStats(device="stub", hourly_usd=0.0, steps=steps)}
+    return waste
+
+
+def test_solution_measurement_and_answer_pass(solution, passes):
+    waste = stub_waste()
+    assert passes(lab04.check_kv_measurement, solution.kv_utilization, solution.peak_at_once, waste).startswith("✓")
+    for label in STUB_STEPS:
+        stats = waste[label]["stats"]
+        assert solution.kv_utilization(stats.steps) == pytest.approx(stats.kv_utilization)   # the engine's own
+        assert solution.peak_at_once(stats.steps) == max(s.num_running for s in stats.steps)
+    assert passes(lab04.check_answer_utilization_8192, sum(STUB_LENGTHS) / (3 * 8192), STUB_LENGTHS, 512).startswith("✓")
+
+
+# --------------------------------------------------------------------- wrong answers, cell by cell
+LAUNCHER_SOURCE = next(c.source for c in nbformat.read(MASTER, as_version=4).cells
+                       if c.cell_type == "code" and c.source.startswith(LAUNCHER))
+KERNEL_LINE = {  # a wrong kernel: the solution with one line changed (old, new)
+    "no_rescale": [("row_sum = row_sum * correction + ", "row_sum = row_sum + "), ("acc = acc * correction + ", "acc = acc + ")],
+    "mask_off_by_one": [("is_token = positions < seq_len", "is_token = positions <= seq_len")],
+    "first_sequence_table": [("tl.load(block_tables_ptr + seq * max_blocks + b)", "tl.load(block_tables_ptr + b)")],
+    "no_scale": [("tl.sum(k * q[None, :], axis=1) * scale", "tl.sum(k * q[None, :], axis=1)")],
+    "no_kv_base": [("tile = kv_base + (block", "tile = (block")],
+    "store_at_kv_head": [("tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM", "tl.store(out_ptr + (seq * num_heads + kv_head) * HEAD_DIM")],
+}
+
+
+def kernel_mistake(name: str) -> str:
+    """The learner's notebook with a wrong kernel: the kernel cell, then the launcher cell, re-run."""
+    return f"paged_decode_kernel = WRONG[{name!r}]\n{LAUNCHER_SOURCE}"
+
+
+def subclass(body: str) -> str:
+    return "class BlockAllocator(BlockAllocator):\n" + textwrap.indent(textwrap.dedent(body), "    ")
+
+
+MISTAKES = {
+    "test_allocate_slot": [
+        (subclass("""
+            def allocate(self, num_tokens):   # floor division: the partly filled last block is missing
+                table = []
+                for _ in range(num_tokens // self.block_size):
+                    block = self.free_blocks.pop()
+                    self.ref_count[block] = 1
+                    table.append(block)
+                return table
+        """), "floor division"),
+        (subclass("""
+            def slot(self, table, position):   # as if the table were one contiguous run
+                return table[0] * self.block_size + position
+        """), "contiguous run"),
+        (subclass("""
+            def allocate(self, num_tokens):   # takes blocks before checking there are enough
+                table = []
+                for _ in range(-(-num_tokens // self.block_size)):
+                    block = self.free_blocks.pop()
+                    self.ref_count[block] = 1
+                    table.append(block)
+                return table
+        """), "allocate(17)"),
+        (subclass("""
+            def slot(self, table, position):   # checks only the upper end: slot(table, -1) reads table[-1]
+                if position >= len(table) * self.block_size:
+                    raise IndexError(position)
+                return table[position // self.block_size] * self.block_size + position % self.block_size
+        """), ", -1)"),
+    ],
+    "test_append": [
+        (subclass("""
+            def append(self, table, num_tokens):   # returns a grown copy; the engine's list never grows
+                return super().append(list(table), num_tokens)
+        """), "in place"),
+        (subclass("""
+            def append(self, table, num_tokens):   # forgets the blocks the table already holds
+                for _ in range(-(-num_tokens // self.block_size)):
+                    block = self.free_blocks.pop()
+                    self.ref_count[block] = 1
+                    table.append(block)
+                return table
+        """), "append(table, 4)"),
+        (subclass("""
+            def append(self, table, num_tokens):   # one block per call, however many tokens arrived
+                if len(table) * self.block_size < num_tokens:
+                    block = self.free_blocks.pop()
+                    self.ref_count[block] = 1
+                    table.append(block)
+                return table
+        """), "13 tokens need 4 blocks"),
+    ],
+    "test_free": [
+        (subclass("""
+            def free(self, table):   # no double-free check: counts go below 0
+                for block in table:
+                    self.ref_count[block] -= 1
+                    if self.ref_count[block] == 0:
+                        self.free_blocks.append(block)
+        """), "double free"),
+        (subclass("""
+            def free(self, table):   # checks each block as it goes: a refused free has already freed some
+                for block in table:
+                    if self.ref_count[block] < 1:
+                        raise ValueError(f"block {block} is already free")
+                    self.ref_count[block] -= 1
+                    if self.ref_count[block] == 0:
+                        self.free_blocks.append(block)
+        """), "before changing any"),
+        (subclass("""
+            def free(self, table):   # counts down but never returns a block to the pool
+                if any(self.ref_count[block] < 1 for block in table):
+                    raise ValueError(table)
+                for block in table:
+                    self.ref_count[block] -= 1
+        """), "goes back to the pool"),
+    ],
+    "test_fork": [
+        (subclass("""
+            def fork(self, table):   # a copy of the table, but no new owner counted
+                return list(table)
+        """), "count owners"),
+        (subclass("""
+            def fork(self, table):   # counts the owner, returns the same list
+                super().fork(table)
+                return table
+        """), "same list object"),
+        (subclass("""
+            def free(self, table):   # returns every block at once, whatever its count
+                if any(self.ref_count[block] < 1 for block in table):
+                    raise ValueError(table)
+                for block in table:
+                    self.ref_count[block] -= 1
+                    self.free_blocks.append(block)
+        """), "count owners"),
+    ],
+    "test_allocator_vs_engine": [
+        (subclass("""
+            def free(self, table):   # leaks the last block of every table
+                super().free(table[:-1])
+        """), "engine's BlockManager has"),
+        (subclass("""
+            def slot(self, table, position):   # forgets that a block holds block_size slots
+                return table[position // self.block_size] + position % self.block_size
+        """), "slot(["),
+        (subclass("""
+            def fork(self, table):   # shares the blocks without counting the new owner
+                return list(table)
+        """), "engine's BlockManager has"),
+    ],
+    "test_measure_kv_utilization": [
+        ("""
+def kv_utilization(steps):   # total used / total reserved: the big steps weigh more
+    reserved = sum(s.kv_bytes_reserved for s in steps)
+    return sum(s.kv_bytes_used for s in steps) / reserved if reserved else float("nan")
+""", "total used / total reserved"),
+        ("""
+def kv_utilization(steps):   # counts a step that reserved nothing as 0 % full
+    if not steps:
+        return float("nan")
+    return sum(s.kv_bytes_used / s.kv_bytes_reserved if s.kv_bytes_reserved else 0.0 for s in steps) / len(steps)
+""", "skip the steps that reserved nothing"),
+        ("""
+def kv_utilization(steps):   # divides by zero on a step that reserved nothing
+    return sum(s.kv_bytes_used / s.kv_bytes_reserved for s in steps) / len(steps)
+""", "ZeroDivisionError"),
+        ("""
+def peak_at_once(steps):   # how many hold KV after the last step
+    return steps[-1].num_running if steps else 0
+""", "after the last step"),
+        ("""
+def peak_at_once(steps):   # sequences stepped, not sequences holding KV
+    return max((s.num_seqs for s in steps), default=0)
+""", "num_seqs counts"),
+    ],
+    "test_answer_utilization_8192": [
+        ("answer_utilization_8192 = sum(lengths) / (len(lengths) * MAX_MODEL_LEN)   # this lab's max_model_len",
+         "max_model_len=512"),
+        ("answer_utilization_8192 = 100 * sum(lengths) / (len(lengths) * 8192)   # a percentage", "percentage"),
+        ("answer_utilization_8192 = sum(lengths) / 8192   # one reservation for all", "len(lengths) * 8192"),
+    ],
+    "test_max_concurrent": [
+        ("""
+def max_concurrent(budget_tokens, lengths, max_model_len, block_size, paged):   # reservations not rounded to blocks
+    if not paged:
+        return min(len(lengths), budget_tokens // max_model_len)
+    return lab04.reference_max_concurrent(budget_tokens, lengths, max_model_len, block_size, True)
+""", "whole blocks"),
+        ("""
+def max_concurrent(budget_tokens, lengths, max_model_len, block_size, paged):   # skips a request that does not fit
+    if not paged:
+        return lab04.reference_max_concurrent(budget_tokens, lengths, max_model_len, block_size, False)
+    free, count = budget_tokens // block_size, 0
+    for n in lengths:
+        if -(-n // block_size) <= free:
+            free -= -(-n // block_size)
+            count += 1
+    return count
+""", "first come"),
+        ("""
+def max_concurrent(budget_tokens, lengths, max_model_len, block_size, paged):   # forgets there are only so many
+    budget_blocks = budget_tokens // block_size
+    if not paged:
+        return budget_blocks // -(-max_model_len // block_size)
+    return lab04.reference_max_concurrent(budget_tokens, lengths, max_model_len, block_size, True)
+""", "never more than len(lengths)"),
+        ("""
+def max_concurrent(budget_tokens, lengths, max_model_len, block_size, paged):   # paged in tokens, not whole blocks
+    if not paged:
+        return lab04.reference_max_concurrent(budget_tokens, lengths, max_model_len, block_size, False)
+    count = used = 0
+    for n in lengths:
+        used += n
+        if used > budget_tokens:
+            break
+        count += 1
+    return count
+""", "paged=True)"),
+    ],
+    "test_paged_decode_blocks": [
+        (kernel_mistake("no_rescale"), "online softmax"),
+        (kernel_mistake("mask_off_by_one"), "NaN: your kernel read a slot"),
+        (kernel_mistake("first_sequence_table"), "block_tables[seq, b]"),
+    ],
+    "test_paged_decode_gqa": [
+        (kernel_mistake("no_kv_base"), "every query head read KV head 0"),
+        (kernel_mistake("store_at_kv_head"), "never stored"),
+        (kernel_mistake("no_scale"), "multiplied by `scale`"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def wrong_kernels(tmp_path_factory) -> dict:
+    """Each KERNEL_LINE variant of the solution kernel, imported from its own file (Triton reads the source)."""
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
+    folder = tmp_path_factory.mktemp("lab04_wrong")
+    kernels = {}
+    for name, changes in KERNEL_LINE.items():
+        wrong = source
+        for old, new in changes:
+            assert wrong.count(old) == 1, (name, old)
+            wrong = wrong.replace(old, new)
+        path = folder / f"lab04_{name}.py"
+        path.write_text(wrong)
+        kernels[name] = import_file(path, f"lab04_{name}").paged_decode_kernel
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def namespace(solution, wrong_kernels) -> dict:
+    """The notebook's state when the graded cells run: the solution cells (imported from a file, for the kernel),
+    the launcher and the torch spec, and a stub of section 3's measurement."""
+    cells = nbgrader_cells(nbformat.read(MASTER, as_version=4))
+    ns = {name: value for name, value in vars(solution).items() if not name.startswith("__")}
+    ns.update(lab04=lab04, torch=torch, BLOCK_SIZE=16, MAX_MODEL_LEN=512, waste=stub_waste(), WRONG=wrong_kernels)
+    ns.update(notebook_functions(MASTER, "paged_decode_spec", torch=torch))
+    exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)   # its globals are ns: the kernel is looked up there
+    exec(compile(cells["answer_utilization_8192"][0].source, "<answer>", "exec"), ns)   # lengths from the stub
+    return ns
+
+
+@pytest.mark.parametrize("grade_id,mistake,names_the_case",
+                         [(g, m, c) for g, cases in MISTAKES.items() for m, c in cases],
+                         ids=[f"{g}-{i}" for g, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_cell_fails_on_a_plausible_mistake(namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, namespace, mistake, names_the_case)

@@ -32,7 +32,8 @@ import torch
 
 from ..engine.block_manager import BlockManager, PoolSizes
 from . import common
-from .common import CheckFailed, Stopwatch, control_panel, format_seconds, new_figure, passed, require_kernel
+from .common import (CheckFailed, Stopwatch, call_learner, control_panel, echo_prediction, format_seconds,  # noqa: F401
+                     new_figure, passed, require_kernel)
 
 # The vLLM paper (Kwon et al., SOSP 2023, Fig. 2): in systems that reserve a contiguous region per
 # request, only 20.4% - 38.2% of the KV cache memory held the tokens' states.
@@ -50,10 +51,38 @@ def _new(cls, num_blocks: int, block_size: int):
         raise CheckFailed(f"BlockAllocator({num_blocks}, {block_size}) raised {type(exc).__name__}: {exc}") from exc
 
 
+class _Raised:
+    """An exception the caller expects (MemoryError, ValueError) carried past call_learner."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _arg(value) -> str:
+    return repr(value) if not isinstance(value, list) or len(value) < 12 else f"[{len(value)} blocks]"
+
+
+def _invoke(obj, method: str, *args, expect: tuple = ()):
+    """obj.method(*args) through call_learner: a crash is a CheckFailed naming the call; the exceptions in
+    `expect` (the contract's MemoryError / ValueError / IndexError) reach the caller as raised."""
+    call = f"{method}({', '.join(_arg(a) for a in args)})"
+
+    def run():
+        try:
+            return getattr(obj, method)(*args)
+        except expect as exc:
+            return _Raised(exc)
+
+    result = call_learner(run, (), call)
+    if isinstance(result, _Raised):
+        raise result.exc
+    return result
+
+
 def _free_count(alloc, context: str) -> int:
-    value = getattr(alloc, "num_free_blocks", None)
+    value = call_learner(lambda: getattr(alloc, "num_free_blocks", None), (), f"{context}: num_free_blocks")
     if callable(value):
-        value = value()
+        value = call_learner(value, (), f"{context}: num_free_blocks()")
     if isinstance(value, bool) or not isinstance(value, int):
         raise CheckFailed(f"{context}: num_free_blocks is {value!r}; it must be an int attribute (or property) "
                           "counting the blocks no table owns")
@@ -101,10 +130,10 @@ def check_allocate_and_slot(cls) -> None:
     """allocate() hands out ceil(n / block_size) free blocks; slot() maps a position through the table."""
     alloc = _new(cls, 8, 4)
     _expect_free(alloc, 8, "a new BlockAllocator(8, 4)", "every block is free at the start")
-    table = alloc.allocate(10)
+    table = _invoke(alloc, "allocate", 10)
     _expect_table(table, 3, 8, "allocate(10) with block_size 4", 4, 10)
     _expect_free(alloc, 5, "after allocate(10) took 3 of 8 blocks")
-    one = alloc.allocate(4)
+    one = _invoke(alloc, "allocate", 4)
     _expect_table(one, 1, 8, "allocate(4) with block_size 4", 4, 4)
     shared = set(one) & set(table)
     if shared:
@@ -112,7 +141,7 @@ def check_allocate_and_slot(cls) -> None:
                           "a block in use must leave the free list until it is freed")
     cases = [(0, table[0] * 4), (3, table[0] * 4 + 3), (5, table[1] * 4 + 1), (9, table[2] * 4 + 1)]
     for position, expected in cases:
-        got = alloc.slot(table, position)
+        got = _invoke(alloc, "slot", table, position)
         if got != expected:
             hint = ""
             if got == table[0] * 4 + position:
@@ -124,29 +153,35 @@ def check_allocate_and_slot(cls) -> None:
                               f"table[{position // 4}] * 4 + {position % 4} = {expected}{hint}")
     _expect_raises(IndexError, lambda: alloc.slot(table, 12), f"slot({table}, 12)",
                    "3 blocks of 4 hold positions 0..11; position 12 needs a fourth block (append first)")
+    _expect_raises(IndexError, lambda: alloc.slot(table, -1), f"slot({table}, -1)",
+                   "positions count from 0; a negative position is outside every table (Python's table[-1] is not)")
     free_before = _free_count(alloc, "before allocate(17)")
     _expect_raises(MemoryError, lambda: alloc.allocate(17), f"allocate(17) with {free_before} free blocks of 4",
                    "17 tokens need 5 blocks")
     _expect_free(alloc, free_before, "after allocate(17) failed", "a failed allocate must change nothing "
                  "(check the count before taking any block)")
-    rest = alloc.allocate(16)
+    rest = _invoke(alloc, "allocate", 16)
     _expect_table(rest, 4, 8, "allocate(16) with exactly 4 blocks free", 4, 16)
     _expect_free(alloc, 0, "after the pool was used up")
     if set(rest) & (set(table) | set(one)):
         raise CheckFailed(f"allocate(16) returned {rest}, sharing a block with the live tables {table} and {one}")
-    passed("allocate and slot", 10)
+    empty = _invoke(alloc, "allocate", 0)
+    if empty != []:
+        raise CheckFailed(f"allocate(0) returned {empty!r}; no tokens need no blocks: expected []")
+    _expect_free(alloc, 0, "after allocate(0)")
+    passed("allocate and slot", 12)
 
 
 def check_append(cls) -> None:
     """append() grows a table in place by fresh blocks, only when the new length needs them."""
     alloc = _new(cls, 6, 4)
-    table = alloc.allocate(3)
+    table = _invoke(alloc, "allocate", 3)
     first = list(table)
     for num_tokens, blocks, why in ((4, 1, "4 tokens still fit the first block"),
                                     (5, 2, "position 4 needs a second block"),
                                     (2, 2, "a table never shrinks"),
                                     (13, 4, "13 tokens need 4 blocks")):
-        returned = alloc.append(table, num_tokens)
+        returned = _invoke(alloc, "append", table, num_tokens)
         if returned is not None and returned is not table:
             raise CheckFailed(f"append(table, {num_tokens}) returned a new list {returned!r}; grow `table` in place "
                               "(table.extend or table.append) and return it — the engine keeps the same list per "
@@ -165,7 +200,7 @@ def check_append(cls) -> None:
     if len(table) != 4:
         raise CheckFailed(f"a failed append left the table with {len(table)} blocks {table}; it must change nothing")
     _expect_free(alloc, 2, "after a failed append", "check the free count before taking any block")
-    other = alloc.allocate(8)
+    other = _invoke(alloc, "allocate", 8)
     if set(other) & set(table):
         raise CheckFailed(f"allocate(8) returned {other}, sharing a block with the grown table {table}")
     passed("append", 7)
@@ -174,45 +209,47 @@ def check_append(cls) -> None:
 def check_free(cls) -> None:
     """free() returns blocks to the pool; a double free raises ValueError and changes nothing."""
     alloc = _new(cls, 4, 4)
-    table = alloc.allocate(8)
-    alloc.free(table)
+    table = _invoke(alloc, "allocate", 8)
+    _invoke(alloc, "free", table)
     _expect_free(alloc, 4, "after free(table) of a 2-block table", "every block of the table goes back to the pool")
     _expect_raises(ValueError, lambda: alloc.free(table), "a second free(table)",
                    "double free: its blocks' reference counts are already 0")
     _expect_free(alloc, 4, "after a double free was refused", "a refused free must not count blocks twice")
-    whole = alloc.allocate(16)
+    whole = _invoke(alloc, "allocate", 16)
     _expect_table(whole, 4, 4, "allocate(16) after everything was freed", 4, 16)
-    alloc.free(whole)
-    a, b = alloc.allocate(4), alloc.allocate(4)
-    alloc.free(a)
-    _expect_raises(ValueError, lambda: alloc.free(a + b), f"free({a + b}) where block {a[0]} is already free",
+    _invoke(alloc, "free", whole)
+    a, b = _invoke(alloc, "allocate", 4), _invoke(alloc, "allocate", 4)
+    _invoke(alloc, "free", a)
+    _expect_raises(ValueError, lambda: alloc.free(b + a), f"free({b + a}) where block {a[0]} is already free",
                    "one of its blocks is free")
-    _expect_free(alloc, 3, f"after free({a + b}) was refused",
+    _expect_free(alloc, 3, f"after free({b + a}) was refused",
                  f"block {b[0]} must stay owned: check every block of the table before changing any")
-    alloc.free(b)
+    _invoke(alloc, "free", b)
     _expect_free(alloc, 4, "after the last table was freed")
+    _invoke(alloc, "free", [])
+    _expect_free(alloc, 4, "after free([])", "an empty table owns nothing: freeing it changes nothing")
     passed("free", 6)
 
 
 def check_fork(cls) -> None:
     """fork() adds an owner to every block; a block returns to the pool when its last owner frees it."""
     alloc = _new(cls, 4, 4)
-    parent = alloc.allocate(8)
-    child = alloc.fork(parent)
+    parent = _invoke(alloc, "allocate", 8)
+    child = _invoke(alloc, "fork", parent)
     if not isinstance(child, list) or child != parent:
         raise CheckFailed(f"fork({parent}) returned {child!r}; expected a list of the same blocks")
     if child is parent:
         raise CheckFailed("fork(table) returned the same list object; return a copy (the two owners grow separately)")
     _expect_free(alloc, 2, "after fork", "a fork shares blocks, it takes no new ones")
-    alloc.free(parent)
+    _invoke(alloc, "free", parent)
     _expect_free(alloc, 2, "after the parent freed a forked table",
                  "the child still owns those blocks: count owners per block and return a block only at count 0")
-    alloc.append(child, 9)
+    _invoke(alloc, "append", child, 9)
     _expect_free(alloc, 1, "after the child grew to 9 tokens (3 blocks)")
-    grandchild = alloc.fork(child)
-    alloc.free(child)
+    grandchild = _invoke(alloc, "fork", child)
+    _invoke(alloc, "free", child)
     _expect_free(alloc, 1, "after free(child) while a grandchild shares its 3 blocks")
-    alloc.free(grandchild)
+    _invoke(alloc, "free", grandchild)
     _expect_free(alloc, 4, "after the last owner freed")
     _expect_raises(ValueError, lambda: alloc.fork(parent), "fork of a table whose blocks are all free",
                    "a free block has no owner to share it with")
@@ -237,6 +274,12 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
     def owned() -> set[int]:
         return {b for table, _, _ in live for b in table}
 
+    def call(method: str, *args, expect: tuple = ()):
+        try:
+            return _invoke(alloc, method, *args, expect=expect)
+        except CheckFailed as exc:
+            fail(str(exc))
+
     for _ in range(num_ops):
         op = rng.choice(["allocate", "allocate", "append", "append", "fork", "free", "free", "slot", "double_free"])
         if op == "allocate" or not live and op != "double_free":
@@ -245,7 +288,7 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
             before = owned()
             expected_ok = oracle.can_allocate(n)
             try:
-                table = alloc.allocate(n)
+                table = call("allocate", n, expect=(MemoryError,))
             except MemoryError:
                 if expected_ok:
                     fail(f"allocate({n}) raised MemoryError with {oracle.num_free_blocks} blocks free; it needs "
@@ -267,7 +310,7 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
             old = list(table)
             expected_ok = oracle.can_grow(otable, new_n)
             try:
-                alloc.append(table, new_n)
+                call("append", table, new_n, expect=(MemoryError,))
             except MemoryError:
                 if expected_ok:
                     fail(f"append raised MemoryError but {oracle.num_free_blocks} blocks were free and it needs "
@@ -288,20 +331,20 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
         elif op == "fork":
             table, otable, n = live[rng.randrange(len(live))]
             log.append(f"fork({table})")
-            child = alloc.fork(table)
+            child = call("fork", table)
             if child != table or child is table:
                 fail(f"fork({table}) returned {child!r}; expected a new list with the same blocks")
             live.append((child, oracle.share(otable), n))
         elif op == "free":
             table, otable, n = live.pop(rng.randrange(len(live)))
             log.append(f"free({table})")
-            alloc.free(table)
+            call("free", table)
             oracle.free(otable)
             dead.append(table)
         elif op == "slot":
             table, otable, n = live[rng.randrange(len(live))]
             position = rng.randrange(len(table) * block_size)
-            got = alloc.slot(table, position)
+            got = call("slot", table, position)
             want = table[position // block_size] * block_size + position % block_size
             if got != want:
                 fail(f"slot({table}, {position}) returned {got!r}, expected {want}")
@@ -311,7 +354,7 @@ def check_against_engine(cls, seed: int = 0, num_ops: int = 400, num_blocks: int
                 continue  # its blocks were handed out again: freeing would be legal for the pool
             log.append(f"free({table}) again")
             try:
-                alloc.free(table)
+                call("free", table, expect=(ValueError,))
             except ValueError:
                 pass
             else:
@@ -400,20 +443,130 @@ def _modes(results: dict) -> dict:
 
 
 def print_waste(results: dict) -> None:
+    """What each run recorded, without the two numbers the learner computes (kv_utilization, peak_at_once)."""
     meta = results["_meta"]
     print(f"{meta['num_requests']} chat requests, {meta['max_tokens']} output tokens each, max_model_len="
           f"{meta['max_model_len']}, KV pool {meta['budget_tokens']} tokens "
           f"({meta['budget_tokens'] * meta['bytes_per_token'] / MiB:.0f} MiB) — {meta['device']}")
-    print(f"{'mode':<26}{'KV utilization':>15}{'peak real':>12}{'peak reserved':>15}{'at once':>9}{'steps':>7}"
-          f"{'preempted':>11}{'wall':>9}")
+    print(f"{'mode':<26}{'peak real':>12}{'peak reserved':>15}{'steps':>7}{'preempted':>11}{'wall':>9}")
     for label, r in _modes(results).items():
         s = r["stats"]
-        print(f"{label:<26}{s.kv_utilization:>15.1%}{s.peak_kv_bytes / MiB:>9.1f} MiB{s.peak_kv_reserved_bytes / MiB:>11.1f} "
-              f"MiB{s.peak_running:>9}{len(s.steps):>7}{s.num_preemptions:>11}{format_seconds(r['wall_s']):>9}")
-    low, high = VLLM_PAPER_UTILIZATION
-    print(f"vLLM paper, systems reserving a contiguous region per request: {low:.1%} - {high:.1%}")
+        print(f"{label:<26}{s.peak_kv_bytes / MiB:>8.1f} MiB{s.peak_kv_reserved_bytes / MiB:>11.1f} MiB"
+              f"{len(s.steps):>7}{s.num_preemptions:>11}{format_seconds(r['wall_s']):>9}")
     tokens = [r["tokens"] for r in _modes(results).values()]
     print("same tokens in both modes:", "✓" if tokens[0] == tokens[1] else "✗ (they should agree)")
+
+
+# ------------------------------------------------------------------ the learner's measurement
+def reference_kv_utilization(steps) -> float:
+    """Mean over the steps that reserved any KV of kv_bytes_used / kv_bytes_reserved (each step counts once);
+    nan when no step reserved anything. The same as RunStats.kv_utilization."""
+    reserved = [s for s in steps if s.kv_bytes_reserved > 0]
+    if not reserved:
+        return float("nan")
+    return sum(s.kv_bytes_used / s.kv_bytes_reserved for s in reserved) / len(reserved)
+
+
+def reference_peak_at_once(steps) -> int:
+    """The most sequences holding KV (num_running) after any step; 0 for no steps."""
+    return max((s.num_running for s in steps), default=0)
+
+
+def _steps(rows) -> list:
+    """StepStats from (kv_bytes_used, kv_bytes_reserved, num_running, num_seqs) rows."""
+    from ..engine.metrics import StepStats
+
+    return [StepStats(i, "decode", seqs, seqs, 0.0, used, reserved, running)
+            for i, (used, reserved, running, seqs) in enumerate(rows)]
+
+
+MEASURE_CASES = (  # (rows (used, reserved, running, seqs), what it shows)
+    ([(10, 100, 1, 1), (30, 40, 3, 2)], "two steps, unequal reservations: each step counts once"),
+    ([(0, 0, 0, 0), (5, 20, 2, 2), (15, 20, 1, 1)], "a step that reserved nothing (nothing admitted yet) is skipped"),
+    ([(6, 16, 2, 1), (12, 16, 2, 2), (0, 0, 0, 0)], "the run ends with nothing reserved"),
+    ([], "no steps at all: utilization nan, nobody at once"),
+)
+
+
+def _utilization_hint(got: float, rows) -> str:
+    if not rows:
+        return " — no step reserved anything: return float('nan') (there is no ratio to average)"
+    used = sum(r[0] for r in rows)
+    reserved = sum(r[1] for r in rows)
+    ratios = [r[0] / r[1] for r in rows if r[1]]
+    if got > 1:
+        return " — utilization is at most 1: real bytes (kv_bytes_used) / reserved bytes (kv_bytes_reserved)"
+    if reserved and abs(got - used / reserved) < 1e-9:
+        return (" — that is total used / total reserved, which weights the big steps more; the engine averages the "
+                "per-step ratios, each step counting once")
+    if abs(got - sum(ratios) / len(rows)) < 1e-9:
+        return " — skip the steps that reserved nothing (kv_bytes_reserved == 0) instead of counting them as 0"
+    if ratios and abs(got - max(ratios)) < 1e-9:
+        return " — that is the best step, not the average over the steps"
+    if ratios and abs(got - ratios[-1]) < 1e-9:
+        return " — that is the last step's ratio, not the average over the steps"
+    return ""
+
+
+def _peak_hint(got, rows) -> str:
+    if rows and got == rows[-1][2]:
+        return " — that is how many hold KV after the last step; the peak is the most after any step"
+    if rows and got == max(r[3] for r in rows):
+        return (" — num_seqs counts the sequences stepped; num_running counts those holding KV (stepped or "
+                "waiting for their turn)")
+    if rows and got == sum(r[2] for r in rows) / len(rows):
+        return " — that is the mean over the steps, not the most at once"
+    return ""
+
+
+def check_kv_measurement(kv_utilization: Callable, peak_at_once: Callable, waste: dict | None = None) -> None:
+    """Your kv_utilization(steps) and peak_at_once(steps), on hand-made steps with known answers, then on the
+    steps of your own run (section 3's `waste`), recomputed here from the same records."""
+    import math
+
+    runs = [(rows, why, _steps(rows)) for rows, why in MEASURE_CASES]
+    for label, r in _modes(waste or {}).items():
+        steps = r["stats"].steps
+        rows = [(s.kv_bytes_used, s.kv_bytes_reserved, s.num_running, s.num_seqs) for s in steps]
+        runs.append((rows, f"your run {label}", steps))
+    for rows, why, steps in runs:
+        shown = f"steps of {why}" if why.startswith("your run") else f"steps {rows} (kv_bytes_used, kv_bytes_reserved, "                                                                      f"num_running, num_seqs) — {why}"
+        got = call_learner(kv_utilization, (list(steps),), f"kv_utilization({shown})")
+        want = reference_kv_utilization(steps)
+        number = isinstance(got, (int, float)) and not isinstance(got, bool)
+        if not number or not (math.isnan(want) and math.isnan(got) or abs(got - want) <= 1e-9 * max(1.0, abs(want))):
+            hint = _utilization_hint(got, rows) if number and not math.isnan(got) else (
+                " — a float: the mean of used / reserved over the steps that reserved something" if not number else "")
+            raise CheckFailed(f"kv_utilization({shown}) returned {got!r}, expected {want:.6g}{hint}")
+        got = call_learner(peak_at_once, (list(steps),), f"peak_at_once({shown})")
+        want = reference_peak_at_once(steps)
+        if isinstance(got, bool) or not isinstance(got, int) or got != want:
+            raise CheckFailed(f"peak_at_once({shown}) returned {got!r}, expected {want} (the most num_running after "
+                              f"any step){_peak_hint(got, rows)}")
+    passed("kv_utilization and peak_at_once", 2 * len(runs))
+
+
+def check_answer_utilization_8192(answer, lengths: Sequence[int], max_model_len: int | None = None) -> None:
+    """The contiguous utilization at the requests' final lengths if each reserved 8192 slots (the model's context)."""
+    want = sum(lengths) / (len(lengths) * 8192)
+    name = f"answer_utilization_8192 = {answer!r}"
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        raise CheckFailed(f"{name}: expected a number, the fraction of reserved slots holding tokens (e.g. 0.05)")
+    if abs(answer / want - 1) <= 0.05:
+        passed("answer_utilization_8192", 1)
+        return
+    why = ""
+    if abs(answer / (100 * want) - 1) <= 0.05:
+        why = " — that is a percentage; give the fraction (divide by 100)"
+    elif answer > 1 and abs(answer * want - 1) <= 0.05:
+        why = " — upside down: real tokens / reserved slots, which is at most 1"
+    elif max_model_len and abs(answer / (sum(lengths) / (len(lengths) * max_model_len)) - 1) <= 0.05:
+        why = f" — that is for max_model_len={max_model_len} (this lab's run); the question reserves 8192 slots"
+    elif abs(answer / (sum(lengths) / 8192) - 1) <= 0.05:
+        why = " — every request reserves its own 8192 slots: divide by len(lengths) * 8192"
+    raise CheckFailed(f"{name}: expected {want:.4g} = sum(lengths) / (len(lengths) * 8192) = {sum(lengths)} / "
+                      f"({len(lengths)} * 8192): {len(lengths)} requests averaging {sum(lengths) / len(lengths):.0f} "
+                      f"tokens in reservations of 8192{why}")
 
 
 def waste_figure(results: dict):
@@ -466,7 +619,7 @@ def check_max_concurrent(max_concurrent: Callable, cases=CONCURRENCY_CASES) -> N
         for paged in (False, True):
             call = f"max_concurrent({budget}, {lengths if len(lengths) < 6 else f'[{lengths[0]}] * {len(lengths)}'}, " \
                    f"{max_len}, {block}, paged={paged})"
-            got = max_concurrent(budget, list(lengths), max_len, block, paged)
+            got = call_learner(max_concurrent, (budget, list(lengths), max_len, block, paged), call)
             want = reference_max_concurrent(budget, lengths, max_len, block, paged)
             if isinstance(got, bool) or not isinstance(got, int) or got != want:
                 hint = ""
@@ -582,7 +735,8 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, b
 
 KERNEL_CASES = (  # (seq_lens, num_kv_heads, group, head_dim, block_size, what it shows)
     ([1], 1, 1, 64, 16, "one sequence, one key (the first decode step of a 1-token prompt)"),
-    ([5, 16, 17], 1, 1, 64, 16, "a partial block, a full block, a full block plus one key"),
+    ([5, 16, 17, 40], 1, 1, 64, 16, "a partial block, a full block, a full block plus one key, 3 blocks whose max "
+                                    "grows (the running sum must be rescaled)"),
     ([1, 5, 17, 100], 3, 3, 64, 16, "SmolLM2's GQA: 9 query heads share 3 KV heads"),
 )
 HIDDEN_KERNEL_CASES = (
@@ -595,7 +749,7 @@ HIDDEN_KERNEL_CASES = (
 def _diagnose_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, block_size, want, tol) -> str:
     got = out.float().cpu()
     bad = ~torch.isclose(got, want, atol=tol, rtol=tol) | got.isnan()
-    s, h, d = (int(i) for i in bad.nonzero()[0])
+    s, h, d = (int(i) for i in (got.isnan() if got.isnan().any() else bad).nonzero()[0])   # a NaN first
     n = int(seq_lens[s])
     where = (f"out[{s}, {h}, {d}] (sequence {s} of {n} keys, query head {h}) is {got[s, h, d].item():.5g}, "
              f"expected {want[s, h, d].item():.5g}")
@@ -612,6 +766,9 @@ def _diagnose_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, scale, bl
     args = (q, k_cache, v_cache, block_tables, seq_lens)
     if group > 1 and agrees(paged_decode_reference(*args, scale, block_size, kv_head_of=lambda h, kv, g: h % kv)):
         return where + f" — query head h reads KV head h // {group} (consecutive query heads share a KV head), not h % {num_kv_heads}"
+    if num_kv_heads > 1 and agrees(paged_decode_reference(*args, scale, block_size, kv_head_of=lambda h, kv, g: 0)):
+        return (where + " — every query head read KV head 0: add this KV head's offset (kv_base, kv_head * num_slots "
+                "* HEAD_DIM) to the addresses of its keys and values")
     if agrees(paged_decode_reference(*args, 1.0, block_size)):
         return where + " — the scores were not multiplied by `scale` (1 / sqrt(head_dim))"
     single = [i for i, length in enumerate(seq_lens.tolist()) if length <= block_size]
@@ -633,7 +790,7 @@ def check_paged_decode(paged_decode: Callable, cases=KERNEL_CASES, seed: int = 0
         scale = head_dim ** -0.5
         call = (f"paged_decode(seq_lens={list(seq_lens)}, {num_kv_heads * group} query heads / {num_kv_heads} KV heads, "
                 f"head_dim {head_dim}, block_size {block_size})")
-        out = paged_decode(q, k_cache, v_cache, block_tables, lens, scale, block_size)
+        out = call_learner(paged_decode, (q, k_cache, v_cache, block_tables, lens, scale, block_size), call)
         if not isinstance(out, torch.Tensor) or out.shape != q.shape:
             raise CheckFailed(f"{call} returned {getattr(out, 'shape', type(out).__name__)}; expected a tensor shaped "
                               f"like q {tuple(q.shape)} ([num_seqs, num_heads, head_dim])")
