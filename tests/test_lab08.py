@@ -62,9 +62,11 @@ def stub_stack(tokens_per_s=(10.0, 40.0, 64.0, 115.2)) -> list:
 
 
 @pytest.fixture(scope="module")
-def solution() -> dict:
-    """The master's solution code cells, run in one namespace (the measurement on a made-up sweep)."""
-    return run_solution_cells(MASTER, {"lab08": lab08, "sweep": stub_sweep(), "HOURLY": HOURLY})
+def solution(experiments) -> dict:
+    """The master's solution code cells, run in one namespace (the measurement on a made-up sweep, the answer on a
+    made-up ladder)."""
+    ladder = experiments["cost_ladder"](stub_stack(), lab08.reference_cost_per_million, HOURLY)
+    return run_solution_cells(MASTER, {"lab08": lab08, "sweep": stub_sweep(), "HOURLY": HOURLY, "ladder": ladder})
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,7 @@ def test_solution_passes_every_check(solution):
     assert [round(solution["cost_per_million"](tps, 2.50), 2) for _, tps in lab08.SOURCE_STACK] == \
         list(lab08.SOURCE_USD_PER_MTOK)
     lab08.check_measure_batch_sweep(solution["sweep"])
-    assert solution["answer_best_lever"] in lab08.LADDER_LEVERS
+    assert solution["answer_best_lever"] == "batching"   # the made-up ladder's largest step (4x)
 
 
 def test_references_agree_with_the_engine_side_modules():
@@ -393,7 +395,7 @@ def test_batch_sweep_through_the_server_and_the_floor(default_llm, solution, cap
     assert all("aggregate_tps" not in r and "per_user_tps" not in r for r in rows), "the speeds are the learner's"
     lab08.print_sweep_records(rows)
     assert "duration_s" in capsys.readouterr().out
-    run_solution_cells(MASTER, {"lab08": lab08, "sweep": rows})   # the model measurement, on the real rows
+    run_solution_cells(MASTER, {"lab08": lab08, "sweep": rows, "ladder": solution["ladder"]})   # the model measurement
     lab08.check_measure_batch_sweep(rows)
     for r in rows:
         assert len(r["records"]) == r["batch"] and all(x["success"] and x["output_tokens"] == 3 for x in r["records"])

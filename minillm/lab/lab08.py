@@ -12,6 +12,10 @@ The learner writes, with fixed signatures:
     cost_per_million(tokens_per_s, hourly_usd) -> float       # USD per million output tokens
     choose_batch_size(measurements, per_user_floor_tps) -> int | None
 
+and, in the notebook's cells, a measurement (measure_batch_sweep: each sweep row's aggregate and per-user
+tokens/s from its raw records, checked by check_measure_batch_sweep) and a short answer (answer_best_lever:
+the lever whose own step of the cost ladder was the largest, checked by check_answer_best_lever).
+
 The engine-facing pieces (minillm.serve, minillm.bench.serve, minillm.bench.cost) are imported
 where they are used, so the checks of the five functions run without a server.
 """
