@@ -130,7 +130,7 @@ class LLM:
         stats.wall_s = time.perf_counter() - t0
         stats.num_prompt_tokens = sum(s.num_prompt_tokens for s in seqs)
         stats.num_output_tokens = sum(s.num_output_tokens for s in seqs)
-        return [RequestOutput.from_sequence(s) for s in seqs]
+        return [RequestOutput.from_sequence(s, self.tokenizer) for s in seqs]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the answer's text in pieces as tokens decode."""

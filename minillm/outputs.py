@@ -8,12 +8,24 @@ from .engine.metrics import RequestMetrics
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model (raw logits, before sampling settings), as vLLM's."""
+
+    logprob: float
+    rank: int                        # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None       # "stop" | "length" | "abort" | "error" | None while running
     error: str | None = None
+    # logprobs=N: one {token id: Logprob} per output token, the sampled token and the N most likely
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -26,7 +38,24 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None)
 
     @classmethod
-    def from_sequence(cls, seq) -> "RequestOutput":
+    def from_sequence(cls, seq, tokenizer=None) -> "RequestOutput":
         completion = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.error)
+        if seq.params.logprobs is not None:
+            completion.logprobs = sequence_logprobs(seq, tokenizer)
+            completion.cumulative_logprob = seq.cumulative_logprob
         return cls(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
                    RequestMetrics.from_sequence(seq))
+
+
+def sequence_logprobs(seq, tokenizer=None) -> list[dict[int, Logprob]]:
+    """A sequence's recorded logprobs as vLLM shapes them: per output token, {id: Logprob}, the sampled token first."""
+    def text(token: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([token])
+
+    out = []
+    for token, logprob, rank, top in seq.logprobs[:seq.num_output_tokens]:
+        entry = {token: Logprob(logprob, rank, text(token))}
+        for r, (other, other_logprob) in enumerate(top, start=1):
+            entry.setdefault(other, Logprob(other_logprob, r, text(other)))
+        out.append(entry)
+    return out

@@ -194,8 +194,9 @@ class Verifier(Protocol):
 class Sampler(Protocol):
     """Next-token logits -> one token id per sequence."""
 
-    def sample(self, logits, params: list, generators: list) -> list[int]:
-        """logits: [B, vocab] fp32; params: B SamplingParams; generators: B torch.Generator or None."""
+    def sample(self, logits, batch) -> list[int]:
+        """logits: [B, vocab] fp32 (raw); batch: a SamplingBatch (layers/sampler.py): per row its SamplingParams,
+        torch.Generator (None when greedy), prompt and output token ids, and the ids min_tokens bans."""
 
 
 # =================================================================== the check

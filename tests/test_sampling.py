@@ -10,7 +10,13 @@ import torch
 from conftest import assert_engine_idle
 
 from minillm import SamplingParams
-from minillm.layers.sampler import filter_logits, sample
+from minillm.layers.sampler import SamplingBatch, filter_logits
+from minillm.layers.sampler import sample as sample_batch
+
+
+def sample(logits, params, generators):
+    """The engine's sampler on rows without history (no penalties apply)."""
+    return sample_batch(logits, SamplingBatch(list(params), list(generators)))
 
 N_DRAWS = 20_000
 

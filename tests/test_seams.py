@@ -131,7 +131,7 @@ class ArgmaxSampler:
     def __init__(self):
         self.rows = 0
 
-    def sample(self, logits, params, generators):
+    def sample(self, logits, batch):
         self.rows += logits.shape[0]
         return logits.argmax(-1).tolist()
 
@@ -229,7 +229,7 @@ def _without(cls, name):
     ("scheduling_policy", _without(OldestFirstPolicy, "preemption_victim")(), "preemption_victim()",
      "def preemption_victim(self, running: Sequence, keep: Sequence)"),
     ("sampler", _without(ArgmaxSampler, "sample")(), "sample()",
-     "def sample(self, logits, params: list, generators: list) -> list[int]"),
+     "def sample(self, logits, batch) -> list[int]"),
     ("proposer", _without(RepeatLastProposer, "release")(), "release()", "def release(self, seq) -> None"),
     ("verifier", _without(PrefixVerifier, "greedy")(), "greedy()",
      "def greedy(self, proposal: list[int], target_argmax: list[int]) -> list[int]"),

@@ -225,6 +225,7 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
     block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len, parts.block_manager)
     scheduler = Scheduler(config, block_manager, max_model_len, parts.scheduling_policy)
     runner = ModelRunner(weights.model, device, block_manager, kv_cache, config.attention_backend, parts.sampler)
+    runner.eos_token_ids = tuple(sorted(weights.eos_token_ids))
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len)
     draft = None

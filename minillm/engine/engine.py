@@ -71,10 +71,23 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        vocab = self.model_config.vocab_size
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary range [0, {vocab - 1}]")
+        if self.speculator is not None:
+            unsupported = [name for name, on in (
+                ("logprobs", params.logprobs is not None), ("logit_bias", bool(params.logit_bias)),
+                ("min_tokens", params.min_tokens > 0), ("presence_penalty", params.presence_penalty != 0),
+                ("frequency_penalty", params.frequency_penalty != 0),
+                ("repetition_penalty", params.repetition_penalty != 1)) if on]
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)} with speculative decoding: not supported yet by this engine "
+                                 "(the verifier checks proposals against the unprocessed distribution); build it "
+                                 "with speculative=None for these requests")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens); give at least 1 token")
-        vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary range [0, {vocab - 1}]")
@@ -132,16 +145,20 @@ class Engine:
         p = seq.params
         token = seq.token_ids[-1]
         self._detokenize(seq)
+        # a stop string is looked for where this token's text could complete one (text before min_tokens is not)
+        search_from = max(0, seq.stop_checked_chars - max((len(s) for s in p.stop), default=1) + 1)
+        seq.stop_checked_chars = len(seq.output_text)
+        if seq.num_output_tokens < p.min_tokens:   # EOS and stop ids are banned by the sampler, stop strings wait
+            return "length" if len(seq) >= self.max_model_len else None
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
         if p.stop:
-            for s in p.stop:
-                idx = seq.output_text.find(s)
-                if idx != -1:
-                    seq.output_text = seq.output_text[:idx]
-                    return "stop"
+            found = [i for i in (seq.output_text.find(s, search_from) for s in p.stop) if i != -1]
+            if found:   # the earliest match wins; the text is cut before it
+                seq.output_text = seq.output_text[:min(found)]
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None

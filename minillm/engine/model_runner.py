@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import AttentionMetadata, resolve_backend
-from ..layers.sampler import TorchSampler
+from ..layers.sampler import SamplingBatch, TorchSampler, token_logprobs
 from ..seams import Sampler
 from .block_manager import BlockManager
 from .cuda_graph import DecodeGraphs
@@ -62,6 +62,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.kv_cache = kv_cache
         self.sampler = sampler if sampler is not None else TorchSampler()
+        self.eos_token_ids: tuple[int, ...] = ()   # set by the builder: banned until a request's min_tokens
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
         self.set_attention_backend(attention_backend)
 
@@ -179,5 +180,17 @@ class ModelRunner:
         else:
             rows = [i for i, s in enumerate(seqs) if s in done]
             logits = self.logits(seqs, rows)
-        tokens = iter(self.sampler.sample(logits, [s.params for s in done], [s.generator for s in done]))
+        sampled = self.sampler.sample(logits, SamplingBatch.from_sequences(done, self.eos_token_ids))
+        if any(s.params.logprobs is not None for s in done):
+            record_logprobs(done, sampled, token_logprobs(logits, sampled, [s.params.logprobs for s in done]))
+        tokens = iter(sampled)
         return [next(tokens) if s in done else None for s in seqs]
+
+
+def record_logprobs(seqs: list[Sequence], tokens: list[int], entries: list) -> None:
+    """Keep each sampled token's log-probability (and the top-N) on its sequence, in output order."""
+    for seq, token, entry in zip(seqs, tokens, entries):
+        if entry is not None:
+            logprob, rank, top = entry
+            seq.logprobs.append((token, logprob, rank, top))
+            seq.cumulative_logprob += logprob

@@ -34,6 +34,10 @@ class Sequence:
     error: str | None = None
     generator: object | None = None  # torch.Generator for sampled requests
     output_text: str = ""
+    stop_checked_chars: int = 0       # output_text already searched for stop strings
+    # logprobs=N: per output token (token, its log-probability, its rank, [(token, logprob)] of the top N)
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     num_preemptions: int = 0          # times its blocks were taken back (recomputed later)
     # prefix caching (prefix_caching=True)
     cache_salt: str | None = None     # requests with different salts never share cached blocks

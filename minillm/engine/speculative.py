@@ -98,7 +98,7 @@ def draft_loop(seqs: list[Sequence], budgets: list[int], forward, stats: SpecSta
             if p.temperature == 0.0:
                 drafts[i].append(int(logits[row].argmax()))
             else:
-                q = filter_logits(logits[row], p.temperature, p.top_k, p.top_p).softmax(-1)
+                q = filter_logits(logits[row], p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
                 drafts[i].append(int(torch.multinomial(q, 1, generator=seqs[i].generator).item()))
                 probs[i].append(q)
     return drafts, [torch.stack(p) if p else None for p in probs]
@@ -291,7 +291,7 @@ class Speculator:
             if p.temperature == 0.0:
                 tokens = self.verifier.greedy(proposal, greedy_ids[a:b])
             else:
-                probs = torch.stack([filter_logits(logits[r], p.temperature, p.top_k, p.top_p).softmax(-1)
+                probs = torch.stack([filter_logits(logits[r], p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
                                      for r in range(a, b)])
                 tokens = self.verifier.sample(proposal, q, probs, seq.generator)
             st = self.stats()
