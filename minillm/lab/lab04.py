@@ -13,6 +13,9 @@ The learner writes, with fixed signatures:
         fork(table) -> list[int]                        # a second owner of the same blocks
         free(table) -> None                             # drop one owner; blocks at 0 owners return
         slot(table, position) -> int                   # pool slot of the token at `position`
+    kv_utilization(steps) -> float                     # mean of used / reserved over the steps (measure_)
+    peak_at_once(steps) -> int                          # the most num_running after any step
+    answer_utilization_8192 = ...                       # a fraction (answer_)
     max_concurrent(budget_tokens, lengths, max_model_len, block_size, paged) -> int
     paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size) -> out   # Triton
 
