@@ -249,6 +249,19 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
      ["max_completion_tokens=0", ">= 1"]),
     ("chat/completions", {"messages": CHAT, "stream": "yes"}, "stream", ['stream="yes"', "true or false"]),
+    ("completions", {"prompt": "Hi", "logprobs": 21}, "logprobs", ["logprobs=21", "[0, 20]"]),
+    ("completions", {"prompt": "Hi", "logprobs": True}, "logprobs", ["logprobs=N"]),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+     ["top_logprobs=-1", "[0, 20]"]),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", ["needs logprobs=true"]),
+    ("completions", {"prompt": "Hi", "min_p": 1.5}, "min_p", ["min_p=1.5", "[0, 1]"]),
+    ("completions", {"prompt": "Hi", "presence_penalty": 3}, "presence_penalty", ["presence_penalty=3", "[-2, 2]"]),
+    ("completions", {"prompt": "Hi", "logit_bias": {"12": 500}}, "logit_bias", ["logit_bias[12]=500", "[-100, 100]"]),
+    ("completions", {"prompt": "Hi", "logit_bias": {"x": 1}}, "logit_bias", ["token ids"]),
+    ("completions", {"prompt": "Hi", "temprature": 0.5}, "temprature", ["temprature", "not a field"]),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     ["json_object", "not supported"]),
+    ("completions", {"prompt": "Hi", "echo": True}, "echo", ["echo"]),
 ]
 
 
@@ -452,6 +465,36 @@ def test_serve_in_thread_closes_and_reopens(tiny):
     assert tiny.engine.owner_thread is None
 
 
+def test_openai_client_logprobs_and_penalties(server):
+    """The official client: chat logprobs (top_logprobs), completion logprobs, penalties and logit_bias accepted,
+    and the logprobs of a stream arrive chunk by chunk with the tokens they describe."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3,
+                                          presence_penalty=0.5, frequency_penalty=0.3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6 or chat.choices[0].finish_reason == "stop"
+    assert "".join(item.token for item in content).startswith(chat.choices[0].message.content[:5])
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+        assert item.logprob == max(t.logprob for t in item.top_logprobs), "greedy takes the most likely token"
+        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
+    completion = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
+                                           logprobs=2, logit_bias={"0": -100})
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == completion.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) >= 2 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+    pieces, streamed = [], []
+    for chunk in client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6, logprobs=True,
+                                                 stream=True):
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            streamed += [item.logprob for item in (choice.logprobs.content if choice.logprobs else [])]
+    assert streamed == [item.logprob for item in content] or chat.choices[0].finish_reason == "stop"
+
+
 def test_sampling_fields_reach_the_engine(tiny):
     """temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, max_tokens: the server's answer is the
     offline engine's answer with the same SamplingParams (a seeded sample is reproducible)."""
@@ -460,6 +503,8 @@ def test_sampling_fields_reach_the_engine(tiny):
     stop_id = greedy[0].outputs[0].token_ids[3]  # the 4th greedy token (or an earlier copy of it) ends the answer
     cases = [dict(temperature=0.9, top_p=0.8, top_k=40, seed=3, max_tokens=9, ignore_eos=True),
              dict(temperature=1.3, seed=11, max_tokens=12),
+             dict(temperature=0.8, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                  seed=5, max_tokens=8, ignore_eos=True, logit_bias={7: 3.0}, min_tokens=4),
              dict(temperature=0, max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)]
     with serve_in_thread(tiny) as handle:
         served = [httpx.post(handle.base_url + "/completions", timeout=60,
@@ -469,8 +514,8 @@ def test_sampling_fields_reach_the_engine(tiny):
         ref = tiny.generate([{"prompt_token_ids": prompt}], SamplingParams(**case))[0].outputs[0]
         assert (choice["token_ids"], choice["finish_reason"]) == (ref.token_ids, ref.finish_reason), case
     assert served[0]["token_ids"] != served[1]["token_ids"]
-    assert served[2]["finish_reason"] == "stop" and served[2]["token_ids"][-1] == stop_id
-    assert len(served[2]["token_ids"]) <= 4
+    assert served[3]["finish_reason"] == "stop" and served[3]["token_ids"][-1] == stop_id
+    assert len(served[3]["token_ids"]) <= 4
 
 
 def test_serve_in_thread_inside_a_running_event_loop(tiny):

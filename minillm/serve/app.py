@@ -4,7 +4,10 @@
 by pydantic models) so that every refusal is a 400 in OpenAI's shape whose message names the
 value and the allowed range, reusing the engine's own validation messages. Unset sampling
 fields take minillm's SamplingParams defaults: temperature 0 (greedy), top_p 1, top_k off.
-Extensions beyond OpenAI's fields: top_k, ignore_eos, stop_token_ids, return_token_ids.
+OpenAI's sampling fields: temperature, top_p, max_tokens / max_completion_tokens, stop, seed, presence_penalty,
+frequency_penalty, logit_bias, logprobs (chat: logprobs=true + top_logprobs; completions: logprobs=N).
+Extensions beyond them, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, return_token_ids. A field this server does not know is a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -21,21 +24,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from .async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamEvent
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "min_tokens", "logprobs")
 # Fields that would change the answer in a way this server does not implement: refused, not ignored.
 UNSUPPORTED = {
-    "logprobs": "logprobs are not returned by this server",
-    "top_logprobs": "logprobs are not returned by this server",
     "echo": "echo=true (returning the prompt) is not supported",
     "suffix": "suffix (insertion) is not supported",
-    "logit_bias": "logit_bias is not supported",
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
 }
+COMMON_FIELDS = {"model", "stream", "stream_options", "n", "best_of", "user", "return_token_ids", "metadata", "store",
+                 "service_tier", "parallel_tool_calls", *SAMPLING_FIELDS, *UNSUPPORTED}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"}
 
 
 class ApiError(Exception):
@@ -98,6 +108,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    logprobs: bool = False                      # return logprobs in the response (params.logprobs = top N)
 
 
 def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
@@ -112,6 +123,12 @@ def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None)
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None and not isinstance(stop_token_ids, list):
         raise _bad_type("stop_token_ids", stop_token_ids, "a list of integers")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise _bad_type("logit_bias", logit_bias, "an object mapping token ids to biases, like {\"50256\": -100}")
+    for key, bias in (logit_bias or {}).items():
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise _bad_type(f"logit_bias[{json.dumps(key)}]", bias, "a number in [-100, 100]")
     defaults = SamplingParams()
     kwargs = dict(
         max_tokens=1 if fill_context else (max_tokens if max_tokens is not None else default_max_tokens),
@@ -122,17 +139,52 @@ def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None)
         stop=stop,
         stop_token_ids=stop_token_ids or [],
         ignore_eos=_bool(body, "ignore_eos"),
+        min_p=_number(body, "min_p", defaults.min_p),
+        presence_penalty=_number(body, "presence_penalty", defaults.presence_penalty),
+        frequency_penalty=_number(body, "frequency_penalty", defaults.frequency_penalty),
+        repetition_penalty=_number(body, "repetition_penalty", defaults.repetition_penalty),
+        min_tokens=_int(body, "min_tokens", defaults.min_tokens),
+        logit_bias=logit_bias,
+        logprobs=_logprobs(body),
     )
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        param = next((f for f in SAMPLING_FIELDS if message.startswith(f + "=")), None)
+        param = next((f for f in SAMPLING_FIELDS if message.startswith((f + "=", f + "[", f + " "))), None)
         if param == "max_tokens":
             param = max_tokens_field
             message = max_tokens_field + message[len("max_tokens"):]
         raise ApiError(message, param, "invalid_value") from None
     return params, fill_context
+
+
+def _logprobs(body: dict) -> int | None:
+    """The number of top logprobs asked for, or None. Chat: logprobs=true with top_logprobs=N (0..20);
+    completions: logprobs=N (OpenAI allows 0..5, this server up to 20, as vLLM)."""
+    if "messages" in body:
+        wanted = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs")
+        if top is not None and not wanted:
+            raise ApiError(f"top_logprobs={top} needs logprobs=true", "top_logprobs", "invalid_value")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(f"top_logprobs={top} must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs",
+                           "invalid_value")
+        return (top or 0) if wanted else None
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    if value is True:
+        raise ApiError("logprobs=true is the chat API's form; completions take logprobs=N, the number of top "
+                       f"tokens (0 to {MAX_LOGPROBS})", "logprobs", "invalid_value")
+    return _int(body, "logprobs")
+
+
+def _unknown_fields(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(f"{unknown[0]} is not a field this server knows (unknown: {', '.join(unknown)}); it would be "
+                       "ignored, so it is refused", unknown[0], "unknown_field")
 
 
 def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
@@ -147,9 +199,6 @@ def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise ApiError(f"best_of={best_of} is not supported (best_of=1 only)", "best_of", "invalid_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0) != 0:
-            raise ApiError(f"{name}={body[name]} is not supported (0 only)", name, "invalid_value")
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, False, 0, [], {}):
             raise ApiError(f"{name}={json.dumps(body[name])[:80]}: {why}", name, "unsupported")
@@ -164,9 +213,10 @@ def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
 
 
 def parse_completion(body: dict, model_name: str) -> ParsedRequest:
-    stream, include_usage, return_ids = _common(body, model_name)
     if "prompt" not in body:
         raise ApiError("prompt is missing: give a string or a list of token ids", "prompt", "missing_field")
+    _unknown_fields(body, COMPLETION_FIELDS)
+    stream, include_usage, return_ids = _common(body, model_name)
     prompt = body["prompt"]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:  # a batch of prompts
@@ -181,7 +231,8 @@ def parse_completion(body: dict, model_name: str) -> ParsedRequest:
     else:
         raise _bad_type("prompt", prompt, "a string or a list of integer token ids")
     params, fill = _sampling(body, "max_tokens", default_max_tokens=16)  # OpenAI's default for completions
-    return ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids)
+    return ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids,
+                         params.logprobs is not None)
 
 
 def _message_text(i: int, content: Any) -> str:
@@ -199,7 +250,20 @@ def _message_text(i: int, content: Any) -> str:
 
 
 def parse_chat(body: dict, model_name: str) -> ParsedRequest:
+    if "messages" not in body:
+        raise ApiError("messages is missing: give a list like [{\"role\": \"user\", \"content\": \"Hi\"}]",
+                       "messages", "missing_field")
+    _unknown_fields(body, CHAT_FIELDS)
     stream, include_usage, return_ids = _common(body, model_name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ApiError(f"response_format={json.dumps(response_format)[:80]}: structured output (json_object, "
+                       "json_schema) is not supported yet; only {\"type\": \"text\"}", "response_format",
+                       "unsupported")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(f"modalities={json.dumps(modalities)[:80]}: only [\"text\"] is supported", "modalities",
+                       "unsupported")
     if "messages" not in body:
         raise ApiError("messages is missing: give a list like [{\"role\": \"user\", \"content\": \"Hi\"}]",
                        "messages", "missing_field")
@@ -217,7 +281,8 @@ def parse_chat(body: dict, model_name: str) -> ParsedRequest:
             raise _bad_type(f"messages[{i}].role", role, "a string such as \"system\", \"user\" or \"assistant\"")
         messages.append({"role": role, "content": _message_text(i, m.get("content"))})
     params, fill = _sampling(body, "max_completion_tokens", default_max_tokens=None)
-    return ParsedRequest("chat", {"messages": messages}, params, fill, stream, include_usage, return_ids)
+    return ParsedRequest("chat", {"messages": messages}, params, fill, stream, include_usage, return_ids,
+                         params.logprobs is not None)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -232,10 +297,34 @@ def _finish_reason(reason: str | None) -> str | None:
 
 def _engine_error(exc: Exception, req: ParsedRequest) -> ApiError:
     message = str(exc)
-    param = next((f for f in SAMPLING_FIELDS if message.startswith(f + "=")), None)
+    param = next((f for f in SAMPLING_FIELDS if message.startswith((f + "=", f + "[", f + " "))), None)
     if param is None:
         param = "messages" if req.kind == "chat" else "prompt"
     return ApiError(message, param, "invalid_value")
+
+
+def _chat_logprobs(entries: list, decode) -> dict:
+    """OpenAI chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def item(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(token, logprob), "top_logprobs": [item(t, v) for t, v in top]}
+                        for token, logprob, _rank, top in entries]}
+
+
+def _completion_logprobs(entries: list, decode, offset: int) -> dict:
+    """The completions API's logprobs object: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
+    token among them, as vLLM) and text_offset (each token's start in the text, from `offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, logprob, _rank, top in entries:
+        text = decode(token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**{decode(t): v for t, v in top}, text: logprob})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
 
 
 def _sse(payload: dict) -> str:
@@ -249,6 +338,15 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     app.state.model_name = model_name
     created_at = int(time.time())
     watchers: set[asyncio.Task] = set()
+    tokenizer = async_engine.tokenizer
+
+    def decode(token: int) -> str:
+        return str(token) if tokenizer is None else tokenizer.decode([token])
+
+    def logprobs_object(req: ParsedRequest, entries: list, offset: int = 0) -> dict | None:
+        if not req.logprobs:
+            return None
+        return _chat_logprobs(entries, decode) if req.kind == "chat" else _completion_logprobs(entries, decode, offset)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -312,12 +410,13 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         if req.stream:
             return StreamingResponse(stream_events(req, stream, base, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, ids, event = [], [], None
+        texts, ids, entries, event = [], [], [], None
         try:
             while event is None or not event.finished:
                 event = await stream.get()
                 texts.append(event.text)
                 ids.extend(event.token_ids)
+                entries.extend(event.logprobs)
         finally:
             watcher.cancel()
             stream.abort()  # no-op once finished; a cancelled handler frees its blocks
@@ -329,11 +428,13 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         if event.finish_reason == "abort":  # the server is shutting down
             raise ApiError(f"the request was aborted: {event.error}", None, "aborted", 503, "server_error")
         text = "".join(texts)
+        logprobs = logprobs_object(req, entries)
         if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": _finish_reason(event.finish_reason)}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(event.finish_reason)}
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
+                      "finish_reason": _finish_reason(event.finish_reason)}
         if req.return_token_ids:
             choice["token_ids"] = ids
         return JSONResponse({**base, "choices": [choice], "usage": _usage(event)})
@@ -341,14 +442,15 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     async def stream_events(req: ParsedRequest, stream: RequestStream, base: dict, watcher: asyncio.Task):
         chunk_base = {**base, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion"}
 
-        def chunk(piece: str | None, ids: list[int], finish: str | None) -> dict:
+        def chunk(piece: str | None, ids: list[int], finish: str | None, entries: list = ()) -> dict:
+            logprobs = logprobs_object(req, list(entries), offset) if entries else None
             if req.kind == "chat":
                 delta = {} if piece is None else {"content": piece}
                 if first:
                     delta = {"role": "assistant", **delta}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
             if req.return_token_ids:
                 choice["token_ids"] = ids
             out = {**chunk_base, "choices": [choice]}
@@ -356,7 +458,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                 out["usage"] = None
             return out
 
-        first = True
+        first, offset = True, 0   # offset: where the next token's text starts (completions' text_offset)
         try:  # Starlette cancels this generator when the client disconnects; the watcher catches it too
             if req.kind == "chat":  # OpenAI opens a chat stream with the role
                 yield _sse(chunk("", [], None))
@@ -372,8 +474,9 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                 if event.text or event.token_ids or event.finished:
                     # The last token's text comes with the finish reason in one chunk.
                     yield _sse(chunk(event.text if (event.text or not event.finished) else None,
-                                     event.token_ids, _finish_reason(event.finish_reason)))
+                                     event.token_ids, _finish_reason(event.finish_reason), event.logprobs))
                     first = False
+                    offset += sum(len(decode(token)) for token, *_ in event.logprobs)
                 if event.finished:
                     if req.include_usage:
                         yield _sse({**chunk_base, "choices": [], "usage": _usage(event)})

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..sampling import SamplingParams
@@ -58,6 +58,8 @@ class StreamEvent:
     num_output_tokens: int       # output tokens so far
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" on the last event
     error: str | None = None
+    # logprobs=N: per new token (token, logprob, rank, [(token, logprob)] of the top N), as Sequence.logprobs
+    logprobs: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -348,11 +350,13 @@ class AsyncEngine:
                 metrics.ttft_s.observe(max(0.0, seq.first_token_s - request.arrival_s))
             if not (new_ids or new_text or finished):
                 continue
+            new_logprobs = seq.logprobs[request.sent_tokens:request.sent_tokens + len(new_ids)]
             request.sent_tokens += len(new_ids)
             request.sent_chars = max(request.sent_chars, upto)
             metrics.generation_tokens += len(new_ids)
             event = StreamEvent(request_id, new_text, new_ids, seq.num_prompt_tokens, len(output),
-                                seq.finish_reason if finished else None, seq.error if finished else None)
+                                seq.finish_reason if finished else None, seq.error if finished else None,
+                                new_logprobs)
             self._send(request, event)
             if finished:
                 del self._active[request_id]
