@@ -36,6 +36,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None)
+    # prompt_logprobs=N: None for the first prompt token, then {token id: Logprob} per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @classmethod
     def from_sequence(cls, seq, tokenizer=None) -> "RequestOutput":
@@ -43,17 +45,24 @@ class RequestOutput:
         if seq.params.logprobs is not None:
             completion.logprobs = sequence_logprobs(seq, tokenizer)
             completion.cumulative_logprob = seq.cumulative_logprob
-        return cls(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
-                   RequestMetrics.from_sequence(seq))
+        out = cls(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
+                  RequestMetrics.from_sequence(seq))
+        if seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = [None] + _logprob_dicts(seq.prompt_logprobs, tokenizer)
+        return out
 
 
 def sequence_logprobs(seq, tokenizer=None) -> list[dict[int, Logprob]]:
     """A sequence's recorded logprobs as vLLM shapes them: per output token, {id: Logprob}, the sampled token first."""
+    return _logprob_dicts(seq.logprobs[:seq.num_output_tokens], tokenizer)
+
+
+def _logprob_dicts(entries: list, tokenizer=None) -> list[dict[int, Logprob]]:
     def text(token: int) -> str | None:
         return None if tokenizer is None else tokenizer.decode([token])
 
     out = []
-    for token, logprob, rank, top in seq.logprobs[:seq.num_output_tokens]:
+    for token, logprob, rank, top in entries:
         entry = {token: Logprob(logprob, rank, text(token))}
         for r, (other, other_logprob) in enumerate(top, start=1):
             entry.setdefault(other, Logprob(other_logprob, r, text(other)))

@@ -26,6 +26,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans, +100 forces)
     min_tokens: int = 0             # EOS and stop_token_ids banned, stop strings ignored, until this many tokens
     logprobs: int | None = None     # None: off; N: the sampled token's log-probability and the N most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache hits)
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
@@ -75,6 +76,10 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not (0 <= self.logprobs <= MAX_LOGPROBS)):
             raise ValueError(f"logprobs={self.logprobs!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not (0 <= self.prompt_logprobs <= MAX_LOGPROBS)):
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be None (off) or an integer in "
+                             f"[0, {MAX_LOGPROBS}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be None or an integer >= 0")
         for s in self.stop:

@@ -240,3 +240,26 @@ def test_a_bad_logit_bias_token_is_refused_and_the_engine_serves_on(default_llm)
     with pytest.raises(ValueError, match=rf"logit_bias token ids \[{vocab}\] are outside the vocabulary range"):
         default_llm.generate(PROMPT, SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
     assert default_llm.generate(PROMPT, SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("levers", [{}, {"chunked_prefill": True, "max_num_batched_tokens": 8, "prefix_caching": True}],
+                         ids=["whole-prefill", "chunks-of-8-prefix-cache"])
+def test_prompt_logprobs_equal_transformers_log_softmax(default_llm, hf_default, levers):
+    """Every prompt token after the first, also when the prompt is read in chunks of 8 and a prefix cache holds the
+    same prompt (a request that wants prompt logprobs computes every token: cached ones would have no logits)."""
+    llm = default_llm.with_levers(**levers) if levers else default_llm
+    prompt = "Evaluation harnesses score a prompt with the model's own log-probabilities, token by token."
+    if levers:
+        llm.generate(prompt, SamplingParams(max_tokens=1))   # the prompt's blocks now sit in the prefix cache
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=3, logprobs=1))[0]
+    ids = out.prompt_token_ids
+    with torch.inference_mode():
+        ref = hf_default(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids) > 16
+    for position in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[position], ref[position - 1]
+        token = ids[position]
+        assert abs(entry[token].logprob - float(row[token])) < 1e-4, position
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        assert set(row.topk(3).indices.tolist()) <= set(entry)
+    assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs) == 2

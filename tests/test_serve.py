@@ -19,6 +19,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from conftest import assert_engine_idle
 from minillm import LLM, EngineConfig, SamplingParams
@@ -261,7 +262,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "Hi", "temprature": 0.5}, "temprature", ["temprature", "not a field"]),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
      ["json_object", "not supported"]),
-    ("completions", {"prompt": "Hi", "echo": True}, "echo", ["echo"]),
+    ("completions", {"prompt": "Hi", "echo": "yes"}, "echo", ['echo="yes"', "true or false"]),
 ]
 
 
@@ -493,6 +494,32 @@ def test_openai_client_logprobs_and_penalties(server):
             pieces.append(choice.delta.content or "")
             streamed += [item.logprob for item in (choice.logprobs.content if choice.logprobs else [])]
     assert streamed == [item.logprob for item in content] or chat.choices[0].finish_reason == "stop"
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_do(server, hf_default):
+    """echo=true, logprobs=1, max_tokens=0: the prompt's text and the model's log-probability of each of its tokens
+    (the first has none), nothing generated; equal to transformers' log-softmax."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    prompt = "The quick brown fox jumps over the lazy dog"
+    scored = client.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    from transformers import AutoTokenizer  # the same tokenizer files the server loaded
+    prompt_ids = AutoTokenizer.from_pretrained(hf_default.name_or_path).encode(prompt)
+    with torch.inference_mode():
+        ref = hf_default(torch.tensor([prompt_ids])).logits[0].float().log_softmax(-1)
+    assert len(lp.token_logprobs) == len(prompt_ids)
+    for position in range(1, len(prompt_ids)):
+        assert abs(lp.token_logprobs[position] - float(ref[position - 1, prompt_ids[position]])) < 1e-4
+    more = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, echo=True, temperature=0)
+    assert more.choices[0].text.startswith(prompt) and len(more.choices[0].text) > len(prompt)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=3, echo=True, stream=True) if c.choices)
+    assert streamed == more.choices[0].text
 
 
 def test_sampling_fields_reach_the_engine(tiny):

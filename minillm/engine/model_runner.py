@@ -164,9 +164,33 @@ class ModelRunner:
         if rows is not None:
             last_rows = [last_rows[i] for i in rows]
         hidden = self.model(input_ids, positions, meta)
+        self._record_prompt_logprobs(seqs, hidden, positions)
         if len(last_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden)
+
+    def _record_prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """prompt_logprobs=N: the log-probability of each prompt token after the ones before it, from the hidden
+        states of this step's prompt rows (a chunk at a time; a recomputed prefill records nothing twice)."""
+        wanted = [s.params.prompt_logprobs is not None and len(s.prompt_logprobs) < s.num_prompt_tokens - 1
+                  for s in seqs]
+        if not any(wanted):
+            return
+        row = 0
+        for seq in seqs:
+            count = seq.num_scheduled_tokens or len(seq) - seq.num_cached_tokens if self.block_manager else len(seq)
+            first = int(positions[row])
+            if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+                # row r (position first + r) predicts the token at first + r + 1; keep the new prompt ones
+                done = len(seq.prompt_logprobs)
+                lo, hi = max(done, first), min(seq.num_prompt_tokens - 1, first + count)
+                if lo < hi:
+                    logits = self.model.compute_logits(hidden[row + lo - first: row + hi - first])
+                    targets = seq.prompt_token_ids[lo + 1: hi + 1]
+                    for token, entry in zip(targets, token_logprobs(logits, targets,
+                                                                    [seq.params.prompt_logprobs] * len(targets))):
+                        seq.prompt_logprobs.append((token, *entry))
+            row += count
 
     def run(self, seqs: list[Sequence]) -> list[int | None]:
         """One token per sequence whose step reaches its last token; None for a prompt chunk

@@ -89,7 +89,7 @@ class Scheduler:
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the start of a waiting sequence (prefix caching; reads only).
         At most (len - 1) // block_size blocks: the last token is always computed."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:   # cached tokens have no logits
             return []
         bm = self.block_manager
         num = (len(seq) - 1) // bm.block_size

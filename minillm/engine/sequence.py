@@ -38,6 +38,8 @@ class Sequence:
     # logprobs=N: per output token (token, its log-probability, its rank, [(token, logprob)] of the top N)
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # prompt_logprobs=N: per prompt token after the first, the same tuple (the first token has none)
+    prompt_logprobs: list = field(default_factory=list)
     num_preemptions: int = 0          # times its blocks were taken back (recomputed later)
     # prefix caching (prefix_caching=True)
     cache_salt: str | None = None     # requests with different salts never share cached blocks

@@ -828,7 +828,8 @@ def check_kv_bytes_per_token(kv_bytes_per_token: Callable, llm=None) -> None:
     if llm is not None:
         cfg = llm.model_config
         bytes_per_value = torch.finfo(llm.dtype).bits // 8
-        got = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bytes_per_value)
+        args = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bytes_per_value)
+        got = _call(kv_bytes_per_token, args, f"kv_bytes_per_token{args} (the loaded model)")
         if got != llm.kv_bytes_per_token:
             raise CheckFailed(f"for the loaded model your kv_bytes_per_token gives {got}, the engine allocates "
                               f"{llm.kv_bytes_per_token} bytes per token")

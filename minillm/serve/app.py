@@ -33,7 +33,6 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "min_tokens", "logprobs")
 # Fields that would change the answer in a way this server does not implement: refused, not ignored.
 UNSUPPORTED = {
-    "echo": "echo=true (returning the prompt) is not supported",
     "suffix": "suffix (insertion) is not supported",
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
@@ -44,7 +43,7 @@ UNSUPPORTED = {
 }
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "best_of", "user", "return_token_ids", "metadata", "store",
                  "service_tier", "parallel_tool_calls", *SAMPLING_FIELDS, *UNSUPPORTED}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"}
 
 
@@ -109,6 +108,8 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     logprobs: bool = False                      # return logprobs in the response (params.logprobs = top N)
+    echo: bool = False                          # completions: the prompt comes back before the completion
+    echo_only: bool = False                     # echo with max_tokens=0: score the prompt, generate nothing
 
 
 def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
@@ -230,9 +231,15 @@ def parse_completion(body: dict, model_name: str) -> ParsedRequest:
         inputs = {"prompt_token_ids": prompt}
     else:
         raise _bad_type("prompt", prompt, "a string or a list of integer token ids")
+    echo = _bool(body, "echo")
+    echo_only = echo and body.get("max_tokens") == 0   # what evaluation harnesses send to score a prompt
+    if echo_only:   # one token is generated (a step reads the prompt) and dropped, as vLLM does
+        body = {**body, "max_tokens": 1}
     params, fill = _sampling(body, "max_tokens", default_max_tokens=16)  # OpenAI's default for completions
+    if echo and params.logprobs is not None:
+        params.prompt_logprobs = params.logprobs
     return ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids,
-                         params.logprobs is not None)
+                         params.logprobs is not None, echo, echo_only)
 
 
 def _message_text(i: int, content: Any) -> str:
@@ -317,11 +324,11 @@ def _completion_logprobs(entries: list, decode, offset: int) -> dict:
     """The completions API's logprobs object: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
     token among them, as vLLM) and text_offset (each token's start in the text, from `offset`)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, logprob, _rank, top in entries:
+    for token, logprob, _rank, top in entries:   # an echoed prompt's first token has no logprob: None, None
         text = decode(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({**{decode(t): v for t, v in top}, text: logprob})
+        out["top_logprobs"].append(None if top is None else {**{decode(t): v for t, v in top}, text: logprob})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -342,6 +349,14 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
 
     def decode(token: int) -> str:
         return str(token) if tokenizer is None else tokenizer.decode([token])
+
+    def echoed(req: ParsedRequest, event: StreamEvent) -> tuple[str, list]:
+        """The prompt's text and logprob entries for echo=true (the first prompt token has no logprob)."""
+        ids = event.prompt_token_ids or []
+        text = req.inputs["prompt"] if "prompt" in req.inputs else (
+            "" if tokenizer is None else tokenizer.decode(ids))
+        entries = [(ids[0], None, None, None)] + list(event.prompt_logprobs or []) if ids and req.logprobs else []
+        return text, entries
 
     def logprobs_object(req: ParsedRequest, entries: list, offset: int = 0) -> dict | None:
         if not req.logprobs:
@@ -410,10 +425,14 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         if req.stream:
             return StreamingResponse(stream_events(req, stream, base, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, ids, entries, event = [], [], [], None
+        texts, ids, entries, event, prompt = [], [], [], None, ("", [])
         try:
             while event is None or not event.finished:
                 event = await stream.get()
+                if event.prompt_token_ids is not None and req.echo:
+                    prompt = echoed(req, event)
+                if req.echo_only:
+                    continue
                 texts.append(event.text)
                 ids.extend(event.token_ids)
                 entries.extend(event.logprobs)
@@ -427,8 +446,11 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                            "server_error")
         if event.finish_reason == "abort":  # the server is shutting down
             raise ApiError(f"the request was aborted: {event.error}", None, "aborted", 503, "server_error")
-        text = "".join(texts)
-        logprobs = logprobs_object(req, entries)
+        text = prompt[0] + "".join(texts)
+        logprobs = logprobs_object(req, prompt[1] + entries)
+        usage = _usage(event)
+        if req.echo_only:
+            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": _finish_reason(event.finish_reason)}
@@ -437,7 +459,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                       "finish_reason": _finish_reason(event.finish_reason)}
         if req.return_token_ids:
             choice["token_ids"] = ids
-        return JSONResponse({**base, "choices": [choice], "usage": _usage(event)})
+        return JSONResponse({**base, "choices": [choice], "usage": usage})
 
     async def stream_events(req: ParsedRequest, stream: RequestStream, base: dict, watcher: asyncio.Task):
         chunk_base = {**base, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion"}
@@ -465,6 +487,13 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                 first = False
             while True:
                 event = await stream.get()
+                if event.prompt_token_ids is not None and req.echo:
+                    text, entries = echoed(req, event)
+                    yield _sse(chunk(text, event.prompt_token_ids, None, entries))
+                    offset += len(text)
+                if req.echo_only:   # the one generated token is not part of the answer
+                    event = StreamEvent(event.request_id, "", [], event.num_prompt_tokens, 0, event.finish_reason,
+                                        event.error)
                 if event.finish_reason in ("error", "abort"):
                     what = "failed inside the engine" if event.finish_reason == "error" else "was aborted"
                     error = {"message": f"the request {what}: {event.error}", "type": "server_error", "param": None,
@@ -476,10 +505,10 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                     yield _sse(chunk(event.text if (event.text or not event.finished) else None,
                                      event.token_ids, _finish_reason(event.finish_reason), event.logprobs))
                     first = False
-                    offset += sum(len(decode(token)) for token, *_ in event.logprobs)
+                    offset += len(event.text or "")
                 if event.finished:
                     if req.include_usage:
-                        yield _sse({**chunk_base, "choices": [], "usage": _usage(event)})
+                        yield _sse({**chunk_base, "choices": [], "usage": _usage(event)})  # echo_only: 0 tokens
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client went away (cancellation / GeneratorExit) or we are done

@@ -60,6 +60,9 @@ class StreamEvent:
     error: str | None = None
     # logprobs=N: per new token (token, logprob, rank, [(token, logprob)] of the top N), as Sequence.logprobs
     logprobs: list = field(default_factory=list)
+    # on the first event after the prefill: the prompt's ids, and its logprobs with prompt_logprobs=N
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +89,7 @@ class _Request:
     sent_chars: int = 0
     holdback_chars: int = 0
     counted_first_token: bool = False
+    sent_prompt: bool = False         # the prompt's ids (and logprobs) went out with an event
 
 
 class RequestStream:
@@ -354,9 +358,15 @@ class AsyncEngine:
             request.sent_tokens += len(new_ids)
             request.sent_chars = max(request.sent_chars, upto)
             metrics.generation_tokens += len(new_ids)
+            prompt_ids = prompt_logprobs = None
+            if not request.sent_prompt and (new_ids or finished):
+                request.sent_prompt = True
+                prompt_ids = list(seq.prompt_token_ids)
+                if seq.params.prompt_logprobs is not None:
+                    prompt_logprobs = list(seq.prompt_logprobs)
             event = StreamEvent(request_id, new_text, new_ids, seq.num_prompt_tokens, len(output),
                                 seq.finish_reason if finished else None, seq.error if finished else None,
-                                new_logprobs)
+                                new_logprobs, prompt_ids, prompt_logprobs)
             self._send(request, event)
             if finished:
                 del self._active[request_id]
