@@ -13,9 +13,11 @@ _EXPORTS = {
     "CompletionOutput": ".outputs",
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling",
+    "StructuredOutputs": ".structured",
 }
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "default_model_path"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "CompletionOutput",
+           "default_model_path"]
 __version__ = "0.1.0"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured import StructuredOutputs
+
 MAX_LOGPROBS = 20   # OpenAI's top_logprobs range is 0..20; vLLM's default max_logprobs is 20
 
 
@@ -31,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, JSON object, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +85,9 @@ class SamplingParams:
                              f"[0, {MAX_LOGPROBS}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be None or an integer >= 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputs "
+                             "(minillm.StructuredOutputs(json=..., regex=..., choice=..., grammar=...))")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop={self.stop!r}: every stop string must be a non-empty str")

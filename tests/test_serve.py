@@ -260,8 +260,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "Hi", "logit_bias": {"12": 500}}, "logit_bias", ["logit_bias[12]=500", "[-100, 100]"]),
     ("completions", {"prompt": "Hi", "logit_bias": {"x": 1}}, "logit_bias", ["token ids"]),
     ("completions", {"prompt": "Hi", "temprature": 0.5}, "temprature", ["temprature", "not a field"]),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
-     ["json_object", "not supported"]),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format",
+     ['"xml"', "json_schema"]),
+    ("completions", {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     ["exactly one of"]),
     ("completions", {"prompt": "Hi", "echo": "yes"}, "echo", ['echo="yes"', "true or false"]),
 ]
 

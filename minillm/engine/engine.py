@@ -13,6 +13,7 @@ from ..config import DEFAULT_CPU_HOURLY_USD, DEFAULT_GPU_HOURLY_USD, EngineConfi
 from ..hardware import device_name
 from ..quant import weight_bytes
 from ..sampling import SamplingParams
+from ..structured import GrammarBackend, StructuredOutputs
 from ..seams import BlockAllocator
 from .kv_cache import KVCache, kv_bytes_per_token
 from .metrics import RunStats, StepStats
@@ -81,7 +82,8 @@ class Engine:
                 ("logit_bias", bool(params.logit_bias)),
                 ("min_tokens", params.min_tokens > 0), ("presence_penalty", params.presence_penalty != 0),
                 ("frequency_penalty", params.frequency_penalty != 0),
-                ("repetition_penalty", params.repetition_penalty != 1)) if on]
+                ("repetition_penalty", params.repetition_penalty != 1),
+                ("structured_outputs", params.structured_outputs is not None)) if on]
             if unsupported:
                 raise ValueError(f"{', '.join(unsupported)} with speculative decoding: not supported yet by this engine "
                                  "(the verifier checks proposals against the unprocessed distribution); build it "
@@ -115,13 +117,22 @@ class Engine:
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params)
         validate_cache_salt(cache_salt)
-        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id or "", cache_salt=cache_salt)
+        grammar = self.grammar_matcher(params.structured_outputs) if params.structured_outputs is not None else None
+        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id or "", cache_salt=cache_salt,
+                       grammar=grammar)
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         seq.arrival_s = time.perf_counter()
         self.scheduler.add(seq)
         return seq
+
+    def grammar_matcher(self, structured: StructuredOutputs):
+        """A fresh matcher for one request (the constraint compiled once per engine and cached); ValueError for a
+        malformed schema, regex or grammar."""
+        if self.runner.grammars is None:
+            self.runner.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self.runner.grammars.matcher(structured)
 
     def abort(self, seq: Sequence, reason: str = "abort", error: str | None = None) -> None:
         if not seq.is_finished:
@@ -151,6 +162,8 @@ class Engine:
         seq.stop_checked_chars = len(seq.output_text)
         if seq.num_output_tokens < p.min_tokens:   # EOS and stop ids are banned by the sampler, stop strings wait
             return "length" if len(seq) >= self.max_model_len else None
+        if seq.grammar is not None and seq.grammar.is_terminated():   # complete: only EOS was allowed
+            return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:

@@ -63,6 +63,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler if sampler is not None else TorchSampler()
         self.eos_token_ids: tuple[int, ...] = ()   # set by the builder: banned until a request's min_tokens
+        self.grammars = None   # a GrammarBackend (minillm/structured.py), made at the first structured request
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
         self.set_attention_backend(attention_backend)
 
@@ -204,9 +205,18 @@ class ModelRunner:
         else:
             rows = [i for i, s in enumerate(seqs) if s in done]
             logits = self.logits(seqs, rows)
+        raw = logits
+        matchers = [s.grammar for s in done]
+        if self.grammars is not None and any(m is not None for m in matchers):
+            logits = logits.clone()               # logprobs stay the model's own (the raw logits)
+            self.grammars.apply(logits, matchers)   # structured output: tokens that break the grammar at -inf
         sampled = self.sampler.sample(logits, SamplingBatch.from_sequences(done, self.eos_token_ids))
+        for seq, token in zip(done, sampled):
+            if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token):
+                raise RuntimeError(f"request {seq.request_id}: token {token} breaks its grammar (a sampler that "
+                                   "ignores the mask?)")
         if any(s.params.logprobs is not None for s in done):
-            record_logprobs(done, sampled, token_logprobs(logits, sampled, [s.params.logprobs for s in done]))
+            record_logprobs(done, sampled, token_logprobs(raw, sampled, [s.params.logprobs for s in done]))
         tokens = iter(sampled)
         return [next(tokens) if s in done else None for s in seqs]
 

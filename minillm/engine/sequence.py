@@ -40,6 +40,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # prompt_logprobs=N: per prompt token after the first, the same tuple (the first token has none)
     prompt_logprobs: list = field(default_factory=list)
+    grammar: object | None = None     # structured output: its xgrammar matcher (accepts each sampled token)
     num_preemptions: int = 0          # times its blocks were taken back (recomputed later)
     # prefix caching (prefix_caching=True)
     cache_salt: str | None = None     # requests with different salts never share cached blocks

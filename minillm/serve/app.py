@@ -5,9 +5,10 @@ by pydantic models) so that every refusal is a 400 in OpenAI's shape whose messa
 value and the allowed range, reusing the engine's own validation messages. Unset sampling
 fields take minillm's SamplingParams defaults: temperature 0 (greedy), top_p 1, top_k off.
 OpenAI's sampling fields: temperature, top_p, max_tokens / max_completion_tokens, stop, seed, presence_penalty,
-frequency_penalty, logit_bias, logprobs (chat: logprobs=true + top_logprobs; completions: logprobs=N).
+frequency_penalty, logit_bias, logprobs (chat: logprobs=true + top_logprobs; completions: logprobs=N), echo
+(completions), response_format (text, json_object, json_schema: structured output through xgrammar).
 Extensions beyond them, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, return_token_ids. A field this server does not know is a 400 naming it, never ignored.
+stop_token_ids, return_token_ids, structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}). A field this server does not know is a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..structured import FIELDS as STRUCTURED_FIELDS
+from ..structured import StructuredOutputs
 from .async_engine import AsyncEngine, EngineStoppedError, RequestStream, StreamEvent
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_tokens", "logprobs")
+                   "min_tokens", "logprobs", "structured_outputs")
 # Fields that would change the answer in a way this server does not implement: refused, not ignored.
 UNSUPPORTED = {
     "suffix": "suffix (insertion) is not supported",
@@ -42,9 +45,10 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported",
 }
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "best_of", "user", "return_token_ids", "metadata", "store",
-                 "service_tier", "parallel_tool_calls", *SAMPLING_FIELDS, *UNSUPPORTED}
+                 "service_tier", "parallel_tool_calls", "response_format", "structured_outputs", *SAMPLING_FIELDS,
+                 *UNSUPPORTED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "modalities"}
 
 
 class ApiError(Exception):
@@ -147,12 +151,13 @@ def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None)
         min_tokens=_int(body, "min_tokens", defaults.min_tokens),
         logit_bias=logit_bias,
         logprobs=_logprobs(body),
+        structured_outputs=_structured(body),
     )
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        param = next((f for f in SAMPLING_FIELDS if message.startswith((f + "=", f + "[", f + " "))), None)
+        param = next((f for f in SAMPLING_FIELDS if message.startswith((f + "=", f + "[", f + " ", f + "."))), None)
         if param == "max_tokens":
             param = max_tokens_field
             message = max_tokens_field + message[len("max_tokens"):]
@@ -179,6 +184,42 @@ def _logprobs(body: dict) -> int | None:
         raise ApiError("logprobs=true is the chat API's form; completions take logprobs=N, the number of top "
                        f"tokens (0 to {MAX_LOGPROBS})", "logprobs", "invalid_value")
     return _int(body, "logprobs")
+
+
+def _structured(body: dict) -> StructuredOutputs | None:
+    """response_format (OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}})
+    or structured_outputs (vLLM's extension: {"json" | "regex" | "choice" | "grammar": ...})."""
+    response_format, structured = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and structured is not None:
+        raise ApiError("give response_format or structured_outputs, not both", "structured_outputs", "invalid_value")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise _bad_type("structured_outputs", structured, "an object like {\"regex\": \"[0-9]+\"}")
+        unknown = sorted(set(structured) - set(STRUCTURED_FIELDS))
+        if unknown:
+            raise ApiError(f"structured_outputs.{unknown[0]} is not a constraint; give one of "
+                           f"{', '.join(STRUCTURED_FIELDS)}", "structured_outputs", "invalid_value")
+        try:
+            return StructuredOutputs(**structured)
+        except ValueError as exc:
+            raise ApiError(str(exc), "structured_outputs", "invalid_value") from None
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError("response_format.json_schema.schema is missing: give "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                           "response_format", "invalid_value")
+        return StructuredOutputs(json=schema)
+    raise ApiError(f"response_format={json.dumps(response_format)[:80]}: type must be \"text\", \"json_object\" "
+                   "or \"json_schema\"", "response_format", "invalid_value")
 
 
 def _unknown_fields(body: dict, known: set[str]) -> None:
@@ -262,11 +303,6 @@ def parse_chat(body: dict, model_name: str) -> ParsedRequest:
                        "messages", "missing_field")
     _unknown_fields(body, CHAT_FIELDS)
     stream, include_usage, return_ids = _common(body, model_name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise ApiError(f"response_format={json.dumps(response_format)[:80]}: structured output (json_object, "
-                       "json_schema) is not supported yet; only {\"type\": \"text\"}", "response_format",
-                       "unsupported")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise ApiError(f"modalities={json.dumps(modalities)[:80]}: only [\"text\"] is supported", "modalities",
@@ -304,7 +340,7 @@ def _finish_reason(reason: str | None) -> str | None:
 
 def _engine_error(exc: Exception, req: ParsedRequest) -> ApiError:
     message = str(exc)
-    param = next((f for f in SAMPLING_FIELDS if message.startswith((f + "=", f + "[", f + " "))), None)
+    param = next((f for f in SAMPLING_FIELDS if message.startswith((f + "=", f + "[", f + " ", f + "."))), None)
     if param is None:
         param = "messages" if req.kind == "chat" else "prompt"
     return ApiError(message, param, "invalid_value")
