@@ -560,7 +560,8 @@ def build(
     ``rendered``: the output of :func:`render`, to reuse one rendering; ``labs``: only these labs
     (the others' files are neither written nor removed)."""
     out_root = Path(out_root)
-    rendered = render(source_dir, labs) if rendered is None else rendered
+    if rendered is None:
+        rendered = render(source_dir) if labs is None else render(source_dir, labs)
     if labs is not None:
         return _write(out_root, rendered, check)
     changed = _write(out_root, rendered, check)

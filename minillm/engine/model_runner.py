@@ -155,8 +155,9 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, last_rows)
 
     @torch.inference_mode()
-    def logits(self, seqs: list[Sequence], rows: list[int] | None = None) -> torch.Tensor:
-        """Next-token logits [len(rows or seqs), vocab] in fp32 (rows: which sequences need them)."""
+    def logits(self, seqs: list[Sequence], rows: list[int] | None = None, prompt_logprobs: bool = False) -> torch.Tensor:
+        """Next-token logits [len(rows or seqs), vocab] in fp32 (rows: which sequences need them); with
+        prompt_logprobs, the requests that ask for them record their prompt tokens' logprobs on the way."""
         self.bind()
         if self.graphs is not None and self.triton_ops and self.graphs.can_run(seqs):
             logits = self.graphs.logits(seqs)  # a decode step: one token per sequence
@@ -165,7 +166,8 @@ class ModelRunner:
         if rows is not None:
             last_rows = [last_rows[i] for i in rows]
         hidden = self.model(input_ids, positions, meta)
-        self._record_prompt_logprobs(seqs, hidden, positions)
+        if prompt_logprobs:
+            self._record_prompt_logprobs(seqs, hidden, positions)
         if len(last_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden)
@@ -201,10 +203,10 @@ class ModelRunner:
         else:
             done = [s for s in seqs if s.num_cached_tokens + (s.num_scheduled_tokens or len(s)) >= len(s)]
         if len(done) == len(seqs):
-            logits = self.logits(seqs)
+            logits = self.logits(seqs, prompt_logprobs=True)
         else:
             rows = [i for i, s in enumerate(seqs) if s in done]
-            logits = self.logits(seqs, rows)
+            logits = self.logits(seqs, rows, prompt_logprobs=True)
         raw = logits
         matchers = [s.grammar for s in done]
         if self.grammars is not None and any(m is not None for m in matchers):
