@@ -39,8 +39,9 @@ def run_engine(llm, prompts: list, params: SamplingParams):
     runner = llm.engine.runner
     original = runner.logits
 
-    def spy(seqs):
-        out = original(seqs)
+    def spy(seqs, rows=None, prompt_logprobs=False):
+        assert rows is None, "whole prompts, no chunks: every sequence's row is sampled"
+        out = original(seqs, rows, prompt_logprobs)
         for seq, row in zip(seqs, out):
             captured[seq.request_id].append(row.detach().clone())
         return out
