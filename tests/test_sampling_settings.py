@@ -263,3 +263,18 @@ def test_prompt_logprobs_equal_transformers_log_softmax(default_llm, hf_default,
         assert entry[token].rank == int((row > row[token]).sum()) + 1
         assert set(row.topk(3).indices.tolist()) <= set(entry)
     assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs) == 2
+
+
+def test_logprobs_with_speculative_decoding_equal_the_plain_engines(default_llm):
+    """Speculation keeps the target's own tokens (greedy) and scores each kept token with the target's logits row
+    that verified it: the same logprobs as one token per step."""
+    prompt = "one two three one two three one two three one two"
+    params = SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True)
+    plain = default_llm.generate(prompt, params)[0].outputs[0]
+    spec = default_llm.with_levers(speculative="ngram", num_speculative_tokens=3)
+    fast = spec.generate(prompt, params)[0].outputs[0]
+    assert spec.engine.speculator.stats().num_accepted > 0, "the repeating prompt lets n-gram proposals through"
+    assert fast.token_ids == plain.token_ids and len(fast.logprobs) == len(plain.logprobs) == 12
+    for a, b in zip(fast.logprobs, plain.logprobs):
+        assert list(a) == list(b)
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)

@@ -78,7 +78,7 @@ class Engine:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary range [0, {vocab - 1}]")
         if self.speculator is not None:
             unsupported = [name for name, on in (
-                ("logprobs", params.logprobs is not None), ("prompt_logprobs", params.prompt_logprobs is not None),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
                 ("logit_bias", bool(params.logit_bias)),
                 ("min_tokens", params.min_tokens > 0), ("presence_penalty", params.presence_penalty != 0),
                 ("frequency_penalty", params.frequency_penalty != 0),

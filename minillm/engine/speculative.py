@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.sampler import filter_logits
+from ..layers.sampler import filter_logits, token_logprobs
 from ..seams import Proposer, Verifier
 from ..spec.ngram import ngram_propose
 from ..spec.verify import greedy_verify, rejection_sample
 from .block_manager import BlockManager
 from .kv_cache import KVCache
 from .metrics import SpecStats
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, record_logprobs
 from .sequence import Sequence
 
 PROPOSERS = ("ngram", "self", "draft")
@@ -294,6 +294,9 @@ class Speculator:
                 probs = torch.stack([filter_logits(logits[r], p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
                                      for r in range(a, b)])
                 tokens = self.verifier.sample(proposal, q, probs, seq.generator)
+            if p.logprobs is not None:   # row a + j of the target's logits scored the j-th kept token
+                record_logprobs([seq] * len(tokens), tokens,
+                                token_logprobs(logits[a:a + len(tokens)], tokens, [p.logprobs] * len(tokens)))
             st = self.stats()
             st.num_passes += 1
             st.num_proposed += len(proposal)
