@@ -8,7 +8,9 @@ OpenAI's sampling fields: temperature, top_p, max_tokens / max_completion_tokens
 frequency_penalty, logit_bias, logprobs (chat: logprobs=true + top_logprobs; completions: logprobs=N), echo
 (completions), response_format (text, json_object, json_schema: structured output through xgrammar).
 Extensions beyond them, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, return_token_ids, structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}). A field this server does not know is a 400 naming it, never ignored.
+stop_token_ids, return_token_ids, structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}).
+user, metadata, store, service_tier and parallel_tool_calls are accepted: they do not change the answer. Any
+other field this server does not know or implement is a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
