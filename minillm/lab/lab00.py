@@ -150,21 +150,27 @@ def check_tokens_per_second(tokens_per_second: Callable) -> None:
         hint = "that is seconds per token; tokens per second is num_tokens / seconds" if inverted else ""
         expect_number(name, (num_tokens, seconds), got, want, hint)
     for seconds in (0, -1.0):
-        try:
-            got = tokens_per_second(10, seconds)
-        except ValueError as error:
-            if str(seconds) not in str(error):
-                raise CheckFailed(f"{call_repr(name, (10, seconds))} raised ValueError({str(error)!r}); the message "
-                                  f"must name the bad value, e.g. 'seconds={seconds} must be > 0'") from None
-            continue
-        except ZeroDivisionError:
-            raise CheckFailed(f"{call_repr(name, (10, seconds))} raised ZeroDivisionError; raise a ValueError that "
-                              "names the bad value instead (e.g. 'seconds=0 must be > 0')") from None
-        except Exception as error:  # noqa: BLE001 - the message names the learner's error
-            raise CheckFailed(f"{call_repr(name, (10, seconds))} raised {type(error).__name__}: {error}; "
-                              "raise ValueError for a duration that is not positive") from None
-        raise CheckFailed(f"{call_repr(name, (10, seconds))} returned {got!r}; a duration must be > 0: raise ValueError")
+        expect_bad_duration(tokens_per_second, 10, seconds)
     passed(name, len(cases) + 2)
+
+
+def expect_bad_duration(tokens_per_second: Callable, num_tokens, seconds) -> None:
+    """tokens_per_second(num_tokens, seconds) with seconds <= 0 must raise a ValueError whose message names it."""
+    call = call_repr("tokens_per_second", (num_tokens, seconds))
+    try:
+        got = tokens_per_second(num_tokens, seconds)
+    except ValueError as error:
+        if str(seconds) not in str(error):
+            raise CheckFailed(f"{call} raised ValueError({str(error)!r}); the message must name the bad value, "
+                              f"e.g. 'seconds={seconds} must be > 0'") from None
+        return
+    except ZeroDivisionError:
+        raise CheckFailed(f"{call} raised ZeroDivisionError; raise a ValueError that names the bad value instead "
+                          "(e.g. 'seconds=0 must be > 0')") from None
+    except Exception as error:  # noqa: BLE001 - the message names the learner's error
+        raise CheckFailed(f"{call} raised {type(error).__name__}: {error}; raise ValueError for a duration that is "
+                          "not positive") from None
+    raise CheckFailed(f"{call} returned {got!r}; a duration must be > 0: raise ValueError")
 
 
 def check_tokens_per_second_edges(tokens_per_second: Callable) -> None:
@@ -178,17 +184,7 @@ def check_tokens_per_second_edges(tokens_per_second: Callable) -> None:
         expect_number(name, (num_tokens, seconds), got, num_tokens / seconds, hint)
     bad_values = (0.0, -0.5, -3)
     for seconds in bad_values:
-        try:
-            got = tokens_per_second(5, seconds)
-        except ValueError as error:
-            if str(seconds) not in str(error):
-                raise CheckFailed(f"{call_repr(name, (5, seconds))} raised ValueError({str(error)!r}); name the bad "
-                                  f"value in the message: {seconds}") from None
-            continue
-        except Exception as error:  # noqa: BLE001 - the message names the learner's error
-            raise CheckFailed(f"{call_repr(name, (5, seconds))} raised {type(error).__name__}: {error}; raise "
-                              "ValueError") from None
-        raise CheckFailed(f"{call_repr(name, (5, seconds))} returned {got!r}; seconds <= 0 must raise ValueError")
+        expect_bad_duration(tokens_per_second, 5, seconds)
     passed(f"{name} at the edges", 3 + len(bad_values))
 
 
