@@ -119,7 +119,7 @@ class LLM:
             while engine.has_unfinished():
                 engine.step()
                 if bar is not None:
-                    now_done = sum(s.is_finished for s in seqs)
+                    now_done = sum(s.group_finished for s in seqs)
                     bar.update(now_done - done)
                     done = now_done
         finally:
@@ -129,12 +129,14 @@ class LLM:
                 engine.abort(seq, "abort", "generate() was interrupted")
         stats.wall_s = time.perf_counter() - t0
         stats.num_prompt_tokens = sum(s.num_prompt_tokens for s in seqs)
-        stats.num_output_tokens = sum(s.num_output_tokens for s in seqs)
+        stats.num_output_tokens = sum(c.num_output_tokens for s in seqs for c in s.group)   # n > 1: every continuation
         return [RequestOutput.from_sequence(s, self.tokenizer) for s in seqs]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the answer's text in pieces as tokens decode."""
         (text, ids, p, salt), = self._requests([prompt], sampling_params)
+        if p.num_sequences > 1:
+            raise ValueError(f"stream() yields one text; n={p.n}, best_of={p.best_of} ask for several: use generate()")
         seq = self.engine.add_request(ids, p, prompt=text, cache_salt=salt)
         sent = 0
         try:

@@ -41,15 +41,30 @@ class RequestOutput:
 
     @classmethod
     def from_sequence(cls, seq, tokenizer=None) -> "RequestOutput":
-        completion = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.error)
-        if seq.params.logprobs is not None:
-            completion.logprobs = sequence_logprobs(seq, tokenizer)
-            completion.cumulative_logprob = seq.cumulative_logprob
-        out = cls(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
-                  RequestMetrics.from_sequence(seq))
+        """The request's output: one CompletionOutput per returned continuation (n of them; with best_of > n, the
+        n with the highest mean log-probability per output token, best first, indexed 0..n-1)."""
+        out = cls(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
+                  [completion_output(s, i, tokenizer) for i, s in enumerate(returned_sequences(seq))],
+                  seq.group_finished, RequestMetrics.from_sequence(seq))
         if seq.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + _logprob_dicts(seq.prompt_logprobs, tokenizer)
         return out
+
+
+def returned_sequences(seq) -> list:
+    """The continuations a request returns: its group, or with best_of > n the n best by mean logprob per token."""
+    group, n = seq.group, seq.params.n
+    if len(group) <= n:
+        return list(group)
+    return sorted(group, key=lambda s: -s.cumulative_logprob / max(1, s.num_output_tokens))[:n]
+
+
+def completion_output(seq, index: int, tokenizer=None) -> CompletionOutput:
+    completion = CompletionOutput(index, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.error)
+    if seq.params.logprobs is not None:
+        completion.logprobs = sequence_logprobs(seq, tokenizer)
+        completion.cumulative_logprob = seq.cumulative_logprob
+    return completion
 
 
 def sequence_logprobs(seq, tokenizer=None) -> list[dict[int, Logprob]]:

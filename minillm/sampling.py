@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .structured import StructuredOutputs
 
 MAX_LOGPROBS = 20   # OpenAI's top_logprobs range is 0..20; vLLM's default max_logprobs is 20
+MAX_N = 128         # n and best_of: at most this many continuations per request (and at most max_num_seqs)
 
 
 @dataclass
@@ -34,6 +35,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, JSON object, regex, choice or grammar
+    n: int = 1                      # continuations returned for the prompt (prefilled once, its KV blocks shared)
+    best_of: int | None = None      # continuations generated (>= n); the n with the best mean logprob are returned
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +53,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Continuations the engine runs: best_of, or n when best_of is unset."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def recorded_logprobs(self) -> int | None:
+        """Top-N log-probabilities the engine records per output token: `logprobs`; 0 (the sampled token's only)
+        when best_of > n ranks the continuations by them; None: nothing recorded."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.num_sequences > self.n else None
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -83,6 +99,11 @@ class SamplingParams:
                 self.prompt_logprobs, int) or not (0 <= self.prompt_logprobs <= MAX_LOGPROBS)):
             raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be None (off) or an integer in "
                              f"[0, {MAX_LOGPROBS}]")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not (1 <= self.n <= MAX_N):
+            raise ValueError(f"n={self.n!r} must be an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or not (self.n <= self.best_of <= MAX_N)):
+            raise ValueError(f"best_of={self.best_of!r} must be None or an integer in [n={self.n}, {MAX_N}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be None or an integer >= 0")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):

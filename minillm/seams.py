@@ -9,7 +9,9 @@ calls the methods the protocol names and nothing else: it never probes a part wi
     attention backend   SequenceAttention | PaddedDecodeAttention | BlockTableAttention
                                                              LLM(attention_backend=...)
     block allocator     BlockAllocator (+ PrefixCache with prefix_caching=True, + Truncation
-                        with speculative=...), built by a factory (num_blocks, block_size, contiguous)
+                        with speculative=...; n > 1 shares a prompt's blocks only when it is also
+                        Forking, else each continuation holds its own), built by a factory
+                        (num_blocks, block_size, contiguous)
                                                              LLM(block_manager=...)
     scheduling policy   SchedulingPolicy                     LLM(scheduling_policy=...)
     proposer            Proposer (speculative=...)           LLM(proposer=...)
@@ -126,6 +128,19 @@ class Truncation(Protocol):
 
     def truncate(self, table: list[int], num_tokens: int) -> None:
         """Free the blocks of `table` (in place) past the first num_tokens tokens."""
+
+
+class Forking(Protocol):
+    """n > 1: the continuations of one prompt share its blocks (reference counts, copy-on-write)."""
+
+    def share(self, table: list[int]) -> list[int]:
+        """Another owner for every block of `table`; returns a copy of the table."""
+
+    def shared_blocks(self, table: list[int], start: int, end: int) -> int:
+        """Blocks of `table` holding positions [start, end) that other owners hold too."""
+
+    def copy_on_write(self, table: list[int], start: int, end: int) -> list[tuple[int, int]]:
+        """Swap a private copy into `table` for each of those blocks; -> (source, copy) pairs to copy K/V."""
 
 
 class PrefixCache(Protocol):
@@ -254,6 +269,13 @@ def check_part(part: Any, protocols: type | Sequence[type], role: str) -> Any:
             raise PartError(f"{role}={type(part).__name__} object is missing {', '.join(missing)}; "
                             f"a {protocol.__name__} has:\n{describe(protocol)}")
     return part
+
+
+def conforms(part: Any, protocol: type) -> bool:
+    """Whether `part` has every attribute and method of `protocol` (for optional abilities)."""
+    methods, attributes = protocol_members(protocol)
+    return all(hasattr(part, name) for name in attributes) and all(callable(getattr(part, name, None))
+                                                                   for name in methods)
 
 
 def check_attention_backend(backend: Any) -> Any:

@@ -239,7 +239,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "Hi", "temperature": -1}, "temperature", ["temperature=-1", ">= 0"]),
     ("completions", {"prompt": "Hi", "top_p": 1.5}, "top_p", ["top_p=1.5", "(0, 1]"]),
     ("completions", {"prompt": "Hi", "stop": 5}, "stop", ["stop=5", "string"]),
-    ("completions", {"prompt": "Hi", "n": 2}, "n", ["n=2", "n=1"]),
+    ("completions", {"prompt": "Hi", "n": 0}, "n", ["n=0", "[1, 128]"]),
+    ("completions", {"prompt": "Hi", "n": 3, "best_of": 2}, "best_of", ["best_of=2", "[n=3, 128]"]),
+    ("completions", {"prompt": "Hi", "n": 1, "best_of": 3, "stream": True}, "best_of", ["best_of=3", "stream"]),
+    ("chat/completions", {"messages": CHAT, "best_of": 2}, "best_of", ["chat API has n only"]),
+    ("completions", {"prompt": "Hi", "n": 100}, "n", ["n=100", "max_num_seqs=16"]),
     ("completions", {"prompt": ["a", "b"]}, "prompt", ["2 prompts", "one prompt per request"]),
     ("completions", {"prompt": [1, 99999999]}, "prompt", ["99999999", "[0, 49151]"]),
     ("completions", {"max_tokens": 4}, "prompt", ["prompt is missing"]),
@@ -288,8 +292,9 @@ def test_malformed_requests_get_openai_style_400(server, offline):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline["completions"][0][0]
     m = get_metrics(server)
     assert metric(m, "minillm_kv_blocks_used") == 0 and metric(m, "minillm_num_requests_waiting") == 0
-    # Only the engine thread can judge three of them (it tokenizes): max_tokens vs context, prompt length, ids.
-    assert metric(m, "minillm_requests_rejected_total") - rejected_before == 3
+    # Only the engine thread can judge four of them: max_tokens vs context, prompt length, ids (it tokenizes),
+    # n vs max_num_seqs.
+    assert metric(m, "minillm_requests_rejected_total") - rejected_before == 4
 
 
 def test_openai_client_completions_chat_and_streaming(server, offline):
@@ -496,6 +501,47 @@ def test_openai_client_logprobs_and_penalties(server):
             pieces.append(choice.delta.content or "")
             streamed += [item.logprob for item in (choice.logprobs.content if choice.logprobs else [])]
     assert streamed == [item.logprob for item in content] or chat.choices[0].finish_reason == "stop"
+
+
+def test_openai_client_n_choices_streaming_and_best_of(server):
+    """n=3 through the official client: three choices indexed 0..2 that equal three seeded n=1 requests (choice i
+    draws with seed + i), usage over every choice; streamed, each choice's chunks carry its index and rebuild the
+    same texts; best_of=3, n=2 returns the two best by mean logprob."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    args = dict(model="smollm2", prompt="Three facts about the sea:", max_tokens=8, temperature=1.0, seed=40)
+    many = client.completions.create(n=3, **args)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.completions.create(**{**args, "seed": 40 + i}).choices[0] for i in range(3)]
+    assert [c.text for c in many.choices] == [c.text for c in singles]
+    assert len({c.text for c in many.choices}) > 1
+    single_usages = [client.completions.create(**{**args, "seed": 40 + i}).usage for i in range(3)]
+    singles_usage = sum(u.completion_tokens for u in single_usages)
+    assert many.usage.completion_tokens == singles_usage, "usage counts every choice's tokens"
+    assert many.usage.prompt_tokens == single_usages[0].prompt_tokens, "the prompt is counted once"
+    texts, finished = ["", "", ""], set()
+    for chunk in client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **args):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == singles_usage
+    assert texts == [c.text for c in many.choices] and finished == {0, 1, 2}
+    chat_args = dict(model="smollm2", messages=CHAT, max_tokens=6, temperature=1.0, seed=9)
+    chat = client.chat.completions.create(n=2, **chat_args)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[1].message.content == client.chat.completions.create(
+        **{**chat_args, "seed": 10}).choices[0].message.content
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(n=2, stream=True, **chat_args):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]
+    best = client.completions.create(n=2, best_of=3, logprobs=0, **args)
+    three = [client.completions.create(**{**args, "seed": 40 + i, "logprobs": 0}).choices[0] for i in range(3)]
+    ranked = sorted(three, key=lambda c: -sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and [c.index for c in best.choices] == [0, 1]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_do(server, hf_default):

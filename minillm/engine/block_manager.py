@@ -11,7 +11,9 @@ ids; a sequence owns a block table (its blocks in order). Two ways to hand them 
 
 Every block has a reference count: `allocate`/`grow` hand out blocks at count 1, `share`
 adds an owner (a forked or prefix-cached sequence), `free` drops one, and a block returns
-to the pool when its count reaches 0.
+to the pool when its count reaches 0. A sequence about to write into a block it shares (the
+partial last block of a forked prompt, n > 1) first gets a private copy: `copy_on_write`
+swaps a fresh block into its table and returns (source, copy) for the caller to copy the K/V.
 
 Prefix caching (paged only; the scheduler drives it when `prefix_caching=True`):
 
@@ -204,6 +206,32 @@ class BlockManager(PoolSizes):
         self.free(tail)
 
     # ------------------------------------------------------------------ share / free
+    def shared_blocks(self, table: list[int], start: int, end: int) -> int:
+        """How many blocks of `table` holding positions [start, end) other owners hold too (each
+        needs a copy before the positions are written)."""
+        if end <= start:
+            return 0
+        size = self.block_size
+        return sum(1 for i in range(start // size, min(len(table), -(-end // size))) if self.ref_count[table[i]] > 1)
+
+    def copy_on_write(self, table: list[int], start: int, end: int) -> list[tuple[int, int]]:
+        """Give `table` (in place) a private copy of every shared block holding positions [start, end);
+        returns the (source, copy) pairs whose K/V the caller copies before writing. The last owner of a
+        block writes in place (its count is 1 by then). Raises MemoryError when the copies do not fit."""
+        need = self.shared_blocks(table, start, end)
+        if need > self.num_free_blocks:
+            raise MemoryError(f"{need} blocks needed for copy-on-write, {self.num_free_blocks} free")
+        pairs = []
+        size = self.block_size
+        for i in range(start // size, min(len(table), -(-end // size)) if end > start else 0):
+            old = table[i]
+            if self.ref_count[old] > 1:
+                new, = self._take(self._pop_free(1))
+                self.ref_count[old] -= 1
+                table[i] = new
+                pairs.append((old, new))
+        return pairs
+
     def share(self, table: list[int]) -> list[int]:
         """Another owner for every block of `table` (a fork, or a cached prefix); returns a copy."""
         for block in table:

@@ -88,6 +88,10 @@ class Engine:
                 raise ValueError(f"{', '.join(unsupported)} with speculative decoding: not supported yet by this engine "
                                  "(the verifier checks proposals against the unprocessed distribution); build it "
                                  "with speculative=None for these requests")
+        if params.num_sequences > self.config.max_num_seqs:
+            which = f"best_of={params.best_of}" if params.best_of is not None else f"n={params.n}"
+            raise ValueError(f"{which} continuations run side by side, but max_num_seqs={self.config.max_num_seqs}; "
+                             f"lower {which.split('=')[0]} to at most {self.config.max_num_seqs} or raise max_num_seqs")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens); give at least 1 token")
@@ -112,20 +116,39 @@ class Engine:
                     request_id: str | None = None, cache_salt: str | None = None) -> Sequence:
         """Validate and queue one request. A bad request raises here and changes nothing.
 
-        `cache_salt`: requests with different salts never share prefix-cached blocks."""
+        `cache_salt`: requests with different salts never share prefix-cached blocks. With n > 1 (or
+        best_of) the request is `params.num_sequences` continuations: the first is returned, `seq.group`
+        lists them all. They share the prompt's blocks when the pool is paged (Scheduler._fork); with
+        paged=False, kv_cache=False or an allocator that cannot fork, each is queued on its own."""
         self._check_owner("add_request")
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params)
         validate_cache_salt(cache_salt)
-        grammar = self.grammar_matcher(params.structured_outputs) if params.structured_outputs is not None else None
-        seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id or "", cache_salt=cache_salt,
-                       grammar=grammar)
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-        seq.arrival_s = time.perf_counter()
-        self.scheduler.add(seq)
-        return seq
+        structured = params.structured_outputs
+        matchers = [self.grammar_matcher(structured) if structured is not None else None
+                    for _ in range(params.num_sequences)]   # all compiled before anything is queued
+        request_id = request_id or ""
+        group: list[Sequence] = []
+        now = time.perf_counter()
+        for index, grammar in enumerate(matchers):
+            seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id, cache_salt=cache_salt,
+                           grammar=grammar, index=index)
+            seq.group = group
+            request_id = request_id or seq.request_id   # the continuations share the first one's id
+            if not params.greedy:   # continuation i draws with seed + i (vLLM's rule)
+                seed = params.seed + index if params.seed is not None else int(
+                    torch.randint(0, 2**62, (1,), generator=self._rng))
+                seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            seq.arrival_s = now
+            group.append(seq)
+        first = group[0]
+        if len(group) > 1 and self.scheduler.forking and len(prompt_token_ids) > 1:
+            first.pending_forks = group[1:]   # forked once the prompt is prefilled
+            self.scheduler.add(first)
+        else:
+            for seq in group:
+                self.scheduler.add(seq)
+        return first
 
     def grammar_matcher(self, structured: StructuredOutputs):
         """A fresh matcher for one request (the constraint compiled once per engine and cached); ValueError for a
@@ -135,11 +158,15 @@ class Engine:
         return self.runner.grammars.matcher(structured)
 
     def abort(self, seq: Sequence, reason: str = "abort", error: str | None = None) -> None:
-        if not seq.is_finished:
-            seq.finish_s = time.perf_counter()
-            self.scheduler.finish(seq, reason, error)
+        """Finish a request (every continuation of its group that has not finished) and free its blocks."""
+        now = time.perf_counter()
+        for member in seq.group:
+            if not member.is_finished:
+                member.finish_s = now
+                self.scheduler.finish(member, reason, error)
+            member.pending_forks = []
         if self.speculator is not None:
-            self.speculator.release_finished([seq])
+            self.speculator.release_finished(seq.group)
 
     def _check_owner(self, what: str) -> None:
         """An engine that a server thread owns (minillm.serve sets owner_thread) is stepped by that thread only."""
@@ -196,6 +223,9 @@ class Engine:
             for seq in stuck:  # nothing runs and nothing fits: refuse rather than spin
                 self.abort(seq, "error", "the KV pool cannot hold this request")
             return stuck
+        copies = self.scheduler.take_block_copies()
+        if copies:   # copy-on-write: forked continuations get private copies of shared blocks they write into
+            self.kv_cache.copy_blocks(copies)
         t0 = time.perf_counter()
         for seq in seqs:
             if seq.first_scheduled_s is None:
@@ -257,19 +287,21 @@ class Engine:
 
     def _record_step(self, kind: str, seqs: list[Sequence], num_tokens: int, duration_s: float) -> None:
         """Called after the model ran and before postprocess: every fed token is in the cache."""
-        kv_used = kv_reserved = 0
+        kv_used = kv_reserved = kv_shared = 0
         if self.kv_cache is not None:
             stepped = set(id(s) for s in seqs)
-            cached = self.scheduler.kv_tokens(stepped)
+            held, cached = self.scheduler.kv_token_counts(stepped)
             usage = self.block_manager.usage(cached)
             kv_used = self.kv_cache.bytes_per_token * usage.real_tokens
             kv_reserved = self.kv_cache.bytes_per_token * usage.reserved_slots
+            kv_shared = self.kv_cache.bytes_per_token * (held - cached)
         st = self.stats
         running = len(self.scheduler.running)
         st.steps.append(StepStats(len(st.steps), kind, len(seqs), num_tokens, duration_s, kv_used, kv_reserved,
                                   running))
         st.peak_kv_bytes = max(st.peak_kv_bytes, kv_used)
         st.peak_kv_reserved_bytes = max(st.peak_kv_reserved_bytes, kv_reserved)
+        st.peak_kv_shared_bytes = max(st.peak_kv_shared_bytes, kv_shared)
         st.peak_running = max(st.peak_running, running)
         st.num_preemptions = self.scheduler.num_preemptions - self._preemptions_at_reset
         self._record_prefix_cache()

@@ -109,3 +109,17 @@ class KVCache:
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_token * self.num_blocks * self.block_size
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, copy) block's K/V (and scales) into the copy, every layer."""
+        if not pairs:
+            return
+        size = self.block_size
+        device = self.k[0].device
+        src = torch.tensor([b * size + o for b, _ in pairs for o in range(size)], dtype=torch.long, device=device)
+        dst = torch.tensor([b * size + o for _, b in pairs for o in range(size)], dtype=torch.long, device=device)
+        for tensors in (self.k, self.v, self.k_scale, self.v_scale):
+            for t in tensors:
+                if t is not None:
+                    t.index_copy_(1, dst, t.index_select(1, src))

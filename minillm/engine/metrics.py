@@ -78,6 +78,9 @@ class RunStats:
     num_output_tokens: int = 0
     peak_kv_bytes: int = 0        # bytes of K/V holding real tokens, at the fullest step
     peak_kv_reserved_bytes: int = 0  # bytes of pool blocks handed out, at the fullest step
+    # bytes that sharing saved at its peak step: what per-sequence copies of shared blocks (n > 1 forks of one
+    # prompt, prefix-cache hits) would add to peak_kv_bytes, which counts a shared block once
+    peak_kv_shared_bytes: int = 0
     num_preemptions: int = 0      # sequences whose blocks were taken back and recomputed
     peak_running: int = 0         # most sequences running (holding KV) at once
     # Prefix caching, in tokens (vLLM's counters): every admission queries its whole sequence and

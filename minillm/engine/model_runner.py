@@ -217,8 +217,9 @@ class ModelRunner:
             if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token):
                 raise RuntimeError(f"request {seq.request_id}: token {token} breaks its grammar (a sampler that "
                                    "ignores the mask?)")
-        if any(s.params.logprobs is not None for s in done):
-            record_logprobs(done, sampled, token_logprobs(raw, sampled, [s.params.logprobs for s in done]))
+        recorded = [s.params.recorded_logprobs for s in done]   # logprobs=N, or best_of ranking
+        if any(n is not None for n in recorded):
+            record_logprobs(done, sampled, token_logprobs(raw, sampled, recorded))
         tokens = iter(sampled)
         return [next(tokens) if s in done else None for s in seqs]
 

@@ -7,6 +7,14 @@ Prefix caching (`prefix_caching=True`, paged): at admission the longest cached r
 sequence's full blocks is shared instead of allocated and those tokens are not fed again
 (never the whole sequence: its last token is always computed, so there are logits). After
 each step, blocks that became full are offered to the cache (prompt and generated tokens).
+
+Parallel sampling (n > 1, paged, a Forking allocator): the request's first continuation is admitted
+carrying the others (`pending_forks`) and prefills all of its prompt but the last token. Then the
+others fork: each shares its block table (one more reference per block) and the prefill position,
+and every continuation feeds the last prompt token itself as its first decode step, so each draws
+its own first token. A continuation about to write into a block it still shares (the partial last
+block) gets a private copy first: `block_copies` lists the (source, copy) pairs the engine copies
+before the step runs (vLLM's copy-on-write).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..config import EngineConfig
-from ..seams import BlockAllocator, SchedulingPolicy
+from ..seams import BlockAllocator, Forking, SchedulingPolicy, conforms
 from .sequence import Sequence, SequenceStatus
 
 
@@ -57,6 +65,15 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.prefix_cached_prompt_tokens = 0   # first admissions only: prompt tokens not prefilled
+        # n > 1 continuations share their prompt's blocks (else each is queued on its own by the engine)
+        self.forking = block_manager is not None and not block_manager.contiguous and conforms(block_manager, Forking)
+        self.block_copies: list[tuple[int, int]] = []   # (source, copy) blocks to copy before the next step
+        self.num_forks = 0
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs of the last schedule(), for the engine to copy (and forget)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,18 +83,24 @@ class Scheduler:
 
     def kv_tokens(self, fed: set[int] = frozenset()) -> int:
         """Tokens whose K/V the running sequences hold in the pool (`fed`: ids of sequences whose
-        scheduled tokens were just written). With prefix caching a shared block counts once."""
+        scheduled tokens were just written). A shared block (prefix cache, n > 1 forks) counts once."""
+        return self.kv_token_counts(fed)[1]
+
+    def kv_token_counts(self, fed: set[int] = frozenset()) -> tuple[int, int]:
+        """(tokens the running sequences hold, counting a shared block once per holder; the same counting
+        it once): their difference is what sharing saves."""
         def held(s: Sequence) -> int:
             return s.num_cached_tokens + (s.num_scheduled_tokens if id(s) in fed else 0)
 
-        if not self.prefix_caching:
-            return sum(held(s) for s in self.running)
+        total = sum(held(s) for s in self.running)
+        if not self.prefix_caching and not (self.forking and any(len(s.group) > 1 for s in self.running)):
+            return total, total
         size, filled = self.block_manager.block_size, {}
         for s in self.running:
             n = held(s)
             for j, block in enumerate(s.block_table[:-(-n // size)]):
                 filled[block] = max(filled.get(block, 0), min(size, n - j * size))
-        return sum(filled.values())
+        return total, sum(filled.values())
 
     def _reservation(self, seq: Sequence, num_tokens: int, start: int = 0) -> int:
         """Token slots to hold at admission: the longest any request may grow (contiguous), or the
@@ -88,11 +111,11 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the start of a waiting sequence (prefix caching; reads only).
-        At most (len - 1) // block_size blocks: the last token is always computed."""
+        At most (prefill_target - 1) // block_size blocks: the last token prefilled is always computed."""
         if not self.prefix_caching or seq.params.prompt_logprobs is not None:   # cached tokens have no logits
             return []
         bm = self.block_manager
-        num = (len(seq) - 1) // bm.block_size
+        num = (seq.prefill_target - 1) // bm.block_size
         self._extend_keys(seq, num)
         return bm.match(seq.token_ids, seq.block_keys[:num], seq.cache_salt)
 
@@ -117,6 +140,26 @@ class Scheduler:
             bm.register(table[i], seq.block_keys[i], seq.token_ids[i * size:(i + 1) * size], seq.cache_salt,
                         table[i - 1] if i else None)
         seq.num_registered_blocks = full
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Room in the running batch for this request and the continuations it carries."""
+        return len(self.running) + 1 + len(seq.pending_forks) <= self.config.max_num_seqs
+
+    def _fork(self, seq: Sequence) -> None:
+        """Its prompt but the last token is cached: the continuations it carries share its blocks."""
+        bm = self.block_manager
+        for child in seq.pending_forks:
+            child.block_table = bm.share(seq.block_table)
+            child.num_cached_tokens = seq.num_cached_tokens
+            child.block_keys = list(seq.block_keys)
+            child.num_registered_blocks = seq.num_registered_blocks
+            child.prefix_hit_tokens = seq.prefix_hit_tokens
+            child.prompt_logprobs = list(seq.prompt_logprobs)
+            child.first_scheduled_s = seq.first_scheduled_s
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            self.num_forks += 1
+        seq.pending_forks = []
 
     def _admit(self, seq: Sequence, num_tokens: int, prefix: list[int] | None = None) -> bool:
         """Move the head of the waiting queue to running if its blocks fit; False leaves it waiting.
@@ -156,7 +199,7 @@ class Scheduler:
             return self._schedule_chunked()
         seqs, is_prefill = self._schedule_whole()
         for seq in seqs:
-            seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+            seq.num_scheduled_tokens = seq.prefill_target - seq.num_cached_tokens
         return seqs, is_prefill
 
     def _schedule_whole(self) -> tuple[list[Sequence], bool]:
@@ -164,10 +207,10 @@ class Scheduler:
         batch: list[Sequence] = []
         admit = self.policy.may_admit(self.running)
         num_tokens = 0
-        while admit and self.waiting and len(self.running) < cfg.max_num_seqs:
+        while admit and self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting[0]
             prefix = self._match(seq)
-            new_tokens = len(seq) - len(prefix) * (self.block_manager.block_size if prefix else 0)
+            new_tokens = seq.prefill_target - len(prefix) * (self.block_manager.block_size if prefix else 0)
             if batch and num_tokens + new_tokens > cfg.max_num_batched_tokens:
                 break
             if not self._admit(seq, new_tokens, prefix):
@@ -183,16 +226,17 @@ class Scheduler:
 
         With paged blocks, one that needs a new block and finds none preempts the policy's victim
         (the most recently admitted sequence by default; its K/V are recomputed later), possibly itself.
+        A forked sequence's first write into a block it shares takes a private copy (copy-on-write).
         """
         bm = self.block_manager
-        decoding = [s for s in self.running if len(s) - s.num_cached_tokens <= 1 or bm is None]
+        decoding = [s for s in self.running if bm is None or (len(s) - s.num_cached_tokens <= 1 and not s.pending_forks)]
         if bm is None or bm.contiguous:
             return decoding[:limit]
         queue = list(decoding)
         scheduled: list[Sequence] = []
         while queue and (limit is None or len(scheduled) < limit):
             seq = queue.pop(0)
-            while not bm.can_grow(seq.block_table, len(seq)):
+            while not self._can_write(seq, len(seq)):
                 victim = self.policy.preemption_victim(self.running, scheduled)
                 if victim in queue:
                     queue.remove(victim)
@@ -200,9 +244,25 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                bm.grow(seq.block_table, len(seq))
+                self._make_writable(seq, len(seq))
                 scheduled.append(seq)
         return scheduled
+
+    def _can_write(self, seq: Sequence, end: int) -> bool:
+        """Whether its table can hold `end` tokens, with private copies of shared blocks it writes into."""
+        bm = self.block_manager
+        if not self.forking or len(seq.group) == 1:
+            return bm.can_grow(seq.block_table, end)
+        extra = max(0, bm.blocks_for(end) - len(seq.block_table))
+        return extra + bm.shared_blocks(seq.block_table, seq.num_cached_tokens, end) <= bm.num_free_blocks
+
+    def _make_writable(self, seq: Sequence, end: int) -> None:
+        """Grow its table to `end` tokens; copy-on-write the shared blocks that positions from
+        num_cached_tokens on will be written into (the pairs go to block_copies)."""
+        bm = self.block_manager
+        if self.forking and len(seq.group) > 1:
+            self.block_copies.extend(bm.copy_on_write(seq.block_table, seq.num_cached_tokens, end))
+        bm.grow(seq.block_table, end)
 
     def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
         """Chunked prefill: one token budget per step, shared by decodes and prompt chunks.
@@ -218,22 +278,22 @@ class Scheduler:
         budget -= len(decodes)
         chunks: list[Sequence] = []
         for seq in list(self.running):
-            remaining = len(seq) - seq.num_cached_tokens
-            if budget <= 0 or seq in decodes or remaining <= 1:
-                continue
+            remaining = seq.prefill_target - seq.num_cached_tokens
+            if budget <= 0 or seq in decodes or remaining < 1 or (remaining == 1 and not seq.pending_forks):
+                continue   # (remaining 1 without forks: a decode the budget left out)
             n = min(remaining, budget)
             if bm is not None and not bm.contiguous:
-                if not bm.can_grow(seq.block_table, seq.num_cached_tokens + n):
+                if not self._can_write(seq, seq.num_cached_tokens + n):
                     break  # wait for blocks; decodes keep going
-                bm.grow(seq.block_table, seq.num_cached_tokens + n)
+                self._make_writable(seq, seq.num_cached_tokens + n)
             seq.num_scheduled_tokens = n
             chunks.append(seq)
             budget -= n
         admit = self.policy.may_admit(self.running)
-        while admit and budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
+        while admit and budget > 0 and self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting[0]
             prefix = self._match(seq)
-            n = min(len(seq) - len(prefix) * (bm.block_size if prefix else 0), budget)
+            n = min(seq.prefill_target - len(prefix) * (bm.block_size if prefix else 0), budget)
             if not self._admit(seq, n, prefix):
                 break
             chunks.append(seq)
@@ -275,6 +335,8 @@ class Scheduler:
                 seq.num_cached_tokens += seq.num_scheduled_tokens
                 if self.prefix_caching:
                     self._cache_full_blocks(seq)
+                if seq.pending_forks and seq.num_cached_tokens == seq.prefill_target:
+                    self._fork(seq)
                 continue
             self._append(seq, token, check_stop)
 

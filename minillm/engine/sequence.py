@@ -42,6 +42,12 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)
     grammar: object | None = None     # structured output: its xgrammar matcher (accepts each sampled token)
     num_preemptions: int = 0          # times its blocks were taken back (recomputed later)
+    # n > 1 / best_of: the request's continuations, in index order (this one included; [self] for n = 1)
+    index: int = 0                    # this continuation's place in `group`
+    group: list = field(default_factory=list, repr=False)
+    # the first continuation carries the others until its prompt (all but the last token) is prefilled; then
+    # the scheduler forks them: they share its blocks (Scheduler._fork)
+    pending_forks: list = field(default_factory=list, repr=False)
     # prefix caching (prefix_caching=True)
     cache_salt: str | None = None     # requests with different salts never share cached blocks
     block_keys: list = field(default_factory=list)  # hash-chain key of each full block of token_ids
@@ -59,6 +65,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if not self.request_id:
             self.request_id = str(self.seq_id)
+        if not self.group:
+            self.group = [self]
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,3 +86,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def group_finished(self) -> bool:
+        """Every continuation of this request has finished."""
+        return all(s.is_finished for s in self.group)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to cache before sampling: all of them, or, while it carries forks, all but the last (each
+        continuation feeds the last prompt token itself, so each gets its own first draw)."""
+        return len(self.token_ids) - 1 if self.pending_forks else len(self.token_ids)

@@ -6,7 +6,8 @@ value and the allowed range, reusing the engine's own validation messages. Unset
 fields take minillm's SamplingParams defaults: temperature 0 (greedy), top_p 1, top_k off.
 OpenAI's sampling fields: temperature, top_p, max_tokens / max_completion_tokens, stop, seed, presence_penalty,
 frequency_penalty, logit_bias, logprobs (chat: logprobs=true + top_logprobs; completions: logprobs=N), echo
-(completions), response_format (text, json_object, json_schema: structured output through xgrammar).
+(completions), response_format (text, json_object, json_schema: structured output through xgrammar), n (the
+prompt prefilled once, its KV blocks shared; choice i draws with seed + i), best_of (completions; not streamed).
 Extensions beyond them, as vLLM names them: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, return_token_ids, structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}).
 user, metadata, store, service_tier and parallel_tool_calls are accepted: they do not change the answer. Any
@@ -35,7 +36,7 @@ from .async_engine import AsyncEngine, EngineStoppedError, RequestStream, Stream
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_tokens", "logprobs", "structured_outputs")
+                   "min_tokens", "logprobs", "structured_outputs", "n", "best_of")
 # Fields that would change the answer in a way this server does not implement: refused, not ignored.
 UNSUPPORTED = {
     "suffix": "suffix (insertion) is not supported",
@@ -119,6 +120,7 @@ class ParsedRequest:
 
 
 def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
+    """SamplingParams from the request's fields; a bad value is a 400 naming the field and its range."""
     max_tokens = _int(body, max_tokens_field)
     if max_tokens_field != "max_tokens" and max_tokens is None:
         max_tokens_field, max_tokens = "max_tokens", _int(body, "max_tokens")
@@ -154,6 +156,8 @@ def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None)
         logit_bias=logit_bias,
         logprobs=_logprobs(body),
         structured_outputs=_structured(body),
+        n=_int(body, "n", 1),
+        best_of=_int(body, "best_of"),
     )
     try:
         params = SamplingParams(**kwargs)
@@ -236,13 +240,12 @@ def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
     if model is not None and model != model_name:
         raise ApiError(f"model={json.dumps(model)[:80]} is not served here; the served model is {model_name!r} "
                        "(GET /v1/models lists it)", "model", "model_not_found")
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise ApiError(f"n={n}: this server returns one choice per request (n=1 only); send {n} requests "
-                       "instead (they are batched together on the server)", "n", "invalid_value")
-    best_of = _int(body, "best_of", 1)
-    if best_of != 1:
-        raise ApiError(f"best_of={best_of} is not supported (best_of=1 only)", "best_of", "invalid_value")
+    if "messages" in body and body.get("best_of") is not None:
+        raise ApiError("best_of is a field of /v1/completions; the chat API has n only", "best_of", "unsupported")
+    n, best_of = _int(body, "n", 1), _int(body, "best_of")
+    if best_of is not None and best_of > n and _bool(body, "stream"):
+        raise ApiError(f"best_of={best_of} > n={n} cannot stream: the best choices are known only when all have "
+                       "finished (as OpenAI's API)", "best_of", "invalid_value")
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, False, 0, [], {}):
             raise ApiError(f"{name}={json.dumps(body[name])[:80]}: {why}", name, "unsupported")
@@ -331,9 +334,11 @@ def parse_chat(body: dict, model_name: str) -> ParsedRequest:
 
 
 # ---------------------------------------------------------------------------- responses
-def _usage(event: StreamEvent) -> dict:
-    return {"prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
-            "total_tokens": event.num_prompt_tokens + event.num_output_tokens}
+def _usage(num_prompt_tokens: int, finals: list[StreamEvent]) -> dict:
+    """Usage over every choice: the prompt once (it is prefilled once), the completion tokens of all choices."""
+    completion = sum(e.num_output_tokens for e in finals)
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": num_prompt_tokens + completion}
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -463,54 +468,63 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         if req.stream:
             return StreamingResponse(stream_events(req, stream, base, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, ids, entries, event, prompt = [], [], [], None, ("", [])
+        n = req.params.n
+        texts, ids, entries = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+        prompts, finals = [("", [])] * n, [None] * n
         try:
-            while event is None or not event.finished:
+            while not stream.finished:
                 event = await stream.get()
+                i = event.index
+                if event.finished:
+                    finals[i] = event
                 if event.prompt_token_ids is not None and req.echo:
-                    prompt = echoed(req, event)
+                    prompts[i] = echoed(req, event)
                 if req.echo_only:
                     continue
-                texts.append(event.text)
-                ids.extend(event.token_ids)
-                entries.extend(event.logprobs)
+                texts[i].append(event.text)
+                ids[i].extend(event.token_ids)
+                entries[i].extend(event.logprobs)
         finally:
             watcher.cancel()
             stream.abort()  # no-op once finished; a cancelled handler frees its blocks
-        if event.finish_reason == "abort" and await request.is_disconnected():
+        reasons = [e.finish_reason for e in finals]
+        failed = next((e for e in finals if e.finish_reason in ("error", "abort")), None)
+        if failed is not None and "abort" in reasons and await request.is_disconnected():
             return PlainTextResponse("", status_code=499)  # nobody reads it
-        if event.finish_reason == "error":
-            raise ApiError(f"the request failed inside the engine: {event.error}", None, "engine_error", 500,
+        if failed is not None and failed.finish_reason == "error":
+            raise ApiError(f"the request failed inside the engine: {failed.error}", None, "engine_error", 500,
                            "server_error")
-        if event.finish_reason == "abort":  # the server is shutting down
-            raise ApiError(f"the request was aborted: {event.error}", None, "aborted", 503, "server_error")
-        text = prompt[0] + "".join(texts)
-        logprobs = logprobs_object(req, prompt[1] + entries)
-        usage = _usage(event)
-        if req.echo_only:
-            usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": _finish_reason(event.finish_reason)}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": _finish_reason(event.finish_reason)}
-        if req.return_token_ids:
-            choice["token_ids"] = ids
-        return JSONResponse({**base, "choices": [choice], "usage": usage})
+        if failed is not None:  # the server is shutting down
+            raise ApiError(f"the request was aborted: {failed.error}", None, "aborted", 503, "server_error")
+        usage = _usage(finals[0].num_prompt_tokens, [] if req.echo_only else finals)
+        choices = []
+        for i, final in enumerate(finals):
+            text = prompts[i][0] + "".join(texts[i])
+            logprobs = logprobs_object(req, prompts[i][1] + entries[i])
+            if req.kind == "chat":
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                          "finish_reason": _finish_reason(final.finish_reason)}
+            else:
+                choice = {"index": i, "text": text, "logprobs": logprobs,
+                          "finish_reason": _finish_reason(final.finish_reason)}
+            if req.return_token_ids:
+                choice["token_ids"] = ids[i]
+            choices.append(choice)
+        return JSONResponse({**base, "choices": choices, "usage": usage})
 
     async def stream_events(req: ParsedRequest, stream: RequestStream, base: dict, watcher: asyncio.Task):
         chunk_base = {**base, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion"}
 
-        def chunk(piece: str | None, ids: list[int], finish: str | None, entries: list = ()) -> dict:
-            logprobs = logprobs_object(req, list(entries), offset) if entries else None
+        def chunk(index: int, piece: str | None, ids: list[int], finish: str | None, entries: list = (),
+                  first: bool = False) -> dict:
+            logprobs = logprobs_object(req, list(entries), offsets[index]) if entries else None
             if req.kind == "chat":
                 delta = {} if piece is None else {"content": piece}
                 if first:
                     delta = {"role": "assistant", **delta}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
+                choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
             if req.return_token_ids:
                 choice["token_ids"] = ids
             out = {**chunk_base, "choices": [choice]}
@@ -518,36 +532,40 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
                 out["usage"] = None
             return out
 
-        first, offset = True, 0   # offset: where the next token's text starts (completions' text_offset)
+        n = req.params.n
+        offsets = [0] * n   # where each choice's next token's text starts (completions' text_offset)
+        finals: list[StreamEvent] = []
         try:  # Starlette cancels this generator when the client disconnects; the watcher catches it too
-            if req.kind == "chat":  # OpenAI opens a chat stream with the role
-                yield _sse(chunk("", [], None))
-                first = False
-            while True:
+            if req.kind == "chat":  # OpenAI opens each choice of a chat stream with the role
+                for i in range(n):
+                    yield _sse(chunk(i, "", [], None, first=True))
+            failed = False
+            while not stream.finished:
                 event = await stream.get()
+                i = event.index
                 if event.prompt_token_ids is not None and req.echo:
                     text, entries = echoed(req, event)
-                    yield _sse(chunk(text, event.prompt_token_ids, None, entries))
-                    offset += len(text)
+                    yield _sse(chunk(i, text, event.prompt_token_ids, None, entries))
+                    offsets[i] += len(text)
                 if req.echo_only:   # the one generated token is not part of the answer
                     event = StreamEvent(event.request_id, "", [], event.num_prompt_tokens, 0, event.finish_reason,
-                                        event.error)
+                                        event.error, index=i)
                 if event.finish_reason in ("error", "abort"):
                     what = "failed inside the engine" if event.finish_reason == "error" else "was aborted"
                     error = {"message": f"the request {what}: {event.error}", "type": "server_error", "param": None,
                              "code": "engine_error" if event.finish_reason == "error" else "aborted"}
                     yield _sse({"error": error})
+                    failed = True
                     break
                 if event.text or event.token_ids or event.finished:
                     # The last token's text comes with the finish reason in one chunk.
-                    yield _sse(chunk(event.text if (event.text or not event.finished) else None,
+                    yield _sse(chunk(i, event.text if (event.text or not event.finished) else None,
                                      event.token_ids, _finish_reason(event.finish_reason), event.logprobs))
-                    first = False
-                    offset += len(event.text or "")
+                    offsets[i] += len(event.text or "")
                 if event.finished:
-                    if req.include_usage:
-                        yield _sse({**chunk_base, "choices": [], "usage": _usage(event)})  # echo_only: 0 tokens
-                    break
+                    finals.append(event)
+            if req.include_usage and not failed:   # echo_only: 0 completion tokens
+                yield _sse({**chunk_base, "choices": [], "usage": _usage(stream.num_prompt_tokens, finals)})
             yield "data: [DONE]\n\n"
         finally:  # the client went away (cancellation / GeneratorExit) or we are done
             watcher.cancel()

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..outputs import returned_sequences
 from ..sampling import SamplingParams
 from .metrics import EngineGauges, ServerMetrics, render_prometheus
 
@@ -63,10 +64,24 @@ class StreamEvent:
     # on the first event after the prefill: the prompt's ids, and its logprobs with prompt_logprobs=N
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list | None = None
+    index: int = 0               # n > 1: which choice (continuation) this event belongs to
 
     @property
     def finished(self) -> bool:
+        """This choice has finished (with n > 1 the request ends when every choice has)."""
         return self.finish_reason is not None
+
+
+@dataclass
+class _Choice:
+    """What one continuation has been sent so far."""
+
+    seq: "Sequence"
+    index: int
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_prompt: bool = False         # the prompt's ids (and logprobs) went out with an event
+    done: bool = False
 
 
 @dataclass
@@ -84,17 +99,17 @@ class _Request:
     fill_context: bool = False       # max_tokens unset: run until EOS or the context is full
     cache_salt: str | None = None
     arrival_s: float = 0.0           # time.perf_counter() when the caller asked
-    seq: "Sequence | None" = None
-    sent_tokens: int = 0
-    sent_chars: int = 0
+    seq: "Sequence | None" = None    # the first continuation (seq.group: all of them)
+    choices: list[_Choice] = field(default_factory=list)   # what each returned choice was sent
     holdback_chars: int = 0
     counted_first_token: bool = False
-    sent_prompt: bool = False         # the prompt's ids (and logprobs) went out with an event
 
 
 class RequestStream:
     """The caller's side of one admitted request: async-iterate its StreamEvents.
 
+    With n > 1 the events of the n choices interleave (`event.index`); the stream ends after every choice's
+    finished event. best_of > n: each returned choice comes in one finished event once all have finished.
     Leaving early (break, cancellation, close()) aborts the request; its KV blocks go back."""
 
     def __init__(self, engine: "AsyncEngine", request: _Request, num_prompt_tokens: int):
@@ -102,6 +117,8 @@ class RequestStream:
         self._request = request
         self.request_id = request.request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_choices = request.params.n
+        self._open = self.num_choices    # choices whose finished event has not come yet
         self.finished = False
 
     async def get(self, timeout: float | None = None) -> StreamEvent:
@@ -113,7 +130,8 @@ class RequestStream:
         else:
             event = await asyncio.wait_for(self._request.events.get(), timeout)
         if event.finished:
-            self.finished = True
+            self._open -= 1
+            self.finished = self._open <= 0
         return event
 
     def __aiter__(self) -> "RequestStream":
@@ -197,7 +215,9 @@ class AsyncEngine:
         return RequestStream(self, request, num_prompt_tokens)
 
     async def generate(self, params: SamplingParams, **inputs) -> tuple[str, list[int], StreamEvent]:
-        """Run one request to the end: (text, token ids, last event)."""
+        """Run one request (n = 1) to the end: (text, token ids, last event)."""
+        if params.n != 1:
+            raise ValueError(f"generate() returns one text; n={params.n}: iterate add_request()'s stream instead")
         stream = await self.add_request(params, **inputs)
         text, ids = [], []
         async for event in stream:
@@ -319,6 +339,7 @@ class AsyncEngine:
             self._reply(request, error=ValueError(f"{type(exc).__name__}: {exc}"))
             return
         request.holdback_chars = max((len(s) for s in params.stop), default=1) - 1
+        request.choices = [_Choice(s, s.index) for s in request.seq.group]
         self._active[request.request_id] = request
         self._reply(request, num_prompt_tokens=len(ids))
 
@@ -338,40 +359,57 @@ class AsyncEngine:
         self._publish()
 
     def _publish(self) -> None:
-        """Hand every request what it got since its last event; retire the finished ones."""
+        """Hand every request what each of its choices got since its last event; retire the finished ones."""
         metrics = self.metrics
         for request_id, request in list(self._active.items()):
-            seq = request.seq
-            output = seq.token_ids[seq.num_prompt_tokens:]
-            new_ids = output[request.sent_tokens:]
-            text = seq.output_text
-            finished = seq.is_finished
-            upto = len(text) if finished else max(request.sent_chars, len(text) - request.holdback_chars)
-            new_text = text[request.sent_chars:upto]
-            if seq.first_token_s is not None and not request.counted_first_token:
+            group = request.seq.group
+            first_token = min((s.first_token_s for s in group if s.first_token_s is not None), default=None)
+            if first_token is not None and not request.counted_first_token:
                 request.counted_first_token = True
-                metrics.prompt_tokens += seq.num_prompt_tokens
-                metrics.ttft_s.observe(max(0.0, seq.first_token_s - request.arrival_s))
-            if not (new_ids or new_text or finished):
+                metrics.prompt_tokens += request.seq.num_prompt_tokens
+                metrics.ttft_s.observe(max(0.0, first_token - request.arrival_s))
+            ranked = len(group) > request.params.n   # best_of > n: the returned choices are known at the end
+            if ranked and not request.seq.group_finished:
                 continue
-            new_logprobs = seq.logprobs[request.sent_tokens:request.sent_tokens + len(new_ids)]
-            request.sent_tokens += len(new_ids)
-            request.sent_chars = max(request.sent_chars, upto)
-            metrics.generation_tokens += len(new_ids)
-            prompt_ids = prompt_logprobs = None
-            if not request.sent_prompt and (new_ids or finished):
-                request.sent_prompt = True
-                prompt_ids = list(seq.prompt_token_ids)
-                if seq.params.prompt_logprobs is not None:
-                    prompt_logprobs = list(seq.prompt_logprobs)
-            event = StreamEvent(request_id, new_text, new_ids, seq.num_prompt_tokens, len(output),
-                                seq.finish_reason if finished else None, seq.error if finished else None,
-                                new_logprobs, prompt_ids, prompt_logprobs)
-            self._send(request, event)
-            if finished:
+            if ranked:
+                metrics.generation_tokens += sum(s.num_output_tokens for s in group)
+                request.choices = [_Choice(s, i) for i, s in enumerate(returned_sequences(request.seq))]
+            for choice in request.choices:
+                if not choice.done:
+                    self._publish_choice(request, choice, count_tokens=not ranked)
+            if all(choice.done for choice in request.choices):
                 del self._active[request_id]
-                metrics.finished[seq.finish_reason] = metrics.finished.get(seq.finish_reason, 0) + 1
+                for choice in request.choices:
+                    reason = choice.seq.finish_reason
+                    metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
                 metrics.e2e_s.observe(time.perf_counter() - request.arrival_s)
+
+    def _publish_choice(self, request: _Request, choice: _Choice, count_tokens: bool) -> None:
+        seq = choice.seq
+        output = seq.token_ids[seq.num_prompt_tokens:]
+        new_ids = output[choice.sent_tokens:]
+        text = seq.output_text
+        finished = seq.is_finished
+        upto = len(text) if finished else max(choice.sent_chars, len(text) - request.holdback_chars)
+        new_text = text[choice.sent_chars:upto]
+        if not (new_ids or new_text or finished):
+            return
+        new_logprobs = seq.logprobs[choice.sent_tokens:choice.sent_tokens + len(new_ids)]
+        choice.sent_tokens += len(new_ids)
+        choice.sent_chars = max(choice.sent_chars, upto)
+        if count_tokens:
+            self.metrics.generation_tokens += len(new_ids)
+        prompt_ids = prompt_logprobs = None
+        if not choice.sent_prompt and (new_ids or finished):
+            choice.sent_prompt = True
+            prompt_ids = list(seq.prompt_token_ids)
+            if seq.params.prompt_logprobs is not None:
+                prompt_logprobs = list(seq.prompt_logprobs)
+        event = StreamEvent(request.request_id, new_text, new_ids, seq.num_prompt_tokens, len(output),
+                            seq.finish_reason if finished else None, seq.error if finished else None,
+                            new_logprobs, prompt_ids, prompt_logprobs, choice.index)
+        self._send(request, event)
+        choice.done = finished
 
     def _update_gauges(self) -> None:
         sched, bm = self.engine.scheduler, self.engine.block_manager
