@@ -4,6 +4,9 @@ lab 08's first cells start the OpenAI-compatible server inside the kernel and ge
 
 Chromium is Debian's (`bash scripts/install_browser.sh`, run by `make test`); playwright only
 drives it (never `playwright install`). Skipped with a reason when Chromium is missing.
+
+Lab 09's first cells run the same way: the first token's distribution under each setting, and the learner's
+process_logits as the engine's sampler.
 """
 
 from __future__ import annotations
@@ -290,17 +293,18 @@ def first_cells_of(lab: str, marker: str) -> int:
     pytest.fail(f"no cell of {lab} contains {marker!r}")
 
 
-@pytest.mark.slow  # lab 08's nbgrader round trip runs these cells headless in make test
-def test_serving_lab_first_cells_answer_in_jupyterlab(jupyter_lab):
-    """Lab 08's first cells in a real browser: the model loads, serve_in_thread starts the OpenAI-compatible
-    server inside the kernel, /health answers, and the openai client's completion, chat and stream print."""
+def run_first_cells(jupyter_lab, lab: str, marker: str) -> dict:
+    """Open solutions/<lab>.ipynb in JupyterLab, select the cell after the first one containing `marker`, and Run >
+    Run All Above Selected Cell. Asserts that exactly the cells up to the marked one ran, without a traceback;
+    returns the cells' prompts, the outputs' text, how many code cells lie up to the marked one, the run's seconds
+    and the screenshot's path."""
     playwright_api = pytest.importorskip("playwright.sync_api")
-    if not (REPO_ROOT / "solutions" / f"{SERVING_LAB}.ipynb").is_file():
-        pytest.skip(f"solutions/{SERVING_LAB}.ipynb not built yet")
+    if not (REPO_ROOT / "solutions" / f"{lab}.ipynb").is_file():
+        pytest.skip(f"solutions/{lab}.ipynb not built yet")
     base_url, token, _ = jupyter_lab
-    last = first_cells_of(SERVING_LAB, SERVING_LAST_CELL_MARKER)
-    screenshot = ARTIFACTS / f"browser_lab{SERVING_LAB[:2]}.png"
-    failure_screenshot = ARTIFACTS / f"browser_lab{SERVING_LAB[:2]}_failure.png"
+    last = first_cells_of(lab, marker)
+    screenshot = ARTIFACTS / f"browser_lab{lab[:2]}.png"
+    failure_screenshot = ARTIFACTS / f"browser_lab{lab[:2]}_failure.png"
     ARTIFACTS.mkdir(exist_ok=True)
     for stale in (screenshot, failure_screenshot):
         stale.unlink(missing_ok=True)
@@ -309,7 +313,7 @@ def test_serving_lab_first_cells_answer_in_jupyterlab(jupyter_lab):
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{base_url}/lab/tree/{SERVING_LAB}.ipynb?token={token}", timeout=120_000)
+            page.goto(f"{base_url}/lab/tree/{lab}.ipynb?token={token}", timeout=120_000)
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
             wait_for_kernel_idle(page, SERVER_START_TIMEOUT_S)
 
@@ -341,15 +345,41 @@ def test_serving_lab_first_cells_answer_in_jupyterlab(jupyter_lab):
             raise
         finally:
             browser.close()
-
-    print(f"lab {SERVING_LAB}: first {code_cells} code cells in {run_s:.0f} s; screenshot {screenshot}\n{outputs[-1500:]}")
-    assert not stderr_tracebacks, f"error output in {SERVING_LAB}:\n" + "\n---\n".join(stderr_tracebacks)
+    print(f"lab {lab}: first {code_cells} code cells in {run_s:.0f} s; screenshot {screenshot}\n{outputs[-1500:]}")
+    assert not stderr_tracebacks, f"error output in {lab}:\n" + "\n---\n".join(stderr_tracebacks)
     ran = [p for p in prompts[:code_cells] if p[1:-2].strip().isdigit()]
     assert len(ran) == code_cells, f"not every one of the first {code_cells} code cells ran: {prompts[:code_cells]}"
     assert all(not p[1:-2].strip().isdigit() for p in prompts[code_cells:]), "cells below the marked one ran"
+    return {"prompts": prompts, "outputs": outputs, "code_cells": code_cells, "run_s": run_s, "screenshot": screenshot}
+
+
+@pytest.mark.slow  # lab 08's nbgrader round trip runs these cells headless in make test
+def test_serving_lab_first_cells_answer_in_jupyterlab(jupyter_lab):
+    """Lab 08's first cells in a real browser: the model loads, serve_in_thread starts the OpenAI-compatible
+    server inside the kernel, /health answers, and the openai client's completion, chat and stream print."""
+    outputs = run_first_cells(jupyter_lab, SERVING_LAB, SERVING_LAST_CELL_MARKER)["outputs"]
     assert "ServerHandle(" in outputs and "running)" in outputs, "serve_in_thread did not print a running server"
     assert "GET /health   -> 200" in outputs, "the server's /health did not answer 200"
     for line in ("completion:", "chat:", "finish:", "streamed:"):
         assert line in outputs, f"no {line!r} line: the openai client got no answer"
     streamed = next(text for text in outputs.splitlines() if text.startswith("streamed:"))
     assert streamed.count("|") >= 2, f"the stream printed fewer than two pieces: {streamed!r}"
+
+
+# --- lab 09: the model's first-token distribution under each setting, then the engine on the learner's sampler -------
+DECODING_LAB = "09_decoding_settings"
+# The lab's first cells: through the engine running the learner's process_logits as its sampler (section 3).
+DECODING_LAST_CELL_MARKER = "engine_run = run_with_sampler("
+
+
+@pytest.mark.slow  # lab 09's nbgrader round trip runs these cells headless in make test
+def test_decoding_lab_first_cells_in_jupyterlab(jupyter_lab):
+    """Lab 09's first cells in a real browser: the model loads, the first token's distribution prints under each
+    setting, the learner's process_logits passes its checks and runs as the engine's sampler with the engine's own
+    tokens, and its seeded draws pass the chi-square."""
+    outputs = run_first_cells(jupyter_lab, DECODING_LAB, DECODING_LAST_CELL_MARKER)["outputs"]
+    assert "keeps  49152 tokens" in outputs and "top_p 0.9" in outputs, "the first token's distribution did not print"
+    assert "tokens kept by top_p = 0.9: measured" in outputs, "the prediction was not echoed"
+    assert "process_logits on the stated cases: all" in outputs and "process_logits on random logits" in outputs
+    assert outputs.count("the same tokens as the engine's own sampler") == 2, "the engine on process_logits differs"
+    assert "✓ follows the reference" in outputs, "the chi-square of the sampler's draws did not pass"
