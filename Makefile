@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model lab test test-all test-slow labs labs-check labs-report bench bench-batching bench-serve cost doctor browser-deps clean
+.PHONY: setup model adapters lab test test-all test-slow labs labs-check labs-report bench bench-batching bench-serve cost doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ setup: $(STAMP)
 
 model: setup        ## convert the default model once into the cache (MINILLM_CACHE)
 	$(BIN)/minillm model
+
+adapters: model     ## train the default model's LoRA adapters once into the cache (french, json, terse; about 5 min on 2 cores)
+	$(BIN)/python -m minillm.adapters
 
 lab: model          ## the course: JupyterLab on labs/
 	cd labs && ../$(BIN)/jupyter lab $$( [ "$$(id -u)" = 0 ] && echo --allow-root )

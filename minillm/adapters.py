@@ -20,6 +20,7 @@ the recipe, ADAPTER_VERSION and the base weights: a change of any of them trains
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -172,6 +173,15 @@ def _batches(num_examples: int, recipe: AdapterRecipe) -> list[list[int]]:
     return batches[:recipe.max_steps] if recipe.max_steps is not None else batches
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft asks transformers a deprecated question (is_gradient_checkpointing) whenever it wraps a
+    model: a FutureWarning that is nothing for the reader to act on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
 def load_base(model_path: str | Path):
     """(tokenizer, model): transformers' own model in fp32, in eval mode."""
     import torch
@@ -205,8 +215,7 @@ def train_adapter(recipe: AdapterRecipe, model_path: str | Path, out_dir: str | 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = peft.LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
                              target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
-    with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for us to do
-        warnings.simplefilter("ignore", FutureWarning)
+    with quiet_peft():
         model = peft.get_peft_model(model, config)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -345,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         if base_model is not None:
             from peft import PeftModel
 
-            adapted = PeftModel.from_pretrained(base_model, path)
+            with quiet_peft():
+                adapted = PeftModel.from_pretrained(base_model, path)
             print(f"  answer: {greedy_answers(adapted, tokenizer, [prompt], args.max_tokens)[0]!r}")
             base_model = adapted.unload()  # the LoRA layers out again: the next adapter starts from the base
     sys.stdout.flush()

@@ -151,7 +151,8 @@ def test_a_few_steps_make_a_peft_directory_that_changes_the_output(tiny_model_di
     ids = torch.tensor([[1, 400, 2000, 31, 7, 9000]])
     with torch.no_grad():
         base_logits = base(ids).logits
-        model = PeftModel.from_pretrained(base, tiny_adapter).eval()
+        with adapters.quiet_peft():
+            model = PeftModel.from_pretrained(base, tiny_adapter).eval()
         lora_logits = model(ids).logits
         with model.disable_adapter():
             off_logits = model(ids).logits
@@ -202,7 +203,8 @@ def test_the_real_adapters_show_their_behaviour_on_heldout_prompts(default_model
     base_answers = adapters.greedy_answers(base, tokenizer, prompts, max_new_tokens)
     answers = {}
     for name, path in paths.items():
-        model = PeftModel.from_pretrained(base, path).eval()
+        with adapters.quiet_peft():
+            model = PeftModel.from_pretrained(base, path).eval()
         answers[name] = adapters.greedy_answers(model, tokenizer, prompts, max_new_tokens)
         base = model.unload()
     report = json.dumps({"base": base_answers, **answers}, indent=1, ensure_ascii=False)
