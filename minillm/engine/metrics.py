@@ -41,6 +41,14 @@ class StepStats:
     kv_bytes_used: int      # bytes of K/V holding real tokens after the step
     kv_bytes_reserved: int = 0  # bytes of pool blocks handed out to sequences after the step
     num_running: int = 0        # sequences holding KV (running) after the step
+    # Mixture of experts (models/moe.py): tokens routed to each expert this step, [moe_layer][expert]
+    # (a token counts once per expert it chose; every model pass of the step counts). None: a dense model.
+    expert_tokens: list[list[int]] | None = None
+
+    @property
+    def experts_touched(self) -> list[int] | None:
+        """Distinct experts each MoE layer read this step (their weights were loaded), [moe_layer]."""
+        return None if self.expert_tokens is None else [sum(n > 0 for n in layer) for layer in self.expert_tokens]
 
 
 @dataclass
@@ -89,6 +97,22 @@ class RunStats:
     prefix_cache_hits: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the cache, summed over requests
     spec: SpecStats = field(default_factory=SpecStats)   # speculative decoding (speculative= lever)
+
+    def expert_tokens_total(self, kind: str | None = None) -> list[list[int]] | None:
+        """Tokens routed to each expert, [moe_layer][expert], summed over the steps (of `kind`, e.g.
+        "decode", when given). None: no step recorded expert counts (a dense model)."""
+        counted = [s.expert_tokens for s in self.steps if s.expert_tokens is not None and kind in (None, s.kind)]
+        if not counted:
+            return None
+        return [[sum(step[layer][e] for step in counted) for e in range(len(counted[0][layer]))]
+                for layer in range(len(counted[0]))]
+
+    def mean_experts_touched(self, kind: str | None = "decode") -> float:
+        """Distinct experts a MoE layer read per step, averaged over layers and steps (of `kind`); nan
+        when no step recorded expert counts."""
+        touched = [sum(s.experts_touched) / len(s.experts_touched) for s in self.steps
+                   if s.expert_tokens and kind in (None, s.kind)]
+        return sum(touched) / len(touched) if touched else float("nan")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -141,6 +165,7 @@ class RunStats:
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "mean_experts_touched_per_decode_step": self.mean_experts_touched("decode"),
             "usd_per_hour": self.hourly_usd,
             "usd_per_million_output_tokens": self.cost_per_million_tokens_usd,
         }

@@ -51,6 +51,7 @@ def configurations():
     yield from _pointwise_configurations()
     yield from _paged_configurations()
     yield from _quant_matmul_configurations()
+    yield from _fused_moe_configurations()
 
 
 def _pointwise_configurations():
@@ -221,6 +222,34 @@ def _quant_matmul_configurations():
                "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_IN_FP32": "constexpr"}
         yield (f"int4_gemm[{dtype}]", qm.int4_gemm_kernel, sig,
                {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_IN_FP32": dtype == "fp32"}, launch)
+
+
+def _fused_moe_configurations():
+    """The fused-MoE grouped matmul (kernels/fused_moe.py): the gate/up launch (GATED, SwiGLU fused) and the
+    down launch (routing weights applied), float or int8 experts, BLOCK_M 16 (decode) and 64, per dtype.
+    E, N, K and the pair count are runtime arguments."""
+    import torch
+
+    from . import fused_moe
+
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for dtype in _FLOAT_TYPES:
+        block_n, block_k, num_warps, num_stages = fused_moe.MOE_LAUNCH[torch_dtypes[dtype]]
+        for weights, w_type in (("float", f"*{dtype}"), ("int8", "*i8")):
+            for stage, gated in (("gate_up", True), ("down", False)):
+                for block_m in fused_moe.MOE_BLOCK_MS:
+                    sig = {"a_ptr": f"*{dtype}", "b_ptr": w_type, "b_scale_ptr": "*fp32", "c_ptr": f"*{dtype}",
+                           "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "tile_experts_ptr": "*i32",
+                           "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i32", "stride_be": "i32",
+                           "stride_bn": "i32", "stride_cm": "i32", "stride_se": "i32",
+                           "A_ROWS_PER": "constexpr", "GATED": "constexpr", "MUL_ROUTED_WEIGHT": "constexpr",
+                           "WEIGHT_INT8": "constexpr", "DOT_IN_FP32": "constexpr", "BLOCK_M": "constexpr",
+                           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+                    constexprs = {"A_ROWS_PER": 2 if gated else 1, "GATED": gated, "MUL_ROUTED_WEIGHT": not gated,
+                                  "WEIGHT_INT8": weights == "int8", "DOT_IN_FP32": dtype == "fp32",
+                                  "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+                    yield (f"fused_moe[{dtype},{stage},{weights},BLOCK_M={block_m}]", fused_moe.fused_moe_kernel, sig,
+                           constexprs, {"num_warps": num_warps, "num_stages": num_stages, "needs": _needs(dtype)})
 
 
 def skip_reason(options: dict, capability: int) -> str | None:

@@ -17,10 +17,11 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..quant.rotate import rotate_blocks
 from .config import ModelConfig
+from .moe import SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
         self.cfg = cfg
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -30,8 +31,11 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # Mixtral / Qwen2-MoE layers: a sparse mixture of experts (models/moe.py) instead of the dense MLP
+        self.moe = SparseMoeBlock(cfg) if cfg.is_moe_layer(index) else None
+        if self.moe is None:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
         self.use_triton = False  # Triton SiLU-and-mul (set with the model's use_triton_ops)
         # [b, b] Hadamard when down_proj's input is rotated within blocks of b channels (rotate_down_proj
@@ -65,6 +69,8 @@ class DecoderLayer(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta).reshape(num_tokens, self.q_size))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x, use_triton=self.use_triton)
         return self.down_proj(self.down_input(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton)))
 
     def down_input(self, act: torch.Tensor) -> torch.Tensor:
@@ -81,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.rotary = rotary
-        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None

@@ -10,6 +10,7 @@ import torch
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .moe import moe_checkpoint_place, moe_expected_parts
 from .presets import is_random, preset_config, random_model
 
 
@@ -101,11 +102,15 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
             name = name[len("model."):]
         if "rotary_emb" in name:
             continue
-        target, rows = name, None
+        target, rows, index = name, None, None
         if name.startswith("layers."):
             _, idx, rest = name.split(".", 2)
             module, kind = rest.rsplit(".", 1)
-            if module in fused:
+            moe = moe_checkpoint_place(cfg, module, kind) if cfg.is_moe_layer(int(idx)) else None
+            if moe is not None:   # a MoE layer's router / expert / shared-expert tensor (models/moe.py)
+                suffix, index, part = moe
+                target, rows = f"layers.{idx}.{suffix}", (part, None)
+            elif module in fused:
                 new, offset, size = fused[module]
                 target, rows = f"layers.{idx}.{new}.{kind}", (offset, size)
             elif module in renamed:
@@ -115,7 +120,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
         if target not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in the {cfg.model_type} model")
         dest = params[target].data
-        if rows is not None:
+        if index is not None:
+            dest = dest[index]
+        elif rows is not None and rows[1] is not None:
             dest = dest[rows[0]: rows[0] + rows[1]]
         if dest.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
@@ -124,7 +131,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
     expected = set()
     for pname in params:
         base, kind = pname.rsplit(".", 1)
-        if base.endswith("qkv_proj"):
+        if ".moe." in pname:
+            whole = f"{pname}@" in loaded   # stacked experts (one tensor) or one tensor per expert / half
+            expected |= {f"{pname}@"} if whole else {f"{pname}@{p}" for p in moe_expected_parts(cfg, pname.split(".", 2)[2])}
+        elif base.endswith("qkv_proj"):
             expected |= {f"{pname}@0", f"{pname}@{q}", f"{pname}@{q + kv}"}
         elif base.endswith("gate_up_proj"):
             expected |= {f"{pname}@0", f"{pname}@{inter}"}

@@ -19,6 +19,8 @@ RANDOM_PREFIX = "random:"
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
 
 _LLAMA = dict(model_type="llama", qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None)
+_MIXTRAL = dict(_LLAMA, model_type="mixtral")
+_QWEN2_MOE = dict(_LLAMA, model_type="qwen2_moe", qkv_bias=True)
 
 PRESETS: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M(-Instruct): the course's default model.
@@ -47,6 +49,37 @@ PRESETS: dict[str, ModelConfig] = {
         **_LLAMA, vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
         num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    # Mixture of experts (models/moe.py). mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B active (top-2 of 8).
+    "mixtral-8x7b": ModelConfig(
+        **_MIXTRAL, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling=None,
+        max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 routed experts (top-4, not renormalised) and a shared expert; 14.3B / 2.7B active.
+    "qwen1.5-moe-a2.7b": ModelConfig(
+        **_QWEN2_MOE, vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_layers=24, num_heads=16,
+        num_kv_heads=16, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
+        max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=151643, eos_token_ids=(151643,),
+        num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        norm_topk_prob=False),
+    # Tiny MoE shapes for tests and the CPU: top-2 of 4 (GQA 4:2), top-1 of 8 (MQA, odd widths), and
+    # Qwen2-MoE with a shared expert, un-renormalised top-2 of 6 and a dense second layer (mlp_only_layers).
+    "tiny-mixtral": ModelConfig(
+        **_MIXTRAL, vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling=None, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96),
+    "tiny-mixtral-top1": ModelConfig(
+        **_MIXTRAL, vocab_size=512, hidden_size=48, intermediate_size=40, num_layers=3, num_heads=3, num_kv_heads=1,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling=None, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+        num_experts=8, num_experts_per_tok=1, moe_intermediate_size=40),
+    "tiny-qwen2-moe": ModelConfig(
+        **_QWEN2_MOE, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=80,
+        norm_topk_prob=False, mlp_only_layers=(1,)),
 }
 
 

@@ -81,7 +81,9 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
         model = shallow_copy(model)
     input_scales, clips, quantized = input_scales or {}, clips or {}, quantized or {}
     for i, layer in enumerate(model.layers):
-        for name in LAYER_LINEARS:
+        if layer.moe is not None:   # experts, shared expert (models/moe.py); the attention's linears below
+            layer.moe = layer.moe.quantized(weight_dtype, group_size, fast=fast)
+        for name in LAYER_LINEARS if layer.moe is None else LAYER_LINEARS[:2]:
             linear, key = getattr(layer, name), f"layers.{i}.{name}"
             w = linear.weight.data
             if key in clips:
@@ -121,6 +123,9 @@ def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: 
     head_dtype is that lever's value, resolved by head_dtype_for). EngineConfig has checked the
     combination (gptq and autoround need int4)."""
     scales = clips = parts = None
+    if calibration is not None and model.cfg.num_experts:
+        raise ValueError(f"weight_calibration={calibration!r} is not supported for mixture-of-experts models "
+                         f"({model.cfg.model_type}); use weight_calibration=None (round to nearest, expert by expert)")
     if calibration == "awq":
         ids = calibration_token_ids(tokenizer, vocab_size=model.cfg.vocab_size)
         scales, clips = calibrate_awq(model, ids, weight_dtype, group_size)
