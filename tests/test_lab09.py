@@ -226,9 +226,12 @@ def test_limits_parallel_and_structured_runs(llm, solution, experiments, capsys)
 
     from minillm.lab.common import prompt_token_ids
 
-    parallel = experiments["parallel_kv"](llm, {"prompt_token_ids": prompt_token_ids(llm.tokenizer, 64)}, 3, 4)
+    parallel = experiments["parallel_kv"](llm, {"prompt_token_ids": prompt_token_ids(llm.tokenizer, 58)}, 3, 4)
     assert parallel["same_texts"] and parallel["shared"]["peak_kv_bytes"] < parallel["separate"]["peak_kv_bytes"]
+    measured = parallel["shared"]["peak_kv_bytes"] / parallel["separate"]["peak_kv_bytes"]
+    assert measured == pytest.approx(lab09.kv_ratio_model(58, 4, 3, parallel["block_size"]), abs=0.03)
     lab09.print_parallel(parallel)
+    lab09.print_kv_models(parallel)
 
     people = [{"prompt_token_ids": llm.chat_token_ids([{"role": "user", "content": "Describe a person as JSON."}])}]
     structured = experiments["json_runs"](llm, people, lab09.PERSON_SCHEMA, max_tokens=40)

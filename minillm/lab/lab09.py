@@ -234,7 +234,12 @@ _HINTS = {
 def _compare(fn: Callable, logits: torch.Tensor, history: list[int], setting: dict, why: str = "") -> None:
     call = _case_call(logits, history, setting)
     before = logits.clone()
-    got = _call(lambda lg, h: fn(lg, h, **setting), (logits, list(history)), call + (f" ({why})" if why else ""))
+    top_k = setting.get("top_k", -1)
+    crash_hint = ("top_k = -1 or 0 (or k >= V) means off: keep every token" if top_k <= 0 or top_k >= logits.numel()
+                  else "temperature 0 is greedy: return the one-hot of the argmax before dividing by it"
+                  if setting.get("temperature", 1.0) == 0 else "")
+    got = _call(lambda lg, h: fn(lg, h, **setting), (logits, list(history)), call + (f" ({why})" if why else ""),
+                crash_hint)
     if not torch.equal(before.nan_to_num(), logits.nan_to_num()):
         raise CheckFailed(f"{call} changed the logits it was given (in place): work on a copy, the engine still "
                           "needs the raw logits (logprobs are read from them)")
@@ -702,9 +707,20 @@ def print_parallel(result: dict) -> None:
         print(f"  {text[:90]!r}")
 
 
-def kv_ratio_model(prompt_tokens: int, output_tokens: int, n: int) -> float:
-    """Shared over separate KV when only the prompt is shared: (P + n·O) / (n·(P + O))."""
-    return (prompt_tokens + n * output_tokens) / (n * (prompt_tokens + output_tokens))
+def kv_ratio_model(prompt_tokens: int, output_tokens: int, n: int, block_size: int | None = None) -> float:
+    """Shared over separate KV when only the prompt is shared: (P + n·O) / (n·(P + O)); with block_size, each
+    continuation after the first also holds a copy of the prompt's partly filled last block (P mod block_size
+    tokens)."""
+    copies = (n - 1) * (prompt_tokens % block_size) if block_size else 0
+    return (prompt_tokens + copies + n * output_tokens) / (n * (prompt_tokens + output_tokens))
+
+
+def print_kv_models(result: dict) -> None:
+    """The measured ratio beside the two models (prompt shared; prompt shared but its last partial block copied)."""
+    p, o, n, b = result["prompt_tokens"], result["max_tokens"], result["n"], result["block_size"]
+    measured = result["shared"]["peak_kv_bytes"] / result["separate"]["peak_kv_bytes"]
+    print(f"measured {measured:.3f}; model (P + n·O) / (n·(P + O)) = {kv_ratio_model(p, o, n):.3f}; with the "
+          f"{n - 1} copies of the last block's {p % b} tokens: {kv_ratio_model(p, o, n, b):.3f}")
 
 
 # =================================================================== 7. structured output
@@ -790,5 +806,5 @@ __all__ = ["reference_probs", "LogitsRecorder", "first_token_logits", "print_dis
            "check_engine_run", "sampler_draws", "print_draws", "check_sampler_chi_square", "EntropyRecorder",
            "check_diversity_stats", "sweep_rows", "print_sweep", "diversity_figure", "entropy_figure",
            "DecodingExplorer", "row_for", "print_limits", "check_answer_worst_case_usd", "print_parallel",
-           "kv_ratio_model", "PERSON_SCHEMA", "check_valid_person", "print_structured", "echo_prediction",
+           "kv_ratio_model", "print_kv_models", "PERSON_SCHEMA", "check_valid_person", "print_structured", "echo_prediction",
            "CheckFailed", "API_USD_PER_MTOK", "WORST_CASE"]
