@@ -9,6 +9,7 @@ import importlib
 _EXPORTS = {
     "EngineConfig": ".config",
     "LLM": ".llm",
+    "LoRARequest": ".lora",
     "default_model_path": ".models.default",
     "CompletionOutput": ".outputs",
     "RequestOutput": ".outputs",
@@ -17,7 +18,7 @@ _EXPORTS = {
 }
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "default_model_path"]
+           "LoRARequest", "default_model_path"]
 __version__ = "0.1.0"
 
 

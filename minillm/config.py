@@ -23,6 +23,8 @@ WEIGHT_CALIBRATIONS = ("awq", "gptq", "gptq-tuned", "autoround")    # or None: r
 SPECULATIVE_METHODS = ("ngram", "self", "draft")  # proposers (engine/speculative.py)
 MAX_SPECULATIVE_TOKENS = 16
 WEIGHT_HEAD_DTYPES = ("auto", "model") + WEIGHT_DTYPES  # lm_head storage (models/quantize.py head_dtype_for)
+MAX_LORAS = 64                           # enable_lora: adapter slots at most
+MAX_LORA_RANK = 256                      # enable_lora: the largest adapter rank
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
 
@@ -68,6 +70,9 @@ class EngineConfig:
     draft_model: str | None = None      # speculative="draft": a smaller model sharing the tokenizer (path, hub id or "random:<preset>")
     draft_num_layers: int | None = None  # speculative="self": the target's first layers that draft (None: a quarter)
     cuda_graphs: bool = False           # built: GPU decode steps replay CUDA graphs (needs attention_backend="triton")
+    enable_lora: bool = False           # built: per-request LoRA adapters (LoRARequest), batched together
+    max_loras: int = 4                  # enable_lora: adapters resident at once (slots; LRU-evicted when unused)
+    max_lora_rank: int = 16             # enable_lora: the largest adapter rank r a slot holds
 
     def __post_init__(self) -> None:
         self.validate()
@@ -175,6 +180,19 @@ class EngineConfig:
         if self.draft_model is not None and self.speculative != "draft":
             raise ValueError(f"draft_model={self.draft_model!r} is only used with speculative='draft' "
                              f"(got speculative={self.speculative!r})")
+        need(isinstance(self.enable_lora, bool), f"enable_lora={self.enable_lora!r} must be True or False")
+        need(isinstance(self.max_loras, int) and not isinstance(self.max_loras, bool)
+             and 1 <= self.max_loras <= MAX_LORAS,
+             f"max_loras={self.max_loras!r} must be an integer in [1, {MAX_LORAS}]")
+        need(isinstance(self.max_lora_rank, int) and not isinstance(self.max_lora_rank, bool)
+             and 1 <= self.max_lora_rank <= MAX_LORA_RANK,
+             f"max_lora_rank={self.max_lora_rank!r} must be an integer in [1, {MAX_LORA_RANK}]")
+        if self.enable_lora and self.speculative is not None:
+            raise ValueError(f"enable_lora=True with speculative={self.speculative!r}: not supported yet (the proposers "
+                             "do not apply the adapters); use speculative=None")
+        if self.enable_lora and self.cuda_graphs:
+            raise ValueError("enable_lora=True with cuda_graphs=True: not supported yet (the captured decode step has "
+                             "no adapter slots); use cuda_graphs=False")
         if self.speculative is not None and not self.kv_cache:
             raise ValueError(f"speculative={self.speculative!r} needs kv_cache=True: the target scores the proposals "
                              "as a short chunk on top of the cached sequence")

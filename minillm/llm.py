@@ -10,6 +10,7 @@ from .config import EngineConfig
 from .engine.builder import EngineParts, build_engine
 from .engine.engine import validate_cache_salt
 from .engine.metrics import RunStats
+from .lora import LoRARequest
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -72,10 +73,17 @@ class LLM:
                 return self._tokenize(prompt["prompt"])
         raise TypeError(f"a prompt is a str or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")
 
-    def _requests(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+    def _requests(self, prompts, sampling_params, lora_request=None) -> list[tuple]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; give one (or None), "
+                                 "or one per prompt")
+        else:
+            loras = [lora_request] * len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -85,30 +93,33 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         requests = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             text, ids = self._tokenize(prompt)
             self.engine.validate_request(ids, p)  # all-or-nothing: validate before queueing any
+            self.engine.validate_lora(lora)
             # A dict prompt may carry "cache_salt" (vLLM's field): different salts never share
             # prefix-cached blocks, so tenants cannot time each other's prompts.
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             validate_cache_salt(salt)
-            requests.append((text, ids, p, salt))
+            requests.append((text, ids, p, salt, lora))
         return requests
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts: PromptType | Seq[PromptType], sampling_params: SamplingParams | list | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: LoRARequest | list | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
 
         A prompt is a str, or a dict with "prompt_token_ids" (or "prompt") and optionally
         "cache_salt" (a str, as in vLLM): with prefix_caching=True, requests with different salts
         never share cached blocks. `outputs[i].metrics.num_cached_tokens` counts the prompt tokens
-        served from the prefix cache."""
-        requests = self._requests(prompts, sampling_params)
+        served from the prefix cache. `lora_request` (enable_lora=True): a LoRARequest for every prompt, or a list
+        with one per prompt (None: the base model)."""
+        requests = self._requests(prompts, sampling_params, lora_request)
         engine = self.engine
         stats = engine.reset_stats()
         t0 = time.perf_counter()
-        seqs = [engine.add_request(ids, p, prompt=text, cache_salt=salt) for text, ids, p, salt in requests]
+        seqs = [engine.add_request(ids, p, prompt=text, cache_salt=salt, lora_request=lora)
+                for text, ids, p, salt, lora in requests]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -132,12 +143,13 @@ class LLM:
         stats.num_output_tokens = sum(c.num_output_tokens for s in seqs for c in s.group)   # n > 1: every continuation
         return [RequestOutput.from_sequence(s, self.tokenizer) for s in seqs]
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
         """Yield the answer's text in pieces as tokens decode."""
-        (text, ids, p, salt), = self._requests([prompt], sampling_params)
+        (text, ids, p, salt, lora), = self._requests([prompt], sampling_params, lora_request)
         if p.num_sequences > 1:
             raise ValueError(f"stream() yields one text; n={p.n}, best_of={p.best_of} ask for several: use generate()")
-        seq = self.engine.add_request(ids, p, prompt=text, cache_salt=salt)
+        seq = self.engine.add_request(ids, p, prompt=text, cache_salt=salt, lora_request=lora)
         sent = 0
         try:
             while not seq.is_finished:
@@ -149,11 +161,12 @@ class LLM:
             self.engine.abort(seq, "abort", "the stream was closed early")
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template, then generate. One conversation or a list of them."""
+             use_tqdm: bool = False, lora_request: LoRARequest | list | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template, then generate. One conversation or a list of them (lora_request: as
+        generate's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt": self.apply_chat_template(c), "prompt_token_ids": self.chat_token_ids(c)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):

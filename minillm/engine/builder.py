@@ -20,6 +20,8 @@ import torch
 
 from ..config import EngineConfig
 from ..hardware import resolve_device, resolve_dtype
+from ..layers.lora import layer_shapes
+from ..lora import LoRARegistry
 from ..models.loader import load_model, load_model_config, load_tokenizer, read_generation_eos, resolve_model_path
 from ..models.quantize import head_dtype_for, quantize_for_config
 from ..seams import (BlockAllocator, PrefixCache, Proposer, Sampler, SchedulingPolicy, Truncation, Verifier,
@@ -228,11 +230,16 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
     runner.eos_token_ids = tuple(sorted(weights.eos_token_ids))
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len)
+    lora_registry = None
+    if config.enable_lora:   # adapters are read at their first request, into max_loras slots
+        lora_registry = LoRARegistry(layer_shapes(weights.model), config.max_lora_rank, dtype)
+        runner.enable_lora(lora_registry, config.max_loras, config.max_lora_rank, dtype)
     draft = None
     if config.speculative == "draft" and parts.proposer is None:
         draft = load_draft(config, weights, device, dtype, max_model_len, block_manager)
     engine = Engine(config, device, dtype, weights, max_model_len, block_manager, kv_cache, scheduler, runner,
                     parts=parts, draft=draft)
+    engine.lora_registry = lora_registry
     engine.speculator = build_speculator(config, parts, runner, block_manager, max_model_len, draft,
                                          lambda: engine.stats.spec)
     return engine

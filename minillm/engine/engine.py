@@ -28,6 +28,19 @@ def validate_cache_salt(cache_salt) -> None:
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt={cache_salt!r} must be None or a str (requests with different salts "
                          "never share prefix-cached blocks)")
+    if cache_salt is not None and cache_salt.startswith(LORA_SALT):
+        raise ValueError(f"cache_salt={cache_salt[:40]!r} starts with {LORA_SALT!r}, which marks LoRA adapters' blocks")
+
+
+LORA_SALT = "\x00lora="
+
+
+def prefix_salt(cache_salt: str | None, lora_request) -> str | None:
+    """The salt a request's prefix-cache hashes use: its adapter's id enters it, so requests on different adapters
+    (or on an adapter and the base model) never share KV blocks, while requests on one adapter do."""
+    if lora_request is None:
+        return cache_salt
+    return f"{LORA_SALT}{lora_request.lora_int_id}\x00{cache_salt or ''}"
 
 
 @dataclass(eq=False)
@@ -59,6 +72,7 @@ class Engine:
         self.draft = draft
         # speculative=...: set by build_engine once this engine's stats exist (its proposers count into them).
         self.speculator: Speculator | None = None
+        self.lora_registry = None   # enable_lora=True: a LoRARegistry (minillm/lora.py), set by build_engine
         self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
@@ -113,18 +127,30 @@ class Engine:
                     "kv_cache_bytes."
                 )
 
+    def validate_lora(self, lora_request) -> None:
+        """A request's adapter: None (the base model), or a LoRARequest whose PEFT directory fits this model (read
+        and checked once per id); ValueError naming what is wrong, and nothing changes."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            raise ValueError(f"lora_request={lora_request!r} needs an engine built with enable_lora=True "
+                             "(LLM(..., enable_lora=True, max_loras=4, max_lora_rank=16))")
+        self.lora_registry.get(lora_request)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> Sequence:
+                    request_id: str | None = None, cache_salt: str | None = None, lora_request=None) -> Sequence:
         """Validate and queue one request. A bad request raises here and changes nothing.
 
         `cache_salt`: requests with different salts never share prefix-cached blocks. With n > 1 (or
         best_of) the request is `params.num_sequences` continuations: the first is returned, `seq.group`
         lists them all. They share the prompt's blocks when the pool is paged (Scheduler._fork); with
-        paged=False, kv_cache=False or an allocator that cannot fork, each is queued on its own."""
+        paged=False, kv_cache=False or an allocator that cannot fork, each is queued on its own.
+        `lora_request`: a minillm.LoRARequest (enable_lora=True), or None for the base model."""
         self._check_owner("add_request")
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params)
         validate_cache_salt(cache_salt)
+        self.validate_lora(lora_request)
         structured = params.structured_outputs
         matchers = [self.grammar_matcher(structured) if structured is not None else None
                     for _ in range(params.num_sequences)]   # all compiled before anything is queued
@@ -132,8 +158,9 @@ class Engine:
         group: list[Sequence] = []
         now = time.perf_counter()
         for index, grammar in enumerate(matchers):
-            seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id, cache_salt=cache_salt,
-                           grammar=grammar, index=index)
+            seq = Sequence(prompt_token_ids, params, prompt=prompt, request_id=request_id,
+                           cache_salt=prefix_salt(cache_salt, lora_request), grammar=grammar, index=index,
+                           lora_request=lora_request)
             seq.group = group
             request_id = request_id or seq.request_id   # the continuations share the first one's id
             if not params.greedy:   # continuation i draws with seed + i (vLLM's rule)

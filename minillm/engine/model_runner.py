@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import AttentionMetadata, resolve_backend
+from ..layers.lora import LoRABatch, LoRAWeights, build_batch, install_lora
 from ..layers.sampler import SamplingBatch, TorchSampler, token_logprobs
 from ..seams import Sampler
 from .block_manager import BlockManager
@@ -65,6 +66,8 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()   # set by the builder: banned until a request's min_tokens
         self.grammars = None   # a GrammarBackend (minillm/structured.py), made at the first structured request
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
+        self.lora: LoRAWeights | None = None       # set by enable_lora (enable_lora=True): the adapter slots
+        self.lora_registry = None                  # the engine's LoRARegistry: adapters by id
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend) -> None:
@@ -87,6 +90,23 @@ class ModelRunner:
             raise ValueError("cuda_graphs=True needs kv_cache=True")
         self.graphs = DecodeGraphs(self.model, self.device, self.block_manager.block_size, max_num_seqs,
                                    max_model_len, capture=capture)
+
+    def enable_lora(self, registry, max_loras: int, max_lora_rank: int, dtype: torch.dtype) -> None:
+        """enable_lora=True: hook the model's linear layers and allocate max_loras zeroed adapter slots."""
+        install_lora(self.model)
+        self.lora = LoRAWeights(self.model, max_loras, max_lora_rank, dtype, self.device)
+        self.lora_registry = registry
+
+    def prepare_lora(self, seqs: list[Sequence], query_lens: list[int]) -> LoRABatch | None:
+        """Each token's adapter slot (the scheduler gave each sequence its slot), with the SGMV segments;
+        an adapter whose slot another one occupied last is copied in first. None: no adapter in this step."""
+        if self.lora is None:
+            return None
+        slots = [s.lora_slot for s in seqs]
+        for seq in seqs:
+            if seq.lora_slot:
+                self.lora.load(seq.lora_slot, self.lora_registry.adapters[seq.lora_request.lora_int_id])
+        return build_batch(self.lora, slots, query_lens, self.device, self.triton_ops)
 
     def bind(self) -> None:
         """Point every attention layer at this runner's KV pool and backend.
@@ -165,12 +185,24 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self.prepare(seqs)
         if rows is not None:
             last_rows = [last_rows[i] for i in rows]
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self.forward(input_ids, positions, meta, self.prepare_lora(seqs, meta.query_lens))
         if prompt_logprobs:
             self._record_prompt_logprobs(seqs, hidden, positions)
         if len(last_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)]
         return self.model.compute_logits(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """The model's hidden states; with `lora`, the adapters' deltas are added for this pass only."""
+        if self.lora is None:
+            return self.model(input_ids, positions, meta)
+        context = self.model.lora_context
+        context.batch = lora
+        try:
+            return self.model(input_ids, positions, meta)
+        finally:
+            context.batch = None
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """prompt_logprobs=N: the log-probability of each prompt token after the ones before it, from the hidden

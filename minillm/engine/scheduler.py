@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..config import EngineConfig
+from ..lora import LoRASlots
 from ..seams import BlockAllocator, Forking, SchedulingPolicy, conforms
 from .sequence import Sequence, SequenceStatus
 
@@ -69,6 +70,8 @@ class Scheduler:
         self.forking = block_manager is not None and not block_manager.contiguous and conforms(block_manager, Forking)
         self.block_copies: list[tuple[int, int]] = []   # (source, copy) blocks to copy before the next step
         self.num_forks = 0
+        # enable_lora: which adapter occupies each of max_loras slots (a request on an adapter waits for a slot)
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs of the last schedule(), for the engine to copy (and forget)."""
@@ -156,6 +159,7 @@ class Scheduler:
             child.prefix_hit_tokens = seq.prefix_hit_tokens
             child.prompt_logprobs = list(seq.prompt_logprobs)
             child.first_scheduled_s = seq.first_scheduled_s
+            self._acquire_lora(child)   # the parent's adapter is resident: this only counts one more user
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
             self.num_forks += 1
@@ -166,14 +170,18 @@ class Scheduler:
         `prefix`: cached blocks holding its first tokens (shared, not fed again)."""
         bm = self.block_manager
         hit = len(prefix) * bm.block_size if prefix else 0
+        if not self._acquire_lora(seq):
+            return False  # every adapter slot is held by running requests: wait for one
         if bm is not None:
             need = self._reservation(seq, num_tokens, hit)
             if prefix:
                 if not bm.can_allocate_cached(prefix, need):
+                    self._release_lora(seq)
                     return False
                 seq.block_table = bm.allocate_cached(prefix, need)
             else:
                 if not bm.can_allocate(need):
+                    self._release_lora(seq)
                     return False  # wait for running requests to free their blocks
                 seq.block_table = bm.allocate(need)
         if self.prefix_caching:
@@ -189,6 +197,22 @@ class Scheduler:
         self.running.append(seq)
         seq.num_scheduled_tokens = num_tokens
         return True
+
+    def _acquire_lora(self, seq: Sequence) -> bool:
+        """A slot for the request's adapter, held while it runs; False when every slot is held by other
+        adapters' running requests (LRU eviction takes only a slot no running request uses)."""
+        if seq.lora_request is None or seq.lora_slot:
+            return True
+        slot = self.lora_slots.acquire(seq.lora_request.lora_int_id)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = 0
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Admit waiting requests (prefill) if any fit, else decode every running one.
@@ -308,6 +332,7 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.num_registered_blocks = 0
         seq.num_preemptions += 1
+        self._release_lora(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -317,6 +342,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        self._release_lora(seq)
         if seq.block_table and self.block_manager is not None:
             self.block_manager.free(seq.block_table)
             seq.block_table = []

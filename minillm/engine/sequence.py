@@ -50,6 +50,10 @@ class Sequence:
     pending_forks: list = field(default_factory=list, repr=False)
     # prefix caching (prefix_caching=True)
     cache_salt: str | None = None     # requests with different salts never share cached blocks
+    # LoRA (enable_lora=True): the request's adapter (a minillm.LoRARequest; None: the base model) and the slot
+    # its weights sit in while it runs (0: none; the scheduler acquires it at admission, releases it at the end)
+    lora_request: object | None = None
+    lora_slot: int = 0
     block_keys: list = field(default_factory=list)  # hash-chain key of each full block of token_ids
     num_registered_blocks: int = 0    # full blocks already offered to the prefix cache
     prefix_hit_tokens: int | None = None  # tokens served from the prefix cache at first admission

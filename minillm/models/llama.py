@@ -73,6 +73,17 @@ class DecoderLayer(nn.Module):
             return self.moe(x, use_triton=self.use_triton)
         return self.down_proj(self.down_input(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton)))
 
+    def lora_slices(self) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
+        """The fused linear layers LoRA adapters act on (layers/lora.py): attribute -> (in_features,
+        [(PEFT module name, first output column, width)]): q|k|v and gate|up share one matmul each."""
+        cfg, q, kv, inter = self.cfg, self.q_size, self.kv_size, self.cfg.intermediate_size
+        slices = {"qkv_proj": (cfg.hidden_size, [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]),
+                  "o_proj": (q, [("o_proj", 0, cfg.hidden_size)])}
+        if "gate_up_proj" in self._modules:   # a dense MLP (a mixture-of-experts layer has none)
+            slices["gate_up_proj"] = (cfg.hidden_size, [("gate_proj", 0, inter), ("up_proj", inter, inter)])
+            slices["down_proj"] = (inter, [("down_proj", 0, cfg.hidden_size)])
+        return slices
+
     def down_input(self, act: torch.Tensor) -> torch.Tensor:
         """SiLU-and-mul's output [T, intermediate] as down_proj takes it: rotated block by block when
         down_proj's weight was (quant/rotate.py), else as it is."""

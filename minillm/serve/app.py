@@ -117,6 +117,8 @@ class ParsedRequest:
     logprobs: bool = False                      # return logprobs in the response (params.logprobs = top N)
     echo: bool = False                          # completions: the prompt comes back before the completion
     echo_only: bool = False                     # echo with max_tokens=0: score the prompt, generate nothing
+    model: str | None = None                    # the `model` the client named (None: the base model)
+    lora_request: object | None = None          # the LoRARequest that name selects (--lora-modules); None: base
 
 
 def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
@@ -235,11 +237,13 @@ def _unknown_fields(body: dict, known: set[str]) -> None:
                        "ignored, so it is refused", unknown[0], "unknown_field")
 
 
-def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
+def _common(body: dict, model_name: str, loras: dict | None = None) -> tuple[bool, bool, bool]:
     model = body.get("model")
-    if model is not None and model != model_name:
-        raise ApiError(f"model={json.dumps(model)[:80]} is not served here; the served model is {model_name!r} "
-                       "(GET /v1/models lists it)", "model", "model_not_found")
+    if model is not None and model != model_name and model not in (loras or {}):
+        served = f"the served model is {model_name!r}" if not loras else \
+            f"the served models are {[model_name, *loras]} (the base model and its LoRA adapters)"
+        raise ApiError(f"model={json.dumps(model)[:80]} is not served here; {served} (GET /v1/models lists "
+                       f"{'them' if loras else 'it'})", "model", "model_not_found")
     if "messages" in body and body.get("best_of") is not None:
         raise ApiError("best_of is a field of /v1/completions; the chat API has n only", "best_of", "unsupported")
     n, best_of = _int(body, "n", 1), _int(body, "best_of")
@@ -259,11 +263,19 @@ def _common(body: dict, model_name: str) -> tuple[bool, bool, bool]:
     return stream, include_usage, _bool(body, "return_token_ids")
 
 
-def parse_completion(body: dict, model_name: str) -> ParsedRequest:
+def _select_model(req: ParsedRequest, body: dict, loras: dict | None) -> ParsedRequest:
+    """The request's `model` picks a LoRA adapter (--lora-modules) or the base model (its own name, or none)."""
+    req.model = body.get("model")
+    req.lora_request = (loras or {}).get(req.model)
+    return req
+
+
+def parse_completion(body: dict, model_name: str, loras: dict | None = None) -> ParsedRequest:
     if "prompt" not in body:
         raise ApiError("prompt is missing: give a string or a list of token ids", "prompt", "missing_field")
     _unknown_fields(body, COMPLETION_FIELDS)
-    stream, include_usage, return_ids = _common(body, model_name)
+    stream, include_usage, return_ids = _common(body, model_name, loras)
+    original = body
     prompt = body["prompt"]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:  # a batch of prompts
@@ -284,8 +296,8 @@ def parse_completion(body: dict, model_name: str) -> ParsedRequest:
     params, fill = _sampling(body, "max_tokens", default_max_tokens=16)  # OpenAI's default for completions
     if echo and params.logprobs is not None:
         params.prompt_logprobs = params.logprobs
-    return ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids,
-                         params.logprobs is not None, echo, echo_only)
+    return _select_model(ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids,
+                                       params.logprobs is not None, echo, echo_only), original, loras)
 
 
 def _message_text(i: int, content: Any) -> str:
@@ -302,12 +314,12 @@ def _message_text(i: int, content: Any) -> str:
     raise _bad_type(f"messages[{i}].content", content, "a string or a list of text parts")
 
 
-def parse_chat(body: dict, model_name: str) -> ParsedRequest:
+def parse_chat(body: dict, model_name: str, loras: dict | None = None) -> ParsedRequest:
     if "messages" not in body:
         raise ApiError("messages is missing: give a list like [{\"role\": \"user\", \"content\": \"Hi\"}]",
                        "messages", "missing_field")
     _unknown_fields(body, CHAT_FIELDS)
-    stream, include_usage, return_ids = _common(body, model_name)
+    stream, include_usage, return_ids = _common(body, model_name, loras)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise ApiError(f"modalities={json.dumps(modalities)[:80]}: only [\"text\"] is supported", "modalities",
@@ -329,8 +341,8 @@ def parse_chat(body: dict, model_name: str) -> ParsedRequest:
             raise _bad_type(f"messages[{i}].role", role, "a string such as \"system\", \"user\" or \"assistant\"")
         messages.append({"role": role, "content": _message_text(i, m.get("content"))})
     params, fill = _sampling(body, "max_completion_tokens", default_max_tokens=None)
-    return ParsedRequest("chat", {"messages": messages}, params, fill, stream, include_usage, return_ids,
-                         params.logprobs is not None)
+    return _select_model(ParsedRequest("chat", {"messages": messages}, params, fill, stream, include_usage,
+                                       return_ids, params.logprobs is not None), body, loras)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -381,8 +393,10 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
-    """The FastAPI app serving `async_engine` under the name `model_name`."""
+def build_app(async_engine: AsyncEngine, model_name: str, lora_modules: dict | None = None) -> FastAPI:
+    """The FastAPI app serving `async_engine` under the name `model_name`; `lora_modules` {name: LoRARequest}:
+    adapters a request selects with its `model` field (the engine needs enable_lora=True)."""
+    loras = dict(lora_modules or {})
     app = FastAPI(title="minillm", description="OpenAI-compatible API on the minillm engine")
     app.state.async_engine = async_engine
     app.state.model_name = model_name
@@ -440,7 +454,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
     async def admit(req: ParsedRequest, request_id: str) -> RequestStream:
         try:
             return await async_engine.add_request(req.params, request_id=request_id, fill_context=req.fill_context,
-                                                  **req.inputs)
+                                                  lora_request=req.lora_request, **req.inputs)
         except (ValueError, TypeError) as exc:
             raise _engine_error(exc, req) from None
         except EngineStoppedError as exc:
@@ -460,7 +474,7 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
         created = int(time.time())
         stream = await admit(req, request_id)
         base = {"id": request_id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-                "created": created, "model": model_name}
+                "created": created, "model": req.model if req.lora_request is not None else model_name}
         # Started here, not inside the SSE generator: a client that leaves before the first chunk is seen too.
         watcher = asyncio.create_task(watch_disconnect(request, stream))
         watchers.add(watcher)  # asyncio keeps only weak references to tasks
@@ -573,16 +587,19 @@ def build_app(async_engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(request, parse_completion(await read_body(request), model_name))
+        return await run(request, parse_completion(await read_body(request), model_name, loras))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, parse_chat(await read_body(request), model_name))
+        return await run(request, parse_chat(await read_body(request), model_name, loras))
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created_at,
-                                             "owned_by": "minillm", "max_model_len": async_engine.max_model_len}]}
+        base = {"id": model_name, "object": "model", "created": created_at, "owned_by": "minillm",
+                "root": model_name, "parent": None, "max_model_len": async_engine.max_model_len}
+        # vLLM's listing: each LoRA adapter under its name, its base model as "parent", its path as "root"
+        adapters = [{**base, "id": name, "root": lora.path, "parent": model_name} for name, lora in loras.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/health")
     async def health():

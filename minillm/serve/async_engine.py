@@ -98,6 +98,7 @@ class _Request:
     messages: list[dict] | None = None
     fill_context: bool = False       # max_tokens unset: run until EOS or the context is full
     cache_salt: str | None = None
+    lora_request: object | None = None   # a LoRARequest (enable_lora=True); None: the base model
     arrival_s: float = 0.0           # time.perf_counter() when the caller asked
     seq: "Sequence | None" = None    # the first continuation (seq.group: all of them)
     choices: list[_Choice] = field(default_factory=list)   # what each returned choice was sent
@@ -188,7 +189,7 @@ class AsyncEngine:
     async def add_request(self, params: SamplingParams, *, prompt: str | None = None,
                           prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
                           request_id: str | None = None, fill_context: bool = False,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request=None) -> RequestStream:
         """Queue one request (give exactly one of prompt, prompt_token_ids, messages) and wait until
         the engine thread admits it. A bad request raises ValueError / TypeError here with the engine's
         message; nothing was queued. `fill_context=True` replaces params.max_tokens by what the context
@@ -205,7 +206,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(_ids)}"
         request = _Request(request_id, loop, asyncio.Queue(), loop.create_future(), params, prompt=prompt,
                            prompt_token_ids=prompt_token_ids, messages=messages, fill_context=fill_context,
-                           cache_salt=cache_salt, arrival_s=time.perf_counter())
+                           cache_salt=cache_salt, lora_request=lora_request, arrival_s=time.perf_counter())
         self._commands.put(("add", request))
         try:
             num_prompt_tokens = await request.accepted
@@ -329,7 +330,7 @@ class AsyncEngine:
                                  f"the context (max_model_len) is {engine.max_model_len}, so max_tokens may be at "
                                  f"most {room}")
             request.seq = engine.add_request(ids, params, prompt=text, request_id=request.request_id,
-                                             cache_salt=request.cache_salt)
+                                             cache_salt=request.cache_salt, lora_request=request.lora_request)
         except (ValueError, TypeError) as exc:
             self.metrics.rejected += 1
             self._reply(request, error=exc)

@@ -21,7 +21,7 @@ from ..config import EngineConfig
 SCHEME = ("Every EngineConfig field is a flag: max_num_seqs -> --max-num-seqs 16; a bool -> --prefix-caching / "
           "--no-prefix-caching; an optional value takes 'none' (--max-model-len none). Flags left out keep "
           "EngineConfig's defaults.")
-SERVER_FLAGS = ("host", "port", "served_model_name", "log_level")
+SERVER_FLAGS = ("host", "port", "served_model_name", "log_level", "lora_modules")
 
 
 def _field_comments() -> dict[str, str]:
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the name clients pass as `model` (default: the model argument, or its directory name)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) served beside the base model: a request's `model` "
+                             "field selects one by NAME (implies --enable-lora)")
     engine = parser.add_argument_group("engine (every field of minillm.EngineConfig)", SCHEME)
     comments = _field_comments()
     for f in engine_fields():
@@ -106,17 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     kwargs = engine_kwargs(args)
+    if args.lora_modules:
+        if kwargs.get("enable_lora") is False:
+            print("minillm serve: --lora-modules needs --enable-lora (got --no-enable-lora)", file=sys.stderr)
+            return 2
+        kwargs["enable_lora"] = True
     try:
         import uvicorn
 
         from ..llm import LLM
         from .app import build_app
         from .async_engine import AsyncEngine
-        from .server import default_model_name
+        from .server import default_model_name, lora_modules_from
 
         model = kwargs.pop("model", None)
         llm = LLM(model, **kwargs)
         name = args.served_model_name or default_model_name(llm)
+        loras = lora_modules_from(args.lora_modules, llm, name)
         async_engine = AsyncEngine(llm)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ImportError, OSError) as exc:
         print(f"minillm serve: {exc}", file=sys.stderr)
@@ -128,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
           f"max_num_seqs {llm.config.max_num_seqs}\n  OpenAI base_url: http://{shown_host}:{args.port}/v1   "
           f"metrics: http://{shown_host}:{args.port}/metrics", flush=True)
     try:
-        config = uvicorn.Config(build_app(async_engine, name), host=args.host, port=args.port,
+        if loras:
+            print(f"  LoRA adapters (model=): {', '.join(f'{n} ({r.path})' for n, r in loras.items())}", flush=True)
+        config = uvicorn.Config(build_app(async_engine, name, loras), host=args.host, port=args.port,
                                 log_level=args.log_level, lifespan="off", timeout_graceful_shutdown=5)
         uvicorn.Server(config).run()
     finally:

@@ -55,13 +55,14 @@ class ServerHandle:
     """A running server: `.base_url` ("http://127.0.0.1:54321/v1") for OpenAI clients, `.url`, `.port`, `.close()`."""
 
     def __init__(self, llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", lora_modules=None):
         import uvicorn
 
         self.llm = llm
         self.model_name = model_name or default_model_name(llm)
+        self.lora_modules = lora_modules_from(lora_modules, llm, self.model_name)
         self.async_engine = AsyncEngine(llm)
-        self.app = build_app(self.async_engine, self.model_name)
+        self.app = build_app(self.async_engine, self.model_name, self.lora_modules)
         try:
             self._socket = _bind(host, port)
         except OSError:
@@ -113,6 +114,38 @@ class ServerHandle:
 
 
 def serve_in_thread(llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
-                    log_level: str = "warning") -> ServerHandle:
-    """Start the OpenAI-compatible server on `llm` in a background thread; returns once it accepts connections."""
-    return ServerHandle(llm, host, port, model_name, log_level)
+                    log_level: str = "warning", lora_modules=None) -> ServerHandle:
+    """Start the OpenAI-compatible server on `llm` in a background thread; returns once it accepts connections.
+    `lora_modules`: {name: path}, ["name=path", ...] or [LoRARequest, ...] (an LLM built with enable_lora=True): a
+    request's `model` field selects an adapter by its name."""
+    return ServerHandle(llm, host, port, model_name, log_level, lora_modules)
+
+
+def lora_modules_from(modules, llm: "LLM", model_name: str) -> dict:
+    """{name: LoRARequest} from {name: path} or ["name=path", ...] (vLLM's --lora-modules), ids 1, 2, ... in order;
+    each adapter is read and checked against the model now. ValueError naming a bad entry."""
+    from ..lora import LoRARequest
+
+    if not modules:
+        return {}
+    if not isinstance(modules, dict) and all(isinstance(m, LoRARequest) for m in modules):
+        requests = {m.lora_name: m for m in modules}   # LoRARequests as they are (their own ids)
+        for request in requests.values():
+            llm.engine.validate_lora(request)
+        return requests
+    if not isinstance(modules, dict):
+        pairs = {}
+        for entry in modules:
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules entry {entry!r} must be name=path")
+            if name in pairs:
+                raise ValueError(f"--lora-modules names {name!r} twice")
+            pairs[name] = path
+        modules = pairs
+    if model_name in modules:
+        raise ValueError(f"--lora-modules name {model_name!r} is the base model's name; give the adapter another")
+    requests = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(modules.items(), start=1)}
+    for request in requests.values():
+        llm.engine.validate_lora(request)
+    return requests
