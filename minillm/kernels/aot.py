@@ -52,6 +52,7 @@ def configurations():
     yield from _paged_configurations()
     yield from _quant_matmul_configurations()
     yield from _fused_moe_configurations()
+    yield from _lora_configurations()
 
 
 def _pointwise_configurations():
@@ -250,6 +251,30 @@ def _fused_moe_configurations():
                                   "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
                     yield (f"fused_moe[{dtype},{stage},{weights},BLOCK_M={block_m}]", fused_moe.fused_moe_kernel, sig,
                            constexprs, {"num_warps": num_warps, "num_stages": num_stages, "needs": _needs(dtype)})
+
+
+def _lora_configurations():
+    """Batched multi-LoRA: SGMV shrink (x A^T into fp32) and expand (y += (.) B^T). BLOCK_R is the rank padded to a
+    power of 2 (at least 16): 16 / 32 / 64 cover max_lora_rank 16 with up to 3 fused slices (q|k|v shrinks at 3 r);
+    sizes and strides are runtime arguments."""
+    from . import lora
+
+    for dtype in _FLOAT_TYPES:
+        for block_r in (16, 32, 64):
+            sig = {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "out_ptr": "*fp32", "seg_start_ptr": "*i32",
+                   "seg_len_ptr": "*i32", "seg_slot_ptr": "*i32", "stride_xt": "i32", "stride_as": "i32",
+                   "stride_ar": "i32", "stride_ot": "i32", "in_features": "i32", "rank": "i32",
+                   "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "DOT_IN_FP32": "constexpr"}
+            yield (f"lora_shrink[{dtype},BLOCK_R={block_r}]", lora.sgmv_shrink_kernel, sig,
+                   {"BLOCK_M": lora.LORA_BLOCK_M, "BLOCK_R": block_r, "BLOCK_K": lora.SHRINK_BLOCK_K,
+                    "DOT_IN_FP32": dtype == "fp32"}, {"num_warps": lora.LORA_NUM_WARPS, "needs": _needs(dtype)})
+            sig = {"inp_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "seg_start_ptr": "*i32",
+                   "seg_len_ptr": "*i32", "seg_slot_ptr": "*i32", "stride_it": "i32", "stride_bs": "i32",
+                   "stride_bn": "i32", "stride_yt": "i32", "out_features": "i32", "rank": "i32",
+                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "DOT_IN_FP32": "constexpr"}
+            yield (f"lora_expand[{dtype},BLOCK_R={block_r}]", lora.sgmv_expand_kernel, sig,
+                   {"BLOCK_M": lora.LORA_BLOCK_M, "BLOCK_N": lora.EXPAND_BLOCK_N, "BLOCK_R": block_r,
+                    "DOT_IN_FP32": dtype == "fp32"}, {"num_warps": lora.LORA_NUM_WARPS, "needs": _needs(dtype)})
 
 
 def skip_reason(options: dict, capability: int) -> str | None:
