@@ -342,3 +342,19 @@ def test_quantized_experts_stay_close_to_fp32(checkpoints, weight_dtype):
         b = [o.outputs[0].logprobs[0] for o in quant.generate(seqs, SamplingParams(max_tokens=1, logprobs=20))]
         diffs = [abs(x[t].logprob - y[t].logprob) for x, y in zip(a, b) for t in x if t in y]
         assert len(diffs) >= 30 and 0 < max(diffs) < 0.1, f"int8: log-probabilities moved by up to {max(diffs):.4f}"
+
+
+# ---------------------------------------------------------------- the benchmark
+def test_bench_moe_tables():
+    """python -m minillm.bench.moe's numbers: at batch 1 the MoE reads what a dense model of its active size
+    reads, from batch 32 on what one of its total size reads; the CPU run counts top_k experts at batch 1."""
+    from minillm.bench import moe as bench
+
+    rows = {r["batch"]: r for r in bench.model_h100(batches=(1, 4, 32))}
+    assert rows[1]["moe_tok_s"] == pytest.approx(rows[1]["dense_active_tok_s"])
+    assert rows[1]["moe_tok_s"] / rows[1]["dense_total_tok_s"] == pytest.approx(3.6, abs=0.1)
+    assert rows[32]["moe_tok_s"] == pytest.approx(rows[32]["dense_total_tok_s"], rel=1e-3)
+    assert rows[1]["moe_tok_s"] < rows[4]["moe_tok_s"] < rows[32]["moe_tok_s"]
+    measured = {r["batch"]: r for r in bench.measure_cpu(batches=(1, 6), prompt_len=4, tokens=3)}
+    assert measured[1]["experts_touched"] == 2 and measured[1]["steps"] == 2
+    assert 2 < measured[6]["experts_touched"] <= 8 and measured[6]["bytes"] > measured[1]["bytes"]
