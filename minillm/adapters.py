@@ -33,6 +33,8 @@ import time
 import warnings
 from pathlib import Path
 
+from .models.default import MANIFEST as MODEL_MANIFEST
+
 DATA_DIR = Path(__file__).resolve().parent / "data" / "adapters"
 MANIFEST = "minillm-adapter.json"
 # Bump when the training code changes in a way the key does not see (it sees the recipe and the data).
@@ -119,7 +121,7 @@ def _model_fingerprint(model_path: Path) -> str:
     """The base weights' identity: the conversion manifest's digests when there is one (the default
     model), else the bytes of config.json and the safetensors files."""
     digest = hashlib.blake2b(digest_size=16)
-    manifest = model_path / "minillm-manifest.json"
+    manifest = model_path / MODEL_MANIFEST
     if manifest.is_file():
         files = json.loads(manifest.read_text())["files"]
         digest.update(repr(sorted((name, info["sha256"]) for name, info in files.items())).encode())
