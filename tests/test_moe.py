@@ -95,6 +95,7 @@ def test_greedy_matches_transformers(checkpoints, name):
     path, hf, prompts, want = checkpoints[name]
     llm = LLM(path)
     assert llm.model_config.num_params == sum(p.numel() for p in hf.parameters())
+    assert llm.weight_bytes == 4 * llm.model_config.num_params
     assert generate(llm, prompts) == want
     assert_engine_idle(llm)
     chunked = LLM(path, chunked_prefill=True, max_num_batched_tokens=16)

@@ -102,8 +102,19 @@ def preset_config(model: str) -> ModelConfig:
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
-    """The equivalent transformers LlamaConfig keyword arguments (for `LlamaConfig(**...)`)."""
+    """The equivalent transformers config's keyword arguments: `LlamaConfig(**...)` for the dense families,
+    `AutoConfig.for_model(cfg.model_type, **...)` for any (Mixtral's and Qwen2-MoE's expert fields too)."""
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    moe = {}
+    if cfg.model_type == "mixtral":
+        moe = dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   intermediate_size=cfg.moe_intermediate_size)
+    elif cfg.model_type == "qwen2_moe":
+        moe = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                   qkv_bias=cfg.qkv_bias, attention_bias=False)
     return dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -111,7 +122,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias,
         bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
         rope_parameters=rope,  # transformers 5 (4.x took rope_theta / rope_scaling instead)
-    )
+    ) | moe   # the MoE fields last: Mixtral's intermediate_size is its experts' width
 
 
 def with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
