@@ -324,6 +324,8 @@ DELEGATED = {
     ("serve",): ("minillm.serve.cli", "an OpenAI-compatible HTTP server on the engine (every lever is a flag)"),
     ("bench", "serve"): ("minillm.bench.serve", "load generator against an OpenAI-compatible endpoint "
                                                  "(Poisson arrivals or fixed concurrency; vLLM-style report)"),
+    ("bench", "lora"): ("minillm.bench.lora", "one batch mixing N LoRA adapters vs merging each into the weights "
+                                               "and serving the groups one after another: tok/s and memory"),
     ("cost",): ("minillm.bench.cost", "$ per million output tokens as the levers stack, measured here, plotted"),
 }
 

@@ -176,7 +176,7 @@ def install_lora(model) -> LoRAContext:
     context = LoRAContext()
     for index, (layer, targets) in enumerate(zip(model.layers, lora_targets(model))):
         for attr in targets:
-            getattr(layer, attr).register_forward_hook(_hook(context, index, attr))
+            layer.get_submodule(attr).register_forward_hook(_hook(context, index, attr))
     model.__dict__["lora_context"] = context   # not a submodule: a plain attribute
     return context
 
