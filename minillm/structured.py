@@ -117,6 +117,9 @@ class GrammarBackend:
         return compiled
 
     def matcher(self, so: StructuredOutputs):
+        """A fresh matcher. Speculative decoding advances it through proposals and rolls it back
+        (apply_proposals, the draft loop): xgrammar >= 0.2.9's rollback is unlimited (its max_rollback_tokens
+        is deprecated, and warns when set), so nothing needs sizing for num_speculative_tokens."""
         return self.xgr.GrammarMatcher(self.compile(so))
 
     def apply(self, logits: torch.Tensor, matchers: list) -> None:
@@ -131,6 +134,49 @@ class GrammarBackend:
         width = min(logits.shape[-1], self.vocab_size)
         self.xgr.apply_token_bitmask_inplace(logits[:, :width] if width != logits.shape[-1] else logits,
                                              bitmask.to(logits.device), indices=rows)
+        self._count(t0, len(rows))
+
+    def apply_proposals(self, logits: torch.Tensor, matchers: list, proposals: list[list[int]]) -> None:
+        """Speculative verification: sequence i owns len(proposals[i]) + 1 consecutive rows of `logits` [R, V];
+        its row j is masked, in place, at its matcher's state after proposals[i][:j] (the matcher accepts the
+        proposals one by one and is rolled back at the end, so it is left where it was). From the first proposal
+        the grammar refuses (or after the one that terminated it, EOS), the later rows repeat the last mask: that
+        token's own row bans it, so neither it nor what follows can be kept. Rows of a None matcher are left."""
+        counts = [len(p) + 1 for p in proposals]
+        if sum(counts) != logits.shape[0]:
+            raise ValueError(f"apply_proposals: {logits.shape[0]} logits rows for proposals needing {sum(counts)}")
+        if all(m is None for m in matchers):
+            return
+        t0 = time.perf_counter()
+        bitmask = self.xgr.allocate_token_bitmask(logits.shape[0], self.info.vocab_size)
+        rows: list[int] = []
+        start = 0
+        for matcher, proposal, count in zip(matchers, proposals, counts):
+            if matcher is not None:
+                advanced, live = 0, True
+                try:
+                    for j in range(count):
+                        if j and live:
+                            if matcher.accept_token(proposal[j - 1]):
+                                advanced += 1
+                                live = not matcher.is_terminated()
+                            else:
+                                live = False
+                        if live:
+                            matcher.fill_next_token_bitmask(bitmask, start + j)
+                        else:
+                            bitmask[start + j] = bitmask[start + j - 1]
+                        rows.append(start + j)
+                finally:
+                    if advanced:
+                        matcher.rollback(advanced)
+            start += count
+        width = min(logits.shape[-1], self.vocab_size)
+        self.xgr.apply_token_bitmask_inplace(logits[:, :width] if width != logits.shape[-1] else logits,
+                                             bitmask.to(logits.device), indices=rows)
+        self._count(t0, len(rows))
+
+    def _count(self, t0: float, rows: int) -> None:
         self.mask_s += time.perf_counter() - t0
-        self.mask_rows += len(rows)
+        self.mask_rows += rows
         self.mask_steps += 1

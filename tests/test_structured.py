@@ -86,10 +86,16 @@ def test_a_bad_constraint_is_refused_and_the_engine_serves_on(default_llm, so, w
     assert_engine_idle(default_llm)
 
 
-def test_speculative_decoding_refuses_a_constraint_for_now(default_llm):
+def test_speculative_decoding_follows_a_constraint(default_llm):
+    """A speculative engine used to refuse constraints; now each verified position is masked at its own grammar
+    state, so the output is the plain engine's (tests/test_speculative_settings.py covers every setting)."""
     spec = default_llm.with_levers(speculative="ngram")
-    with pytest.raises(ValueError, match="structured_outputs with speculative decoding"):
-        spec.generate("x", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs(regex="[a-z]+")))
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="[a-z]+"))
+    want = default_llm.generate("x", params)[0].outputs[0]
+    got = spec.generate("x", params)[0].outputs[0]
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert got.text.isalpha() and got.text.islower(), got.text
+    assert_engine_idle(spec)
 
 
 def test_the_server_follows_response_format_for_twenty_prompts_streaming_and_not(default_llm):

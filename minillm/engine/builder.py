@@ -206,7 +206,7 @@ def build_speculator(config: EngineConfig, parts: EngineParts, runner: ModelRunn
                              f"the first layers of this {num_layers}-layer model")
         proposer = SelfDraftProposer(runner, draft_num_layers, stats)
     elif proposer is None:
-        proposer = DraftModelProposer(draft, stats)
+        proposer = DraftModelProposer(draft, stats, runner)
     verifier = parts.verifier if parts.verifier is not None else SpecVerifier()
     return Speculator(config.num_speculative_tokens, runner, block_manager, max_model_len, proposer, verifier, stats)
 

@@ -91,18 +91,6 @@ class Engine:
         bad_bias = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary range [0, {vocab - 1}]")
-        if self.speculator is not None:
-            unsupported = [name for name, on in (
-                ("prompt_logprobs", params.prompt_logprobs is not None),
-                ("logit_bias", bool(params.logit_bias)),
-                ("min_tokens", params.min_tokens > 0), ("presence_penalty", params.presence_penalty != 0),
-                ("frequency_penalty", params.frequency_penalty != 0),
-                ("repetition_penalty", params.repetition_penalty != 1),
-                ("structured_outputs", params.structured_outputs is not None)) if on]
-            if unsupported:
-                raise ValueError(f"{', '.join(unsupported)} with speculative decoding: not supported yet by this engine "
-                                 "(the verifier checks proposals against the unprocessed distribution); build it "
-                                 "with speculative=None for these requests")
         if params.num_sequences > self.config.max_num_seqs:
             which = f"best_of={params.best_of}" if params.best_of is not None else f"n={params.n}"
             raise ValueError(f"{which} continuations run side by side, but max_num_seqs={self.config.max_num_seqs}; "

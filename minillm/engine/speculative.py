@@ -13,16 +13,32 @@ One speculative step, for every decoding sequence of the batch at once:
 2. one target pass scores all of them: each sequence feeds its last token plus its proposals
    as a short extend chunk (the same path as a chunked prefill over the paged cache), and the
    logits of all k + 1 positions come back;
-3. verify (minillm/spec/verify.py): greedy keeps the agreeing prefix plus the target's own next
-   token, so the output equals the target alone; sampling uses rejection sampling, so the
-   output distribution equals the target's;
+3. verify (minillm/spec/verify.py) against the distribution the plain engine would sample from,
+   not the raw logits: row j of a sequence's k + 1 rows is processed as if proposals[:j] had
+   been emitted (one SamplingBatch row per position, the output so far plus proposals[:j], through
+   the sampler's own apply_penalties / processed_probs, all rows in one call): structured output's
+   grammar mask at that position, logit_bias, the min_tokens ban at that output length, the
+   repetition / frequency / presence penalties over the history including proposals[:j], then
+   temperature, min_p, top_k, top_p. Greedy keeps the agreeing prefix plus the target's own next
+   token (argmax of the processed row), so the output equals the target alone; sampling uses
+   rejection sampling against the processed rows, so the output distribution equals the
+   target's. A proposal that breaks the grammar has probability 0 in its own row, so it and
+   everything after it is rejected; the kept tokens are then accepted by the request's matcher;
 4. postprocess (Scheduler.postprocess_many): append the kept tokens, stop where a stop
    condition hits, and free the blocks that only held rejected positions. The K/V written for
    rejected positions inside a kept block are garbage past the sequence's length; the next
    step overwrites them.
 
+The model drafts ("self", "draft") draw from the same processed settings applied to the draft's
+logits (penalties over the history with the earlier drafts, the min_tokens ban, the grammar's mask
+as the matcher advances through the drafts, rolled back afterwards): the closer q is to the
+target's p, the more proposals are kept. Losslessness only needs each proposal to be drawn from the
+q handed to the verifier (or to be deterministic, with q = None).
+
 A sequence whose proposal is empty, or whose extra blocks do not fit, takes a plain one-token
-step inside the same pass. Proposals never run past max_tokens or max_model_len.
+step inside the same pass. Proposals never run past max_tokens or max_model_len. Logprobs are the
+raw target rows' (as on the plain path); the prefill, and so prompt_logprobs, is never
+speculative.
 """
 
 from __future__ import annotations
@@ -32,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.sampler import filter_logits, token_logprobs
+from ..layers.sampler import SamplingBatch, apply_penalties, processed_probs, token_logprobs
 from ..seams import Proposer, Verifier
 from ..spec.ngram import ngram_propose
 from ..spec.verify import greedy_verify, rejection_sample
@@ -83,25 +99,99 @@ class DraftWorker:
             self.block_manager.free(state.block_table)
 
 
-def draft_loop(seqs: list[Sequence], budgets: list[int], forward, stats: SpecStats) -> tuple[list[list[int]], list]:
+def sampling_rows(seqs: list[Sequence], outputs: list[list[int]], eos_token_ids=()) -> SamplingBatch:
+    """A SamplingBatch with one row per (sequence, output history) pair: the sequence's settings and generator, its
+    prompt, and the output as it would be at that position (the output so far followed by the proposals before
+    it), so the penalties and the min_tokens ban see what the plain engine would see there. A sequence may fill
+    several rows."""
+    eos = list(eos_token_ids)
+    return SamplingBatch([s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
+                         outputs, [([] if s.params.ignore_eos else eos) + list(s.params.stop_token_ids) for s in seqs])
+
+
+def _subset(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
+    return SamplingBatch([batch.params[r] for r in rows], [batch.generators[r] for r in rows],
+                         [batch.prompt_token_ids[r] for r in rows], [batch.output_token_ids[r] for r in rows],
+                         [batch.stop_token_ids[r] for r in rows])
+
+
+def process_rows(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int | None], torch.Tensor | None, list[int]]:
+    """What the plain sampler would do with each row, vectorised: -> (the argmax of the processed logits for
+    greedy rows, None for sampled ones; the processed probabilities [len(sampled), V] of the sampled rows or
+    None; the sampled rows' indices). The sampler module's apply_penalties / processed_probs do the work, so
+    there is one implementation of the settings."""
+    n = len(batch)
+    greedy = [r for r, p in enumerate(batch.params) if p.temperature == 0.0]
+    sampled = [r for r, p in enumerate(batch.params) if p.temperature != 0.0]
+    argmax: list[int | None] = [None] * n
+    if greedy:
+        rows = logits if len(greedy) == n else logits[greedy]
+        sub = batch if len(greedy) == n else _subset(batch, greedy)
+        for r, token in zip(greedy, apply_penalties(rows, sub).argmax(dim=-1).tolist()):
+            argmax[r] = token
+    probs = None
+    if sampled:
+        rows = logits if len(sampled) == n else logits[sampled]
+        probs = processed_probs(rows, batch if len(sampled) == n else _subset(batch, sampled))
+    return argmax, probs, sampled
+
+
+def draft_loop(seqs: list[Sequence], budgets: list[int], forward, stats: SpecStats,
+               target: ModelRunner | None = None) -> tuple[list[list[int]], list]:
     """Up to max(budgets) draft passes over the batch; pass j proposes token j of every sequence
     whose budget exceeds j. `forward(active, drafts, j) -> logits [len(active), vocab]`. Returns the
-    proposals and, for sampled sequences, the draft's probabilities [k_i, vocab]."""
+    proposals and, for sampled sequences, the draft's probabilities [k_i, vocab].
+
+    Each pass's logits are processed with the request's settings as the target's rows will be
+    (`target`: the target's runner, for its EOS ids and grammar backend): the grammar's mask at the
+    matcher's state after the earlier drafts (the matchers are rolled back at the end), logit_bias, the
+    min_tokens ban, the penalties over the history including the earlier drafts; greedy rows take the
+    argmax, sampled rows draw from the processed distribution, which is the q returned (the verifier
+    needs the q each proposal was drawn from)."""
     drafts: list[list[int]] = [[] for _ in seqs]
     probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for j in range(max(budgets, default=0)):
-        active = [i for i, b in enumerate(budgets) if b > j]
-        logits = forward(active, drafts, j)
-        stats.num_draft_passes += 1
-        for row, i in enumerate(active):
-            p = seqs[i].params
-            if p.temperature == 0.0:
-                drafts[i].append(int(logits[row].argmax()))
-            else:
-                q = filter_logits(logits[row], p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
-                drafts[i].append(int(torch.multinomial(q, 1, generator=seqs[i].generator).item()))
-                probs[i].append(q)
+    eos = target.eos_token_ids if target is not None else ()
+    grammars = target.grammars if target is not None else None
+    outputs = [list(seq.output_token_ids) for seq in seqs]   # before forward() feeds any draft
+    advanced = [0] * len(seqs)          # draft tokens each matcher accepted (rolled back at the end)
+    off_grammar = [False] * len(seqs)   # a draft the grammar refused (only when every token was masked)
+    try:
+        for j in range(max(budgets, default=0)):
+            active = [i for i, b in enumerate(budgets) if b > j]
+            logits = forward(active, drafts, j)
+            stats.num_draft_passes += 1
+            matchers = [_live(seqs[i].grammar) if grammars is not None and not off_grammar[i] else None
+                        for i in active]
+            if any(m is not None for m in matchers):
+                logits = logits.clone()
+                grammars.apply(logits, matchers)
+            argmax, q, sampled = process_rows(logits, sampling_rows([seqs[i] for i in active],
+                                                                    [outputs[i] + drafts[i] for i in active], eos))
+            q_row = {r: n for n, r in enumerate(sampled)}
+            for row, i in enumerate(active):
+                if row in q_row:
+                    dist = q[q_row[row]]
+                    drafts[i].append(int(torch.multinomial(dist, 1, generator=seqs[i].generator).item()))
+                    probs[i].append(dist)
+                else:
+                    drafts[i].append(argmax[row])
+                matcher = matchers[row]
+                if matcher is not None:
+                    if matcher.accept_token(drafts[i][-1]):
+                        advanced[i] += 1
+                    else:
+                        off_grammar[i] = True
+    finally:
+        for seq, n in zip(seqs, advanced):
+            if n:
+                seq.grammar.rollback(n)
     return drafts, [torch.stack(p) if p else None for p in probs]
+
+
+def _live(matcher):
+    """A matcher that can still give a mask: None for no grammar or a terminated one (it accepted EOS; the
+    sequence stops there, so the rows after it are never kept)."""
+    return matcher if matcher is not None and not matcher.is_terminated() else None
 
 
 class StatelessProposer:
@@ -150,7 +240,7 @@ class SelfDraftProposer(StatelessProposer):
             return model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)])
 
         try:
-            return draft_loop(seqs, budgets, forward, self.stats())
+            return draft_loop(seqs, budgets, forward, self.stats(), runner)
         finally:
             for seq, (n, cached, scheduled) in zip(seqs, saved):
                 del seq.token_ids[n:]
@@ -158,10 +248,12 @@ class SelfDraftProposer(StatelessProposer):
 
 
 class DraftModelProposer:
-    """speculative="draft": the second model of a DraftWorker, with its own pool and block tables."""
+    """speculative="draft": the second model of a DraftWorker, with its own pool and block tables.
+    `target`: the target's runner (its EOS ids and grammar backend process the draft's logits as the
+    target's will be; without it the draft samples from its settings minus the grammar and the EOS ban)."""
 
-    def __init__(self, worker: DraftWorker, stats: Callable[[], SpecStats]):
-        self.worker, self.stats = worker, stats   # stats(): the run's counters
+    def __init__(self, worker: DraftWorker, stats: Callable[[], SpecStats], target: ModelRunner | None = None):
+        self.worker, self.stats, self.target = worker, stats, target   # stats(): the run's counters
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
         """Pass 0 feeds each sequence the tokens its draft state has not cached yet (the whole prompt
@@ -199,7 +291,7 @@ class DraftModelProposer:
                 state.num_cached_tokens = len(state)
             return logits
 
-        return draft_loop(seqs, budgets, forward, self.stats())
+        return draft_loop(seqs, budgets, forward, self.stats(), self.target)
 
     def accepted(self, seq: Sequence, num_before: int, num_kept: int) -> None:
         """The draft cached the sequence and proposals 1..k-1; what stays valid is the sequence plus
@@ -210,6 +302,62 @@ class DraftModelProposer:
 
     def release(self, seq: Sequence) -> None:
         self.worker.release(seq)
+
+
+def accept_kept(seq: Sequence, tokens: list[int]) -> None:
+    """Advance the request's grammar matcher through the kept tokens, as the plain path accepts each sampled
+    token (nothing after it has terminated: the sequence stops there). A kept token the grammar refuses is an
+    error (a verifier that ignores the target rows?); it is never emitted.
+
+    The engine checks stop conditions after the whole run is appended, and a terminated matcher stops the
+    request at every token it checks: so EOS that ends the grammar after other kept tokens is not accepted (the
+    EOS rule stops the request at it all the same; with ignore_eos, _stop_at_grammar_ends keeps EOS first)."""
+    grammar = seq.grammar
+    for i, token in enumerate(tokens):
+        if grammar.is_terminated():
+            return
+        if not grammar.accept_token(token):
+            raise RuntimeError(f"request {seq.request_id}: token {token} breaks its grammar (a verifier that keeps "
+                               "a token the target's masked row gives probability 0?)")
+        if i and grammar.is_terminated() and not seq.params.ignore_eos:
+            grammar.rollback(1)
+            return
+
+
+def _stop_at_grammar_ends(seqs: list[Sequence], proposals: list[list[int]], draft_probs: list) -> list[bool]:
+    """ignore_eos with a grammar: the grammar's end (EOS) stops such a request only through its terminated
+    matcher, which must not be terminated while the engine checks the kept tokens before EOS. So its proposal
+    is cut at the first position where the grammar could end (where EOS is allowed), and if every proposal
+    before it is kept, the bonus token there is not drawn: EOS can only come as the first token of a step.
+    The cut depends on the tokens before that position only, so the output keeps the target's distribution
+    (the next step draws that position). Cuts `proposals` / `draft_probs` in place; -> which lose their bonus."""
+    no_bonus = [False] * len(seqs)
+    for i, seq in enumerate(seqs):
+        if seq.grammar is None or not seq.params.ignore_eos or not proposals[i] or seq.grammar.is_terminated():
+            continue
+        end = _grammar_end(seq.grammar, proposals[i])
+        if end is not None:
+            proposals[i] = proposals[i][:end]
+            if draft_probs[i] is not None:
+                draft_probs[i] = draft_probs[i][:end] if end else None
+            no_bonus[i] = end > 0
+    return no_bonus
+
+
+def _grammar_end(matcher, proposal: list[int]) -> int | None:
+    """The first j in 0..len(proposal) where the matcher, after proposal[:j], could end (is complete); None when
+    it cannot before the proposal leaves the grammar or runs out. The matcher is rolled back."""
+    advanced = 0
+    try:
+        for j in range(len(proposal) + 1):
+            if matcher.is_completed():
+                return j
+            if j == len(proposal) or not matcher.accept_token(proposal[j]):
+                return None
+            advanced += 1
+    finally:
+        if advanced:
+            matcher.rollback(advanced)
 
 
 class SpecVerifier:
@@ -260,11 +408,13 @@ class Speculator:
                 bm.grow(seq.block_table, len(seq) + budget)
             budgets.append(budget)
         proposals, draft_probs = self.proposer.propose(seqs, budgets)
+        proposals, draft_probs = list(proposals), list(draft_probs)
         for seq, proposal, budget in zip(seqs, proposals, budgets):
             if len(proposal) > budget:
                 raise ValueError(f"proposer {type(self.proposer).__name__} proposed {len(proposal)} tokens for "
                                  f"request {seq.request_id!r}; its budget was {budget} (num_speculative_tokens, "
                                  "max_tokens and max_model_len bound it)")
+        no_bonus = _stop_at_grammar_ends(seqs, proposals, draft_probs)
         # Feed last token + proposals: extend chunks that start at num_cached_tokens = len - 1.
         saved = [len(seq) for seq in seqs]
         for seq, proposal in zip(seqs, proposals):
@@ -284,23 +434,41 @@ class Speculator:
         finally:
             for seq, n in zip(seqs, saved):
                 del seq.token_ids[n:]
+        # Process every verified row as the plain sampler would at that position (module docstring, step 3).
+        row_seqs, row_outputs = [], []
+        for seq, proposal in zip(seqs, proposals):
+            output = seq.output_token_ids
+            for j in range(len(proposal) + 1):
+                row_seqs.append(seq)
+                row_outputs.append(output + proposal[:j])
+        processed = logits
+        grammars = runner.grammars
+        if grammars is not None and any(seq.grammar is not None for seq in seqs):
+            processed = logits.clone()   # logprobs stay the raw model's
+            grammars.apply_proposals(processed, [_live(seq.grammar) for seq in seqs], proposals)
+        argmax, probs, sampled = process_rows(processed, sampling_rows(row_seqs, row_outputs, runner.eos_token_ids))
+        first_sampled = {r: n for n, r in enumerate(sampled)}
         kept = []
-        greedy_ids = logits.argmax(dim=-1).tolist()
-        for seq, proposal, q, (a, b), n_before in zip(seqs, proposals, draft_probs, spans, saved):
+        for i, (seq, proposal, q, (a, b), n_before) in enumerate(zip(seqs, proposals, draft_probs, spans, saved)):
             p = seq.params
             if p.temperature == 0.0:
-                tokens = self.verifier.greedy(proposal, greedy_ids[a:b])
+                tokens = self.verifier.greedy(proposal, argmax[a:b])
             else:
-                probs = torch.stack([filter_logits(logits[r], p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
-                                     for r in range(a, b)])
-                tokens = self.verifier.sample(proposal, q, probs, seq.generator)
-            if p.logprobs is not None:   # row a + j of the target's logits scored the j-th kept token
+                first = first_sampled[a]   # a sequence's rows are consecutive, in the sampled rows too
+                tokens = self.verifier.sample(proposal, q, probs[first:first + b - a], seq.generator)
+            accepted = len(tokens) - 1
+            if no_bonus[i] and len(tokens) == len(proposal) + 1:
+                tokens, accepted = tokens[:-1], len(tokens) - 1   # every proposal kept; the bonus is not drawn
+            if seq.grammar is not None:
+                accept_kept(seq, tokens)
+            recorded = p.recorded_logprobs   # logprobs=N, or best_of's ranking (as on the plain path)
+            if recorded is not None:   # row a + j of the target's logits scored the j-th kept token
                 record_logprobs([seq] * len(tokens), tokens,
-                                token_logprobs(logits[a:a + len(tokens)], tokens, [p.logprobs] * len(tokens)))
+                                token_logprobs(logits[a:a + len(tokens)], tokens, [recorded] * len(tokens)))
             st = self.stats()
             st.num_passes += 1
             st.num_proposed += len(proposal)
-            st.num_accepted += len(tokens) - 1
+            st.num_accepted += accepted
             st.num_emitted += len(tokens)
             kept.append(tokens)
             if proposal:

@@ -13,6 +13,10 @@ on the whole batch at once (rows with different settings side by side), in vLLM'
    probability reaches top_p; the most likely token always stays), and one draw per row from the row's own
    ``torch.Generator`` (so a seeded request draws the same tokens batched or alone).
 
+Speculative decoding (minillm/engine/speculative.py) verifies against the same processing: one SamplingBatch row per
+verified position, its output history extended by the proposals before it, through :func:`apply_penalties` (greedy)
+and :func:`processed_probs` (sampled); its model drafts draw from the same processing of the draft's logits.
+
 The model's log-probabilities that ``logprobs=N`` returns are taken from the raw logits, before any of this
 (vLLM's default, and what OpenAI's ``logprobs`` report): :func:`token_logprobs`.
 """
@@ -140,7 +144,7 @@ def filter_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """One row ([V]) or a batch ([B, V]) with one setting -> temperature-scaled logits, filtered tokens at -inf
-    (the speculative verifier's target and draft distributions use this)."""
+    (tests and labs use it; the engine's paths go through processed_probs / sample)."""
     rows = logits if logits.dim() == 2 else logits.unsqueeze(0)
     b, dev = rows.shape[0], rows.device
     out = filter_batch(rows, torch.full((b,), float(temperature), device=dev), torch.full((b,), int(top_k), device=dev),
