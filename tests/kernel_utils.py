@@ -300,6 +300,26 @@ def case_silu_and_mul(shape, dtype, seq_len, device, gen):
     return Compared(silu_and_mul(gate_up, out=out), silu_and_mul_reference(gate_up))
 
 
+def case_fused_moe(shape, dtype, seq_len, device, gen, int8=False):
+    """37 tokens routed top-2 of 8 experts of width inter / 8 (fine-grained experts; a layer's weights
+    stay small to draw), float or int8 experts: the grouped-matmul kernel vs the loop over experts."""
+    from minillm.kernels.fused_moe import fused_moe, fused_moe_reference
+    from minillm.quant import quantize_int8
+
+    hidden, inter, experts, tokens = shape["hidden"], max(16, shape["inter"] // 8), 8, 37
+    x = _draw(gen, tokens, hidden, dtype=dtype, device=device)
+    w13 = _draw(gen, experts, 2 * inter, hidden, dtype=torch.float32, device=device, scale=hidden ** -0.5)
+    w2 = _draw(gen, experts, hidden, inter, dtype=torch.float32, device=device, scale=inter ** -0.5)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, generator=gen), -1).topk(2, dim=-1)
+    weights, ids = (weights / weights.sum(-1, keepdim=True)).to(device), ids.to(device)
+    if int8:
+        (q13, s13), (q2, s2) = [[torch.stack(t) for t in zip(*(quantize_int8(m) for m in w))] for w in (w13, w2)]
+        args, scales = (x, q13, q2, weights, ids), dict(w13_scale=s13, w2_scale=s2)
+    else:
+        args, scales = (x, w13.to(dtype), w2.to(dtype), weights, ids), {}
+    return Compared(fused_moe(*args, **scales), fused_moe_reference(*args, **scales))
+
+
 class KernelCase(NamedTuple):
     run: object               # (shape, dtype, seq_len, device, gen) -> Compared
     module: str               # its file in minillm/kernels
@@ -327,6 +347,8 @@ GPU_KERNEL_CASES = {
     "rmsnorm+residual": KernelCase(_partial(case_rmsnorm, residual=True), "rmsnorm", (), "hidden"),
     "rotary": KernelCase(case_rotary, "rotary", (), "attn"),
     "silu_and_mul": KernelCase(case_silu_and_mul, "activation", (), "inter"),
+    "fused_moe": KernelCase(case_fused_moe, "fused_moe", (), "inter"),
+    "fused_moe int8": KernelCase(_partial(case_fused_moe, int8=True), "fused_moe", (), "inter"),
 }
 
 
