@@ -148,6 +148,19 @@ def test_chat_and_stream_take_a_lora_request(lora_llm, requests_by_name):
     assert base != chat, "the adapter changes the chat answer"
 
 
+def test_parallel_sampling_forks_keep_the_adapter(lora_llm, requests_by_name):
+    """n = 3 on an adapter: the forked continuations share the prompt's blocks and its adapter slot; continuation i
+    equals a single request seeded seed + i on the same adapter."""
+    chef = requests_by_name["chef"]
+    params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=4, ignore_eos=True)
+    prompt = SHARED + "Invent a dish."
+    outs = lora_llm.generate(prompt, params, lora_request=chef)[0].outputs
+    singles = lora_llm.generate([prompt] * 3, [SamplingParams(temperature=0.9, seed=11 + i, max_tokens=4,
+                                                              ignore_eos=True) for i in range(3)], lora_request=chef)
+    assert [o.token_ids for o in outs] == [s.outputs[0].token_ids for s in singles]
+    assert lora_llm.engine.scheduler.num_forks >= 2 and lora_llm.engine.scheduler.lora_slots.refs == [0] * 4
+
+
 SHARED = ("You are a careful assistant. Answer in one short sentence, and do not add anything else. "
           "The question follows after this line.\n")
 
