@@ -20,6 +20,7 @@ Triton ops are on, else torch: for each adapter in the batch, its tokens' rows t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class LoRAContext:
 
     def __init__(self):
         self.batch: LoRABatch | None = None
+        self.hooked: weakref.WeakSet = weakref.WeakSet()   # the linear modules that add the delta
 
 
 def lora_targets(model) -> list[dict[str, tuple[int, list[tuple[str, int, int]]]]]:
@@ -169,15 +171,18 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, batch: LoRABatch, layer_ind
 
 
 def install_lora(model) -> LoRAContext:
-    """Hook every fused linear layer of `model` once (idempotent); returns the model's LoRAContext."""
+    """Hook every fused linear layer of `model` that is not hooked yet (a quantized copy's new layers are; a layer
+    is hooked once); returns the model's LoRAContext."""
     context = model.__dict__.get("lora_context")
-    if context is not None:
-        return context
-    context = LoRAContext()
+    if context is None:
+        context = LoRAContext()
+        model.__dict__["lora_context"] = context   # not a submodule: a plain attribute
     for index, (layer, targets) in enumerate(zip(model.layers, lora_targets(model))):
         for attr in targets:
-            layer.get_submodule(attr).register_forward_hook(_hook(context, index, attr))
-    model.__dict__["lora_context"] = context   # not a submodule: a plain attribute
+            module = layer.get_submodule(attr)
+            if module not in context.hooked:
+                module.register_forward_hook(_hook(context, index, attr))
+                context.hooked.add(module)
     return context
 
 
