@@ -500,8 +500,13 @@ def test_server_selects_adapters_by_model_name(lora_llm, requests_by_name, peft_
         serve_in_thread(lora_llm, lora_modules=["justaname"])
 
 
-def test_serve_cli_has_lora_modules_flag():
-    from minillm.serve.cli import build_parser
+def test_serve_cli_has_lora_modules_flag(capsys, tmp_path):
+    from minillm.serve.cli import build_parser, main
 
     args = build_parser().parse_args(["--lora-modules", "a=/x", "b=/y", "--max-loras", "2"])
     assert args.lora_modules == ["a=/x", "b=/y"] and args.max_loras == 2
+    # a bad adapter stops the server before it listens, naming it (--lora-modules implies --enable-lora)
+    assert main(["--model", "random:tiny-llama", "--lora-modules", f"bad={tmp_path / 'none'}", "--port", "0"]) == 2
+    assert "LoRA adapter 'bad'" in capsys.readouterr().err
+    assert main(["--model", "random:tiny-llama", "--lora-modules", "a=/x", "--no-enable-lora"]) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
