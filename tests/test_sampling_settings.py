@@ -78,6 +78,19 @@ def test_min_tokens_bans_stop_ids_only_until_reached():
     assert out[1].isfinite().all(), "three output tokens reached min_tokens=3: nothing is banned any more"
 
 
+def test_min_tokens_never_bans_the_last_allowed_tokens():
+    """A row where a grammar's mask left only stop tokens (the structure is complete) keeps them: the ban would
+    leave nothing to draw; the other rows of the batch are banned as usual."""
+    logits = torch.full((2, VOCAB), -math.inf)
+    logits[0, 1] = logits[0, 9] = 0.5            # row 0: only the stop ids are allowed
+    logits[1, 1] = logits[1, 3] = 0.5            # row 1: a stop id and one other token
+    params = SamplingParams(min_tokens=3, max_tokens=5)
+    out = apply_penalties(logits, SamplingBatch([params, params], [None, None], [[5], [5]], [[6], [6]],
+                                                [[1, 9], [1, 9]]))
+    assert out[0, 1] == out[0, 9] == 0.5 and out[0].isfinite().sum() == 2
+    assert out[1, 1] == -math.inf and out[1, 3] == 0.5 and out[1].isfinite().sum() == 1
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
     (1.0, -1, 1.0, 0.1), (0.7, 5, 1.0, 0.05), (1.3, -1, 0.8, 0.02), (1.0, 10, 0.9, 0.2), (0.5, 1, 1.0, 0.0)])
 def test_filters_match_a_plain_reference(temperature, top_k, top_p, min_p):

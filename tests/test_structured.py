@@ -86,6 +86,19 @@ def test_a_bad_constraint_is_refused_and_the_engine_serves_on(default_llm, so, w
     assert_engine_idle(default_llm)
 
 
+def test_a_complete_constraint_ends_the_request_before_min_tokens(default_llm):
+    """min_tokens bans EOS, but a choice that is complete allows nothing else: the constraint wins (with
+    ignore_eos too, and with speculative decoding), instead of a crash in the matcher."""
+    spec = default_llm.with_levers(speculative="ngram")
+    for llm in (default_llm, spec):
+        for ignore_eos in (False, True):
+            out = llm.generate("Is the sea salty? Answer:", SamplingParams(
+                max_tokens=12, min_tokens=6, ignore_eos=ignore_eos,
+                structured_outputs=StructuredOutputs(choice=["yes", "no"])))[0].outputs[0]
+            assert out.text in ("yes", "no") and out.finish_reason == "stop", (out.text, out.finish_reason, out.error)
+        assert_engine_idle(llm)
+
+
 def test_speculative_decoding_follows_a_constraint(default_llm):
     """A speculative engine used to refuse constraints; now each verified position is masked at its own grammar
     state, so the output is the plain engine's (tests/test_speculative_settings.py covers every setting)."""

@@ -203,10 +203,10 @@ class Engine:
         # a stop string is looked for where this token's text could complete one (text before min_tokens is not)
         search_from = max(0, seq.stop_checked_chars - max((len(s) for s in p.stop), default=1) + 1)
         seq.stop_checked_chars = len(seq.output_text)
+        if seq.grammar is not None and seq.grammar.is_terminated():   # complete: only EOS was allowed (even
+            return "stop"                                                # before min_tokens: nothing can follow)
         if seq.num_output_tokens < p.min_tokens:   # EOS and stop ids are banned by the sampler, stop strings wait
             return "length" if len(seq) >= self.max_model_len else None
-        if seq.grammar is not None and seq.grammar.is_terminated():   # complete: only EOS was allowed
-            return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:

@@ -3,7 +3,8 @@ on the whole batch at once (rows with different settings side by side), in vLLM'
 
 1. ``logit_bias``: added to the listed tokens' logits;
 2. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` banned (-inf) until the sequence has
-   ``min_tokens`` output tokens;
+   ``min_tokens`` output tokens (except in a row where nothing else is left: a structured output whose grammar
+   is complete allows only EOS, and ends there);
 3. penalties on the biased logits: ``repetition_penalty`` r on every token of the prompt or the output (a positive
    logit divided by r, a negative one multiplied: HF / vLLM / CTRL), then ``frequency_penalty`` f and
    ``presence_penalty`` p on the output tokens: ``logit -= f * count + p * (count > 0)`` (OpenAI's formula);
@@ -83,7 +84,15 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                           torch.tensor(v, device=device, dtype=logits.dtype), accumulate=True)
     if rows_ban:
         r, t = zip(*[(i, tok) for i in rows_ban for tok in batch.stop_token_ids[i] if 0 <= tok < vocab])
-        logits[torch.tensor(r, device=device), torch.tensor(t, device=device)] = NEG_INF
+        where = (torch.tensor(r, device=device), torch.tensor(t, device=device))
+        before = logits[where]
+        logits[where] = NEG_INF
+        # a row the ban would leave with no token at all (a grammar allows only EOS: its structure is complete)
+        # keeps its stop tokens: the constraint ends the request, min_tokens cannot extend it
+        emptied = torch.isneginf(logits[list(rows_ban)]).all(-1)
+        if bool(emptied.any()):
+            keep = emptied[torch.tensor([rows_ban.index(i) for i in r], device=device)]
+            logits[where] = torch.where(keep, before, logits[where])
     if rows_rep:
         seen = _token_counts(logits, rows_rep, [batch.prompt_token_ids[i] + batch.output_token_ids[i] for i in rows_rep]) > 0
         penalty = torch.tensor([params[i].repetition_penalty for i in rows_rep], device=device).unsqueeze(1)
