@@ -43,11 +43,13 @@ class LoRABatch:
 
 
 class LoRAContext:
-    """The model's current LoRA batch: set by the model runner around one forward pass, None otherwise."""
+    """The model's current LoRA batch: set by the model runner around one forward pass, None otherwise; and the
+    delta a lab plugged in (set_lora_delta), None for the built-in one."""
 
     def __init__(self):
         self.batch: LoRABatch | None = None
         self.hooked: weakref.WeakSet = weakref.WeakSet()   # the linear modules that add the delta
+        self.delta_fn = None
 
 
 def lora_targets(model) -> list[dict[str, tuple[int, list[tuple[str, int, int]]]]]:
@@ -170,6 +172,37 @@ def add_lora_delta(x: torch.Tensor, y: torch.Tensor, batch: LoRABatch, layer_ind
     return y
 
 
+def add_plugged_delta(fn, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch, layer_index: int,
+                      attr: str) -> torch.Tensor:
+    """y += fn(x2d, A [S, r, in], B [S, width, r], batch) per slice of the fused layer, in place."""
+    weights = batch.weights
+    a = weights.a[layer_index][attr]
+    _in, slices = weights.targets[layer_index][attr]
+    r = weights.max_rank
+    x2 = x.reshape(-1, x.shape[-1])
+    y2 = y.view(-1, y.shape[-1])
+    for i, ((name, offset, width), b) in enumerate(zip(slices, weights.b[layer_index][attr])):
+        delta = fn(x2, a[:, i * r:(i + 1) * r], b, batch)
+        if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (x2.shape[0], width):
+            shape = tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__
+            raise ValueError(f"the plugged LoRA delta returned {shape} for layer {layer_index} {name}; "
+                             f"expected a tensor of shape {(x2.shape[0], width)} (tokens, out_features)")
+        y2[:, offset:offset + width] += delta.to(y2.dtype)
+    return y
+
+
+def set_lora_delta(model, fn) -> None:
+    """Plug a lab's LoRA delta into `model`'s hooked layers: fn(x [T, in], a [S, r, in], b [S, out, r], batch) ->
+    the delta [T, out] of every token (batch: the step's LoRABatch, with token_slots and the segments; slot 0 holds
+    zeros). It replaces the built-in delta (torch or Triton) for every engine sharing the model; None restores it."""
+    context = model.__dict__.get("lora_context")
+    if context is None:
+        raise ValueError("set_lora_delta: this model has no LoRA hooks; build the LLM with enable_lora=True")
+    if fn is not None and not callable(fn):
+        raise ValueError(f"set_lora_delta: fn={fn!r} must be a function (x, a, b, batch) -> delta, or None")
+    context.delta_fn = fn
+
+
 def install_lora(model) -> LoRAContext:
     """Hook every fused linear layer of `model` that is not hooked yet (a quantized copy's new layers are; a layer
     is hooked once); returns the model's LoRAContext."""
@@ -191,5 +224,7 @@ def _hook(context: LoRAContext, layer_index: int, attr: str):
         batch = context.batch
         if batch is None:
             return None
+        if context.delta_fn is not None:
+            return add_plugged_delta(context.delta_fn, inputs[0], output, batch, layer_index, attr)
         return add_lora_delta(inputs[0], output, batch, layer_index, attr)
     return add_delta

@@ -144,15 +144,22 @@ class SparseMoeBlock(nn.Module):
         self.shared_down = Linear(shared, cfg.hidden_size) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared else None
         self.pending_tokens: torch.Tensor | None = None   # [E] tokens routed since the last pop_expert_tokens
+        self.route_fn = None     # a lab's routing / dispatch (set_moe_functions); None: the built-in ones
+        self.experts_fn = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k], expert ids [T, k])."""
+        if self.route_fn is not None:
+            return self.route_fn(linear(x, self.gate.weight), self.top_k)
         return route(linear(x, self.gate.weight), self.top_k, self.normalize, self.weights_in_logits_dtype)
 
     def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
         weights, ids = self.route(x)
         self._count(ids)
-        out = self.experts(x, weights, ids, use_triton=use_triton)
+        if self.experts_fn is not None:
+            out = self.experts_fn(x, weights, ids, self.experts.w13, self.experts.w2).to(x.dtype)
+        else:
+            out = self.experts(x, weights, ids, use_triton=use_triton)
         if self.shared_gate_up is not None:
             shared = self.shared_down(silu_and_mul(self.shared_gate_up(x), use_triton=use_triton))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -182,6 +189,26 @@ class SparseMoeBlock(nn.Module):
 def moe_blocks(model) -> list[SparseMoeBlock]:
     """The model's MoE blocks, in layer order ([] for a dense model)."""
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def set_moe_functions(model, route=None, experts=None) -> int:
+    """Plug a lab's routing and expert dispatch into every MoE block of `model` (every engine sharing it):
+    route(router_logits [T, E], top_k) -> (weights [T, k], expert ids [T, k]) and
+    experts(x [T, H], weights [T, k], ids [T, k], w13 [E, 2I, H], w2 [E, H, I]) -> [T, H]; None restores the
+    built-in one. Mixtral-style blocks only (renormalised top-k, no shared expert, unquantized experts).
+    Returns the number of blocks."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError("set_moe_functions: this model has no MoE blocks (a dense model)")
+    for name, fn in (("route", route), ("experts", experts)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"set_moe_functions: {name}={fn!r} must be a function or None")
+    if any(not b.normalize or b.shared_gate_up is not None or isinstance(b.experts, QuantizedExperts) for b in blocks):
+        raise ValueError("set_moe_functions: Mixtral-style MoE only (renormalised top-k, no shared expert, "
+                         "experts in the model dtype); this model's blocks are not")
+    for block in blocks:
+        block.route_fn, block.experts_fn = route, experts
+    return len(blocks)
 
 
 def pop_expert_tokens(model) -> list[list[int]] | None:
