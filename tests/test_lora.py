@@ -172,15 +172,14 @@ def test_mixed_batch_with_chunked_prefill_and_prefix_caching_equals_each_request
                                 max_loras=2)
     names = [None, "sql", "poet", "chef"]
     prompts, loras = [], []
-    for i, question in enumerate(["Why is the sky blue?", "What is 2 + 2?", "Who wrote Hamlet?",
-                                  "Where is Peru?", "What is rust?", "How do birds fly?"]):
+    for i, question in enumerate(["Why is the sky blue?", "What is 2 + 2?", "Who wrote Hamlet?", "Where is Peru?"]):
         for j in range(2):
             name = names[(i + j) % len(names)]
             prompts.append(SHARED + question)   # the same prompt on two adapters: cached blocks must not mix
             loras.append(requests_by_name[name] if name else None)
-    outs = busy.generate(prompts, greedy(6), lora_request=loras)
+    outs = busy.generate(prompts, greedy(5), lora_request=loras)
     for prompt, lora, out in zip(prompts, loras, outs):
-        alone = lora_llm.generate(prompt, greedy(6), lora_request=lora)[0].outputs[0].token_ids
+        alone = lora_llm.generate(prompt, greedy(5), lora_request=lora)[0].outputs[0].token_ids
         assert out.outputs[0].token_ids == alone, f"{lora and lora.lora_name}: {prompt[-20:]!r}"
     slots = busy.engine.scheduler.lora_slots
     assert slots.refs == [0, 0, 0] and slots.num_evictions >= 1, (slots.refs, slots.num_evictions)
