@@ -300,11 +300,12 @@ def case_silu_and_mul(shape, dtype, seq_len, device, gen):
     return Compared(silu_and_mul(gate_up, out=out), silu_and_mul_reference(gate_up))
 
 
-def case_fused_moe(shape, dtype, seq_len, device, gen, int8=False):
+def case_fused_moe(shape, dtype, seq_len, device, gen, int8=False, int4=False):
     """37 tokens routed top-2 of 8 experts of width inter / 8 (fine-grained experts; a layer's weights
-    stay small to draw), float or int8 experts: the grouped-matmul kernel vs the loop over experts."""
-    from minillm.kernels.fused_moe import fused_moe, fused_moe_reference
-    from minillm.quant import quantize_int8
+    stay small to draw), float, int8 or int4 (groups of 32) experts: the grouped-matmul kernel vs the loop
+    over experts."""
+    from minillm.kernels.fused_moe import ExpertWeights, fused_moe, fused_moe_reference
+    from minillm.quant import pack_int4, quantize_int4, quantize_int8
 
     hidden, inter, experts, tokens = shape["hidden"], max(16, shape["inter"] // 8), 8, 37
     x = _draw(gen, tokens, hidden, dtype=dtype, device=device)
@@ -315,9 +316,18 @@ def case_fused_moe(shape, dtype, seq_len, device, gen, int8=False):
     if int8:
         (q13, s13), (q2, s2) = [[torch.stack(t) for t in zip(*(quantize_int8(m) for m in w))] for w in (w13, w2)]
         args, scales = (x, q13, q2, weights, ids), dict(w13_scale=s13, w2_scale=s2)
+    elif int4:
+        def pack(w):
+            parts = [quantize_int4(torch.nn.functional.pad(m, (0, (-m.shape[1]) % 32)), 32) for m in w]
+            return ExpertWeights(*(torch.stack(t) for t in zip(*((pack_int4(q), s, z) for q, s, z in parts))), 32)
+
+        args, scales = (x, pack(w13), pack(w2), weights, ids), {}
     else:
         args, scales = (x, w13.to(dtype), w2.to(dtype), weights, ids), {}
-    return Compared(fused_moe(*args, **scales), fused_moe_reference(*args, **scales))
+    # the reference in fp32 on the same inputs and weights (the kernel accumulates in fp32; a bf16 loop
+    # rounds after every op and drifts further from both)
+    exact = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return Compared(fused_moe(*args, **scales), fused_moe_reference(*exact, **scales).to(dtype))
 
 
 class KernelCase(NamedTuple):
@@ -349,6 +359,7 @@ GPU_KERNEL_CASES = {
     "silu_and_mul": KernelCase(case_silu_and_mul, "activation", (), "inter"),
     "fused_moe": KernelCase(case_fused_moe, "fused_moe", (), "inter"),
     "fused_moe int8": KernelCase(_partial(case_fused_moe, int8=True), "fused_moe", (), "inter"),
+    "fused_moe int4": KernelCase(_partial(case_fused_moe, int4=True), "fused_moe", (), "inter"),
 }
 
 

@@ -219,6 +219,29 @@ def test_fused_moe_int8_experts_match_reference(shape, dtype):
     assert err <= allowed, f"int8 fused_moe {shape} {dtype}: max error {err} > {allowed}"
 
 
+@pytest.mark.parametrize("shape,group", [(KERNEL_SHAPES[1], 16), (KERNEL_SHAPES[2], 32), (KERNEL_SHAPES[3], 32)],
+                         ids=["T7-E3-k2-H40-I24-g16", "T37-E7-k3-H72-I56-g32", "T13-E9-k2-H48-I40-g32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_int4_experts_match_reference(shape, group, dtype):
+    """int4 experts in groups (H and I padded up to the group where they are not multiples of it)."""
+    from minillm.quant import pack_int4, quantize_int4
+
+    x, w13, w2, weights, ids = _moe_inputs(*shape, torch.float32, seed=sum(shape) + 2)
+
+    def int4(w):
+        parts = [quantize_int4(torch.nn.functional.pad(m, (0, (-m.shape[1]) % group)), group) for m in w]
+        return fm.ExpertWeights(torch.stack([pack_int4(q) for q, _, _ in parts]), torch.stack([s for _, s, _ in parts]),
+                                torch.stack([z for _, _, z in parts]), group)
+
+    x = x.to(dtype)
+    got = fm.fused_moe(x, int4(w13), int4(w2), weights, ids)
+    want = fm.fused_moe_reference(x, int4(w13), int4(w2), weights, ids)
+    err, allowed = max_error(got, want, {**TOLERANCE, torch.float32: 1e-5})
+    assert err <= allowed, f"int4 fused_moe {shape} g{group} {dtype}: max error {err} > {allowed}"
+    with pytest.raises(ValueError, match="must be padded to a multiple of group_size"):
+        fm.fused_moe(x, int4(w13)._replace(group_size=group // 2 + 1), int4(w2), weights, ids)
+
+
 def test_moe_align_groups_pairs_by_expert():
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_experts, top_k, block_m = 29, 6, 2, 16
@@ -244,7 +267,7 @@ def test_fused_moe_rejects_bad_inputs():
     x, w13, w2, weights, ids = _moe_inputs(4, 3, 2, 16, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="do not match"):
         fm.fused_moe(x[:, :15], w13, w2, weights, ids)
-    with pytest.raises(ValueError, match="int8 w13 and w2 both need their scales"):
+    with pytest.raises(ValueError, match=r"int8 w13 \[E, 16, 16\] needs its scale \[E, 16\]"):
         fm.fused_moe(x, w13.to(torch.int8), w2.to(torch.int8), weights, ids)
     with pytest.raises(ValueError, match="must both be"):
         fm.fused_moe(x, w13, w2, weights[:, :1], ids)
@@ -333,8 +356,8 @@ def test_quantized_experts_stay_close_to_fp32(checkpoints, weight_dtype):
         want_out, got_out = float_block(x), block(x)
         err = float((got_out - want_out).norm() / want_out.norm())
         assert 0 < err < BLOCK_ERROR[weight_dtype], f"{weight_dtype} MoE block: relative error {err:.4f}"
-        if weight_dtype == "int8":   # the Triton kernel reads the int8 experts as stored: same as dequantizing
-            torch.testing.assert_close(block(x, use_triton=True), got_out, rtol=1e-4, atol=1e-5)
+        # the Triton kernel reads the experts as stored (interpreter): the same as dequantizing them
+        torch.testing.assert_close(block(x, use_triton=True), got_out, rtol=1e-4, atol=1e-5)
     outs = generate(quant, prompts, 4)   # and the engine runs it
     assert all(len(o) == 4 for o in outs)
     if weight_dtype == "int8":   # next-token log-probabilities of the whole int8 model within 0.1 of fp32

@@ -227,8 +227,8 @@ def _quant_matmul_configurations():
 
 def _fused_moe_configurations():
     """The fused-MoE grouped matmul (kernels/fused_moe.py): the gate/up launch (GATED, SwiGLU fused) and the
-    down launch (routing weights applied), float or int8 experts, BLOCK_M 16 (decode) and 64, per dtype.
-    E, N, K and the pair count are runtime arguments."""
+    down launch (routing weights applied), float, int8 or int4 experts, BLOCK_M 16 (decode) and 64, per dtype.
+    E, N, K, the group size and the pair count are runtime arguments."""
     import torch
 
     from . import fused_moe
@@ -236,18 +236,19 @@ def _fused_moe_configurations():
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for dtype in _FLOAT_TYPES:
         block_n, block_k, num_warps, num_stages = fused_moe.MOE_LAUNCH[torch_dtypes[dtype]]
-        for weights, w_type in (("float", f"*{dtype}"), ("int8", "*i8")):
+        for weights, w_type, fmt in (("float", f"*{dtype}", 0), ("int8", "*i8", 1), ("int4", "*u8", 2)):
             for stage, gated in (("gate_up", True), ("down", False)):
                 for block_m in fused_moe.MOE_BLOCK_MS:
-                    sig = {"a_ptr": f"*{dtype}", "b_ptr": w_type, "b_scale_ptr": "*fp32", "c_ptr": f"*{dtype}",
-                           "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "tile_experts_ptr": "*i32",
-                           "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i32", "stride_be": "i32",
-                           "stride_bn": "i32", "stride_cm": "i32", "stride_se": "i32",
+                    sig = {"a_ptr": f"*{dtype}", "b_ptr": w_type, "b_scale_ptr": "*fp32", "b_zero_ptr": "*fp32",
+                           "c_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                           "tile_experts_ptr": "*i32", "N": "i32", "K": "i32", "Kp": "i32", "group_size": "i32",
+                           "num_pairs": "i32", "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32",
+                           "stride_cm": "i32", "stride_se": "i32", "stride_sn": "i32",
                            "A_ROWS_PER": "constexpr", "GATED": "constexpr", "MUL_ROUTED_WEIGHT": "constexpr",
-                           "WEIGHT_INT8": "constexpr", "DOT_IN_FP32": "constexpr", "BLOCK_M": "constexpr",
+                           "WEIGHT_FORMAT": "constexpr", "DOT_IN_FP32": "constexpr", "BLOCK_M": "constexpr",
                            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
                     constexprs = {"A_ROWS_PER": 2 if gated else 1, "GATED": gated, "MUL_ROUTED_WEIGHT": not gated,
-                                  "WEIGHT_INT8": weights == "int8", "DOT_IN_FP32": dtype == "fp32",
+                                  "WEIGHT_FORMAT": fmt, "DOT_IN_FP32": dtype == "fp32",
                                   "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
                     yield (f"fused_moe[{dtype},{stage},{weights},BLOCK_M={block_m}]", fused_moe.fused_moe_kernel, sig,
                            constexprs, {"num_warps": num_warps, "num_stages": num_stages, "needs": _needs(dtype)})

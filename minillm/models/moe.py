@@ -12,7 +12,7 @@ Experts are stored stacked, w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, 
 the dispatch is the torch loop over experts (kernels/fused_moe.py experts_reference) or the Triton
 fused-MoE kernel (use_triton, the model's use_triton_ops). The weight_dtype lever quantizes each
 expert matrix (QuantizedExperts): the torch path dequantizes the experts a step hits, the Triton
-kernel reads int8 experts as they are stored (int4 / fp8 experts take the torch path).
+kernel reads int8 and int4 experts as they are stored (fp8 experts take the torch path).
 
 Each block counts the tokens routed to each expert in every forward; the engine takes the counts
 after each step (pop_expert_tokens) into StepStats.expert_tokens.
@@ -117,11 +117,13 @@ class QuantizedExperts(nn.Module):
         return self._dequantize("w13", e, dtype), self._dequantize("w2", e, dtype)
 
     def forward(self, x, topk_weights, topk_ids, use_triton: bool = False) -> torch.Tensor:
-        if use_triton and self.weight_dtype == "int8":   # int4 / fp8 experts: the torch loop
+        if use_triton and self.weight_dtype in ("int8", "int4"):   # fp8 experts: the torch loop
             from ..kernels import fused_moe
 
-            return fused_moe.fused_moe(x, self.w13_0, self.w2_0, topk_weights, topk_ids,
-                                       w13_scale=self.w13_1, w2_scale=self.w2_1)
+            w13, w2 = ((fused_moe.ExpertWeights(getattr(self, f"{name}_0"), getattr(self, f"{name}_1"),
+                                                getattr(self, f"{name}_2", None), self.group_size))
+                       for name in ("w13", "w2"))
+            return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
         return _experts_loop(x, topk_weights, topk_ids, self)
 
     def extra_repr(self) -> str:
