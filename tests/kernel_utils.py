@@ -330,6 +330,36 @@ def case_fused_moe(shape, dtype, seq_len, device, gen, int8=False, int4=False):
     return Compared(fused_moe(*args, **scales), fused_moe_reference(*exact, **scales).to(dtype))
 
 
+def case_lora(shape, dtype, seq_len, device, gen, decode=False):
+    """Batched multi-LoRA on a fused q|k|v-like layer of width 3 x hidden, 4 adapters of rank 16 (slot 0: none):
+    SGMV shrink then expand per slice, on three prompt segments (one without an adapter) or 32 decode tokens,
+    against the gather + bmm reference (fp32 on the same inputs)."""
+    from minillm.kernels.lora import lora_delta_reference, sgmv_expand, sgmv_shrink, token_slots_from_segments
+
+    hidden, rank, slots = shape["hidden"], 16, 5
+    runs = [(1, 1 + i % 4) for i in range(32)] if decode else [(seq_len // 2, 2), (7, 0), (seq_len // 3, 4)]
+    starts = torch.tensor([sum(n for n, _ in runs[:i]) for i in range(len(runs))], dtype=torch.int32)
+    lens = torch.tensor([n for n, _ in runs], dtype=torch.int32)
+    seg_slots = torch.tensor([s for _, s in runs], dtype=torch.int32)
+    tokens = int(lens.sum())
+    x = _draw(gen, tokens, hidden, dtype=dtype, device=device)
+    a = _draw(gen, slots, 3 * rank, hidden, dtype=dtype, device=device, scale=hidden ** -0.5)
+    b = _draw(gen, slots, 3 * hidden, rank, dtype=dtype, device=device, scale=0.25)
+    a[0], b[0] = 0, 0
+    y0 = _draw(gen, tokens, 3 * hidden, dtype=dtype, device=device)
+    starts, lens, seg_slots = starts.to(device), lens.to(device), seg_slots.to(device)
+    mid = sgmv_shrink(x, a, starts, lens, seg_slots, int(lens.max()))
+    got = y0.clone()
+    want = y0.float()
+    token_slots = token_slots_from_segments(tokens, starts, lens, seg_slots)
+    for i in range(3):   # q, k, v: slice i of the rank and of the output
+        cols = slice(i * hidden, (i + 1) * hidden)
+        b_slice = b[:, cols].contiguous()
+        sgmv_expand(mid[:, i * rank:(i + 1) * rank], b_slice, got[:, cols], starts, lens, seg_slots, int(lens.max()))
+        want[:, cols] += lora_delta_reference(x, a[:, i * rank:(i + 1) * rank], b_slice, token_slots)
+    return Compared(got, want.to(dtype))
+
+
 class KernelCase(NamedTuple):
     run: object               # (shape, dtype, seq_len, device, gen) -> Compared
     module: str               # its file in minillm/kernels
@@ -360,6 +390,8 @@ GPU_KERNEL_CASES = {
     "fused_moe": KernelCase(case_fused_moe, "fused_moe", (), "inter"),
     "fused_moe int8": KernelCase(_partial(case_fused_moe, int8=True), "fused_moe", (), "inter"),
     "fused_moe int4": KernelCase(_partial(case_fused_moe, int4=True), "fused_moe", (), "inter"),
+    "lora sgmv prefill": KernelCase(case_lora, "lora", (), "hidden"),
+    "lora sgmv decode": KernelCase(_partial(case_lora, decode=True), "lora", (), "hidden"),
 }
 
 
