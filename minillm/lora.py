@@ -253,10 +253,6 @@ class LoRASlots:
             raise ValueError(f"LoRA slot {slot} is not held (slots 1..{self.max_loras}, refs {self.refs[1:]})")
         self.refs[slot] -= 1
 
-    def can_acquire(self, adapter_id: int) -> bool:
-        return adapter_id in self.slot_of or any(o is None for o in self.occupant[1:]) or \
-            any(self.refs[s] == 0 for s in self.lru)
-
     @property
     def resident(self) -> dict[int, int]:
         """adapter id -> slot, for the adapters loaded now."""
