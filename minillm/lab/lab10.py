@@ -398,7 +398,7 @@ def _dispatch_hint(got, x, weights, ids, w13, w2) -> str:
         return "multiply each expert's output by the token's routing weight for it"
     if close(reference_dispatch(x, weights, ids, torch.cat([w13[:, w13.shape[1] // 2:], w13[:, :w13.shape[1] // 2]], 1), w2)):
         return "w13 holds the gate rows first, then the up rows: gate, up = (x @ w13[e].T).chunk(2, dim=-1)"
-    if close(reference_dispatch(x[:, :], weights[:, :1], ids[:, :1], w13, w2)):
+    if close(reference_dispatch(x, weights[:, :1], ids[:, :1], w13, w2)):
         return "each token has top_k experts: loop over all k columns of ids, not only the first"
     if ids.shape[1] > 1 and close(_last_write_wins(x, weights, ids, w13, w2)):
         return "a token's k expert outputs add up: index_add_ (or +=), not an assignment that keeps the last one"
