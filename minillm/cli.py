@@ -326,6 +326,8 @@ DELEGATED = {
                                                  "(Poisson arrivals or fixed concurrency; vLLM-style report)"),
     ("bench", "lora"): ("minillm.bench.lora", "one batch mixing N LoRA adapters vs merging each into the weights "
                                                "and serving the groups one after another: tok/s and memory"),
+    ("bench", "many-models"): ("minillm.bench.many_models", "multi-LoRA batched vs merge-and-swap, then MoE bytes "
+                                                             "read per decode step vs batch size, in one run"),
     ("cost",): ("minillm.bench.cost", "$ per million output tokens as the levers stack, measured here, plotted"),
 }
 
