@@ -66,6 +66,25 @@ def notebook_functions(master: Path, *names: str, **namespace) -> dict:
     return {name: scope[name] for name in names}
 
 
+def assert_master_structure(master: Path, exercises: set[str], graded: dict[str, int], points: int) -> None:
+    """A master's nbgrader layout: every exercise a solution cell, the graded cells (grade_id -> points) locked and
+    with hidden tests, the header's points total, no editable markdown but the model answers, the QUICK cell."""
+    nb = nbformat.read(master, as_version=4)
+    meta = nbgrader_cells(nb)
+    for name in exercises:
+        assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
+    graded_meta = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
+    assert {gid: m["points"] for gid, m in graded_meta.items()} == graded
+    for gid in graded_meta:
+        assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
+        assert graded_meta[gid]["locked"]
+    assert f"**Graded ({points} points)**" in nb.cells[0].source and sum(graded.values()) == points
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and "BEGIN MODEL ANSWER" not in cell.source:
+            assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
+    assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
+
+
 def graded_test_ids(master: Path) -> list[str]:
     """grade_id of every autograded test cell of the master, in order."""
     nb = nbformat.read(master, as_version=4)

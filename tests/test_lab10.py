@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells, solution_fixture
+from lab_utils import (assert_check_fails, assert_master_structure, nbgrader_cells, notebook_functions,
+                       run_solution_cells, solution_fixture)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab10
@@ -64,20 +65,7 @@ def tiny_lora(tmp_path_factory):
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
-    nb = nbformat.read(MASTER, as_version=4)
-    meta = nbgrader_cells(nb)
-    for name in EXERCISES:
-        assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
-    graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
-    assert {gid: m["points"] for gid, m in graded.items()} == GRADED
-    for gid in graded:
-        assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
-        assert graded[gid]["locked"]
-    assert "**Graded (13 points)**" in nb.cells[0].source and sum(GRADED.values()) == 13
-    for cell in nb.cells:
-        if cell.cell_type == "markdown" and "BEGIN MODEL ANSWER" not in cell.source:
-            assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
-    assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
+    assert_master_structure(MASTER, EXERCISES, GRADED, 13)
 
 
 def test_student_copy_has_stubs_and_no_solution():
