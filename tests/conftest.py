@@ -91,6 +91,22 @@ def passes(capsys):
     return run
 
 
+def chi_square_p_value(counts: torch.Tensor, p: torch.Tensor, min_df: int = 1) -> float:
+    """Pearson's chi-square of token counts against the distribution p over a whole vocabulary: the bins expecting
+    under 5 draws merged into one. Asserts that no draw fell where p is 0 and that the test keeps min_df degrees of
+    freedom; returns the p-value."""
+    expected = p * counts.sum()
+    assert counts[p == 0].sum() == 0, "a token the distribution never draws"
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    assert df >= min_df, (counts[p > 0].tolist(), expected[p > 0].tolist())
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
 def assert_engine_idle(llm) -> None:
     """Nothing queued or running, and every KV block back in the pool."""
     engine = llm.engine

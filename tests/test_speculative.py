@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernel_utils  # noqa: F401  first: picks the Triton interpreter before triton is imported
-from conftest import assert_engine_idle
+from conftest import assert_engine_idle, chi_square_p_value
 
 from minillm import LLM, EngineConfig, SamplingParams
 from minillm.engine.sequence import Sequence
@@ -224,17 +224,8 @@ def test_sampled_speculation_keeps_the_real_models_distribution(default_llm, tex
     ref = default_llm.with_levers(kv_cache=False)
     p = _target_probs(ref, ids + [first])
     counts = torch.bincount(torch.tensor(seconds), minlength=p.numel()).double()
-    assert counts[p == 0].sum() == 0
-    expected = p * len(seconds)
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = int(keep.sum()) - 1
-    assert df >= 1, (counts[p > 0].tolist(), expected[p > 0].tolist())
-    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-    assert p_value > 1e-3, (p_value, obs.tolist(), exp.tolist())
+    p_value = chi_square_p_value(counts, p, min_df=1)
+    assert p_value > 1e-3, (p_value, counts[p > 0].tolist(), (p * len(seconds))[p > 0].tolist())
     assert_engine_idle(spec)
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_engine_idle
+from conftest import assert_engine_idle, chi_square_p_value
 from minillm import LLM, SamplingParams, StructuredOutputs
 from minillm.engine.sequence import Sequence
 from minillm.engine.speculative import StatelessProposer
@@ -164,20 +164,6 @@ def _processed(ref, prompt, output, params):
     return processed_probs(logits, batch)[0].double()
 
 
-def _p_value(counts, p):
-    """Chi-square of counts against p, bins expecting under 5 merged."""
-    expected = p * counts.sum()
-    assert counts[p == 0].sum() == 0, "a token the processed distribution never draws"
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = int(keep.sum()) - 1
-    assert df >= 2, (counts[p > 0].tolist(), expected[p > 0].tolist())
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 class PinnedProposer(StatelessProposer):
     """Proposes the same token k times (deterministic: q is a point mass)."""
 
@@ -224,15 +210,15 @@ def test_sampled_speculation_with_penalties_and_bias_keeps_the_processed_distrib
     thirds = torch.tensor([o[2] for o in outs if o[0] == first and o[1] == proposal])
     assert len(seconds) > 600 and len(thirds) > 100, (len(seconds), len(thirds))
     vocab = p1.numel()
-    assert _p_value(torch.bincount(seconds, minlength=vocab).double(), p1) > 1e-3
-    assert _p_value(torch.bincount(thirds, minlength=vocab).double(), p2) > 1e-3
+    assert chi_square_p_value(torch.bincount(seconds, minlength=vocab).double(), p1, min_df=2) > 1e-3
+    assert chi_square_p_value(torch.bincount(thirds, minlength=vocab).double(), p2, min_df=2) > 1e-3
     if method == "pinned":   # the test has teeth: the raw distribution there is rejected
         from minillm.layers.sampler import filter_logits
 
         raw1 = ref.engine.runner.logits([Sequence(prompt + [first], SamplingParams())])[0]
         q = filter_logits(raw1, 1.0, 8, 1.0).softmax(-1).double()
         counts = torch.bincount(seconds, minlength=vocab).double()
-        assert counts[q == 0].sum() > 0 or _p_value(counts, q) < 1e-6
+        assert counts[q == 0].sum() > 0 or chi_square_p_value(counts, q, min_df=2) < 1e-6
     assert_engine_idle(llm)
 
 
