@@ -14,7 +14,7 @@ FLOORS = {
     "models": 2,
     "engine": 3,
     "outputs": 4, "llm": 4,
-    "bench": 5, "lab": 5, "cli": 5, "adapters": 5, "serve": 5, "__init__": 5, "__main__": 5,
+    "bench": 5, "lab": 5, "cli": 5, "adapters": 5, "serve": 5, "fleet": 5, "__init__": 5, "__main__": 5,
 }
 
 
