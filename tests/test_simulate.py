@@ -1,0 +1,230 @@
+"""The fleet simulator (minillm/fleet/simulate.py): hand-computed timings, queueing theory, the autoscaler's
+timing, cost arithmetic, the warm-replica search, bad inputs; and (slow) its prediction of a real fleet."""
+
+import json
+import math
+import random
+
+import pytest
+
+from minillm.fleet.simulate import (FixedReplicas, FleetConfig, FleetState, RayServePolicy, ReplicaProfile,
+                                    SimRequest, Traffic, daily_traffic, day_requests, simulate, simulate_day,
+                                    warm_replicas_for_p99)
+
+
+def flat_profile(decode_s=0.1, prefill_s=0.5, max_batch=16, startup_s=0.0, overhead_s=0.0):
+    return ReplicaProfile(decode_points=sorted({(1, decode_s), (max_batch, decode_s)}), prefill_points=[(1, prefill_s)],
+                          startup_s=startup_s, request_overhead_s=overhead_s)
+
+
+def by_arrival(result):
+    return sorted(result.requests, key=lambda r: r.arrival_s)
+
+
+def test_one_replica_reproduces_hand_computed_times():
+    # A: prefill 0 -> 0.5; B waits for A's prefill step to end, prefills 0.5 -> 1.0;
+    # both decode (0.1 s/step): B's last token at 1.1, A's at 1.2; C arrives to an idle replica.
+    profile = flat_profile(overhead_s=0.02)
+    requests = [SimRequest(0.0, 10, 3), SimRequest(0.2, 10, 2), SimRequest(2.0, 7, 1)]
+    a, b, c = by_arrival(simulate(requests, profile, FleetConfig(policy=FixedReplicas(1))))
+    assert a.first_token_s == pytest.approx(0.5) and a.finish_s == pytest.approx(1.2)
+    assert b.first_token_s == pytest.approx(1.0) and b.finish_s == pytest.approx(1.1)
+    assert c.first_token_s == pytest.approx(2.5) and c.finish_s == pytest.approx(2.5)
+    assert [r.ttft_s for r in (a, b, c)] == pytest.approx([0.52, 0.82, 0.52])
+    assert requests[0].first_token_s is None, "the caller's requests keep no simulated times"
+
+
+def test_an_arrival_mid_decode_waits_for_the_step_then_prefills():
+    # decode steps take 0.1 s alone, 0.15 s in pairs; A (10 tokens) decodes from 0.5 in steps ending at
+    # 0.6, 0.7, 0.8; B arrives at 0.73, so step 3 ends (A has 6 to go), B prefills 0.8 -> 1.3, one pair
+    # step 1.3 -> 1.45 ends B, A's last 5 steps run alone: 1.45 -> 1.95.
+    profile = ReplicaProfile(decode_points=[(1, 0.1), (2, 0.15)], prefill_points=[(1, 0.5)])
+    a, b = by_arrival(simulate([SimRequest(0.0, 4, 10), SimRequest(0.73, 4, 2)], profile,
+                               FleetConfig(max_num_seqs=2, policy=FixedReplicas(1))))
+    assert b.first_token_s == pytest.approx(1.3)
+    assert b.finish_s == pytest.approx(1.45)
+    assert a.finish_s == pytest.approx(1.95)
+
+
+def test_prefill_time_follows_the_tokens_of_the_step_and_the_token_budget():
+    # prefill 0.001 s per token (through (100, 0.1) and (1000, 1.0)); three 300-token prompts queued
+    # behind a first one: with a 600-token budget two share a step (0.6 s) and the third gets its own.
+    profile = ReplicaProfile(decode_points=[(1, 0.01), (8, 0.01)], prefill_points=[(100, 0.1), (1000, 1.0)])
+    requests = [SimRequest(0.0, 100, 1)] + [SimRequest(0.05, 300, 1) for _ in range(3)]
+    config = FleetConfig(max_num_seqs=8, max_num_batched_tokens=600, policy=FixedReplicas(1))
+    first, *rest = by_arrival(simulate(requests, profile, config))
+    assert first.first_token_s == pytest.approx(0.1)
+    assert sorted(r.first_token_s for r in rest) == pytest.approx([0.7, 0.7, 1.0])
+
+
+def test_queueing_grows_toward_capacity_like_md1():
+    # max_num_seqs=1: one FIFO server with a deterministic service time S = prefill + (out - 1) * decode,
+    # so the mean wait before the prefill follows Pollaczek-Khinchine: rho * S / (2 (1 - rho)).
+    profile = flat_profile(decode_s=0.01, prefill_s=0.05, max_batch=1)
+    service_s = 0.05 + 5 * 0.01
+    waits = []
+    for rho in (0.3, 0.6, 0.85):
+        rng = random.Random(1)
+        t, requests = 0.0, []
+        for _ in range(12000):
+            t += rng.expovariate(rho / service_s)
+            requests.append(SimRequest(t, 8, 6))
+        result = simulate(requests, profile, FleetConfig(max_num_seqs=1, policy=FixedReplicas(1)))
+        wait = sum(r.ttft_s - 0.05 for r in result.requests) / len(requests)
+        expected = rho * service_s / (2 * (1 - rho))
+        assert wait == pytest.approx(expected, rel=0.15), f"rho={rho}: mean wait {wait:.4f} s vs M/D/1 {expected:.4f} s"
+        waits.append(wait)
+    assert waits[0] < waits[1] < waits[2]
+
+
+def test_autoscaler_adds_replicas_after_the_upscale_delay_and_startup():
+    # 20 long requests at t=0 on one replica (max 16 ongoing: 4 wait at the router); Ray's policy wants
+    # ceil(20 / 2) = 10, clamped to 4; the wish holds from t=0, so at t=10 it asks for 4, ready at 15.
+    profile = flat_profile(decode_s=0.05, prefill_s=0.2, startup_s=5.0)
+    requests = [SimRequest(0.0, 16, 400) for _ in range(20)]
+    policy = RayServePolicy(target_ongoing_requests=2, upscale_delay_s=10, downscale_delay_s=1e6, look_back_period_s=0)
+    config = FleetConfig(max_num_seqs=16, max_ongoing_requests=16, min_replicas=1, max_replicas=4, policy=policy,
+                         sample_interval_s=1.0)
+    result = simulate(requests, profile, config)
+    assert result.scale_events == [(10.0, 4)]
+    ready = {s["t_s"]: s["replicas"] for s in result.timeline}
+    assert ready[14.0] == 1 and ready[15.0] == 4
+    starting = {s["t_s"]: s["starting"] for s in result.timeline}
+    assert starting[10.0] == 3 and starting[15.0] == 0
+    routed_late = sorted(r.dispatched_s for r in result.requests if r.dispatched_s > 0)
+    assert routed_late == pytest.approx([15.0] * 4), "the router's queue drains when the new replicas are ready"
+    assert {r.replica for r in result.requests if r.dispatched_s > 0} <= {1, 2, 3}
+    assert all(r.finish_s is not None for r in result.requests)
+
+
+def test_downscale_delay_and_replica_hours():
+    # no traffic, 4 warm replicas, min 1: the wish to go down holds from t=0 and is acted on at t=30;
+    # the 3 idle replicas stop at once: 4 x 30 + 1 x 70 replica-seconds over 100 s.
+    policy = RayServePolicy(downscale_delay_s=30, look_back_period_s=0)
+    config = FleetConfig(min_replicas=1, initial_replicas=4, max_replicas=4, hourly_usd=3.6, policy=policy)
+    result = simulate([], flat_profile(), config, duration_s=100)
+    assert result.scale_events == [(30.0, 1)]
+    assert result.replica_seconds() == pytest.approx(190.0)
+    assert result.usd() == pytest.approx(190.0 * 3.6 / 3600)
+    assert result.replica_seconds(0, 50) == pytest.approx(4 * 30 + 20)
+    assert math.isinf(result.usd_per_mtok), "no tokens served: infinite $ per token"
+
+
+def test_cost_per_million_tokens_is_replica_time_over_tokens():
+    profile = flat_profile(decode_s=0.1, prefill_s=0.5)
+    requests = [SimRequest(float(i), 10, 5) for i in range(10)]     # each: 0.5 + 4 x 0.1 = 0.9 s
+    result = simulate(requests, profile, FleetConfig(hourly_usd=2.0, initial_replicas=2, min_replicas=2,
+                                                     policy=FixedReplicas(2)), duration_s=20)
+    assert result.output_tokens() == 50
+    assert result.replica_seconds() == pytest.approx(2 * 20.0)
+    assert result.usd_per_mtok == pytest.approx(2 * 20.0 * 2.0 / 3600 / 50 * 1e6)
+    assert {r.replica for r in result.requests} == {0, 1}, "power of two choices uses both idle replicas"
+
+
+def test_a_custom_policy_is_called_with_the_fleet_state():
+    seen: list[FleetState] = []
+
+    def policy(state: FleetState) -> int:
+        seen.append(state)
+        return 3 if state.now_s >= 2 else 1
+
+    profile = flat_profile(startup_s=4.0)
+    result = simulate([SimRequest(0.0, 8, 50)], profile,
+                      FleetConfig(policy=policy, max_replicas=5, sample_interval_s=1.0), duration_s=10)
+    assert result.scale_events == [(2.0, 3)]
+    assert seen[0].running_replicas == 1 and seen[0].ongoing_per_replica == (1,)
+    at = {s.now_s: s for s in seen}
+    assert at[3.0].starting_replicas == 2 and at[3.0].running_replicas == 1 and at[3.0].target_replicas == 3
+    assert at[6.0].running_replicas == 3 and at[6.0].starting_replicas == 0
+    assert [h[0] for h in at[6.0].history] == [float(t) for t in range(0, 7)]
+
+
+def test_a_simulated_day_finishes_every_request_and_follows_the_traffic():
+    profile = ReplicaProfile(decode_points=[(1, 0.03), (4, 0.045), (8, 0.06)],
+                             prefill_points=[(16, 0.02), (512, 0.4)], startup_s=30.0)
+    traffic = daily_traffic(peak_rps=1.5, hour_s=120.0)    # a day of 24 two-minute "hours"
+    config = FleetConfig(max_num_seqs=8, max_replicas=6, hourly_usd=1.0, sample_interval_s=10.0,
+                         policy=RayServePolicy(upscale_delay_s=10, downscale_delay_s=60))
+    result = simulate_day(traffic, profile, config, seed=3)
+    assert len(result.requests) > 1000
+    assert all(r.finish_s is not None and r.first_token_s is not None for r in result.requests)
+    for r in result.requests:
+        assert r.first_token_s >= r.arrival_s + 0.02 - 1e-9
+        assert r.finish_s >= r.first_token_s + (r.output_tokens - 1) * 0.03 - 1e-9
+    rows = result.hourly()
+    assert len(rows) == 24
+    night, spike = rows[3], rows[12]
+    assert spike["arrivals_per_s"] > 5 * night["arrivals_per_s"]
+    assert spike["replicas_mean"] > night["replicas_mean"]
+    assert "TTFT p99" in result.hourly_table()
+
+
+def test_day_requests_follow_the_rate_and_the_sizes():
+    traffic = Traffic(points=[(0, 2.0), (12, 2.0), (12.5, 6.0), (24, 6.0)], hour_s=100.0, prompt_tokens=(5, 9),
+                      output_tokens=(3, 3))
+    requests = day_requests(traffic, seed=0)
+    before = sum(r.arrival_s < 1200 for r in requests) / 1200
+    after = sum(r.arrival_s >= 1250 for r in requests) / (2400 - 1250)
+    assert before == pytest.approx(2.0, rel=0.1) and after == pytest.approx(6.0, rel=0.1)
+    assert {r.output_tokens for r in requests} == {3} and {r.prompt_tokens for r in requests} == set(range(5, 10))
+    assert day_requests(traffic, seed=0)[5].arrival_s == requests[5].arrival_s
+
+
+def test_warm_replica_search_is_monotone_and_answers_the_first_that_meets_the_target():
+    # one replica carries the quiet hours; the spike (30 s of 5 req/s) is shorter than the upscale delay plus
+    # a 60 s start-up, so only the replicas already warm serve it: more of them, lower p99.
+    profile = ReplicaProfile(decode_points=[(1, 0.03), (8, 0.06)], prefill_points=[(16, 0.02), (512, 0.4)],
+                             startup_s=60.0)
+    traffic = Traffic(points=[(0, 0.3), (11.9, 0.3), (12, 5.0), (12.5, 5.0), (12.6, 0.3), (24, 0.3)],
+                      spike=(12.0, 12.5), hour_s=60.0)
+    config = FleetConfig(max_num_seqs=8, max_replicas=6, sample_interval_s=5.0,
+                         policy=RayServePolicy(upscale_delay_s=10, downscale_delay_s=60))
+    answer, rows = warm_replicas_for_p99(1e-6, profile, config, traffic)    # never met: every n is tried
+    assert answer is None and [r.warm_replicas for r in rows] == [1, 2, 3, 4, 5, 6]
+    p99s = [r.spike_ttft_p99_s for r in rows]
+    assert all(b <= a + 0.1 for a, b in zip(p99s, p99s[1:])), p99s   # 0.1 s: the router's random picks
+    assert p99s[0] > 3 * p99s[-1], p99s
+    target = (p99s[1] + p99s[2]) / 2
+    answer, tried = warm_replicas_for_p99(target, profile, config, traffic)
+    assert answer == tried[-1].warm_replicas and tried[-1].spike_ttft_p99_s <= target
+    assert all(r.spike_ttft_p99_s > target for r in tried[:-1])
+    costs = [r.usd_per_mtok for r in rows]
+    assert costs == sorted(costs), "each warm replica costs more per token when the quiet hours need one"
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = ReplicaProfile(decode_points=[(4, 0.05), (1, 0.03)], prefill_points=[(64, 0.1)], startup_s=12.5,
+                             request_overhead_s=0.01, conditions={"threads": 1})
+    path = profile.save(tmp_path / "p.json")
+    loaded = ReplicaProfile.load(path)
+    assert loaded.decode_points == [(1, 0.03), (4, 0.05)] and loaded.startup_s == 12.5
+    assert loaded.decode_step_s(2) == pytest.approx(0.03 + (0.05 - 0.03) / 3)
+    assert loaded.prefill_s(1000) == pytest.approx(0.1), "one point: a constant"
+    assert json.loads(path.read_text())["conditions"] == {"threads": 1}
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: ReplicaProfile(decode_points=[], prefill_points=[(1, 0.1)]), "decode_points"),
+    (lambda: ReplicaProfile(decode_points=[(0, 0.1)], prefill_points=[(1, 0.1)]), "batch size 0"),
+    (lambda: ReplicaProfile(decode_points=[(1, -0.1)], prefill_points=[(1, 0.1)]), "seconds -0.1"),
+    (lambda: ReplicaProfile(decode_points=[(1, 0.1), (1, 0.2)], prefill_points=[(1, 0.1)]), "repeat"),
+    (lambda: ReplicaProfile(decode_points=[(1, 0.1)], prefill_points=[(1, 0.1)], startup_s=-1), "startup_s=-1"),
+    (lambda: ReplicaProfile.from_dict({"decode_points": [[1, 0.1]], "prefill_points": [[1, 0.1]], "x": 1}), "unknown"),
+    (lambda: FleetConfig(min_replicas=3, max_replicas=2), "min_replicas=3"),
+    (lambda: FleetConfig(initial_replicas=9, max_replicas=8), "initial_replicas=9"),
+    (lambda: FleetConfig(max_num_seqs=0), "max_num_seqs=0"),
+    (lambda: FleetConfig(hourly_usd=float("nan")), "hourly_usd=nan"),
+    (lambda: FleetConfig(policy="ray"), "policy='ray'"),
+    (lambda: RayServePolicy(target_ongoing_requests=0), "target_ongoing_requests=0"),
+    (lambda: SimRequest(0.0, 0, 4), "prompt_tokens=0"),
+    (lambda: SimRequest(-1.0, 4, 4), "arrival_s=-1.0"),
+    (lambda: Traffic(points=[(3, 1.0), (2, 1.0)]), "increase"),
+    (lambda: Traffic(points=[(0, 1.0), (24, -1.0)]), "rate -1.0"),
+    (lambda: daily_traffic(peak_rps=0), "peak_rps=0"),
+    (lambda: simulate([], flat_profile(max_batch=4), FleetConfig(max_num_seqs=8)), "max_num_seqs=8 is above"),
+    (lambda: simulate([SimRequest(0.0, 4, 4)], flat_profile(), FleetConfig(policy=lambda s: 1.5)), "returned 1.5"),
+    (lambda: warm_replicas_for_p99(0, flat_profile(), FleetConfig(), daily_traffic()), "target_p99_s=0"),
+])
+def test_bad_inputs_are_refused_with_the_value(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
