@@ -1,11 +1,17 @@
 """`minillm serve`: the OpenAI-compatible server, with every EngineConfig field as a flag.
 
     minillm serve --port 8000 --max-num-seqs 32 --prefix-caching --kv-dtype int8
+    minillm serve HuggingFaceTB/SmolLM2-135M-Instruct --enable-prefix-caching --kv-cache-dtype fp8   # vLLM's spelling
 
 The flags are generated from `dataclasses.fields(EngineConfig)`, so a new lever is a new flag:
 `max_num_seqs` -> `--max-num-seqs 16`; a bool -> `--prefix-caching` / `--no-prefix-caching`;
 an optional value takes `none` to mean None (`--max-model-len none`). Flags left out keep
 EngineConfig's defaults.
+
+`vllm serve`'s spellings are accepted where they mean the same thing (VLLM_ALIASES: the model as
+the first argument, --enable-prefix-caching, --kv-cache-dtype fp8, --speculative-config '{...}',
+...); vLLM flags with no minillm meaning are refused with the reason (VLLM_REFUSED), never
+ignored. docs/VLLM.md maps every lever, flag and metric to vLLM's.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import re
 import sys
 
 from ..config import EngineConfig
+from ..sampling import MAX_LOGPROBS
 
 SCHEME = ("Every EngineConfig field is a flag: max_num_seqs -> --max-num-seqs 16; a bool -> --prefix-caching / "
           "--no-prefix-caching; an optional value takes 'none' (--max-model-len none). Flags left out keep "
@@ -33,12 +41,36 @@ def _field_comments() -> dict[str, str]:
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^#\n]*#\s*(.*)$", source, re.M)}
 
 
+def human_readable_int(text: str) -> int:
+    """'8192', '32k' (x 1000), '32K' (x 1024), '1.5g' (x 1e9), '2G' (x 2**30): vLLM's spelling of big counts."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if not match:
+        raise ValueError(text)
+    number, suffix = match.groups()
+    if not suffix:
+        return int(number)
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ValueError(f"{text}: a binary suffix ({suffix} = 1024^n) takes a whole number; {number}{suffix.lower()} "
+                         "means powers of 1000")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+HUMAN_READABLE_INT_FIELDS = ("max_model_len", "max_num_batched_tokens", "kv_cache_bytes")   # '32k' as vLLM takes
+VLLM_DTYPES = {"half": "float16", "float": "float32"}   # vLLM's other --dtype spellings, same meaning
+
+
 def _converter(name: str, annotation: str):
     """Parse a flag's text by the field's annotation ('int | None' -> int or 'none')."""
     parts = [p.strip() for p in str(annotation).split("|")]
     optional = "None" in parts or "Optional" in str(annotation)
     base = next((p for p in parts if p != "None"), "str")
     kind = {"int": int, "float": float}.get(base, str)
+    if kind is int and name in HUMAN_READABLE_INT_FIELDS:
+        kind = human_readable_int
+    elif name == "dtype":
+        kind = lambda text: VLLM_DTYPES.get(text, text)   # noqa: E731 (vLLM's 'half' / 'float')
 
     def convert(text: str):
         if optional and text.lower() in ("none", "null"):
@@ -47,7 +79,8 @@ def _converter(name: str, annotation: str):
             return kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r}: expected "
-                                             f"{'an integer' if kind is int else 'a number'}"
+                                             f"{'an integer' if base == 'int' else 'a number'}"
+                                             f"{' (like 8192, 32k or 32K)' if name in HUMAN_READABLE_INT_FIELDS else ''}"
                                              f"{' or none' if optional else ''}") from None
 
     convert.__name__ = base + (" or none" if optional else "")
@@ -62,10 +95,243 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+# ------------------------------------------------------------------ vLLM's spellings
+# Read from vLLM 0.11 (vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py,
+# vllm/config/speculative.py); docs/VLLM.md explains each difference.
+VLLM_VERSION = "0.11"
+VLLM_KV_CACHE_DTYPES = {"auto": None, "fp8": "fp8", "fp8_e4m3": "fp8"}   # minillm stores fp8 KV as e4m3
+VLLM_QUANTIZATION = {"fp8": "fp8", "none": None}   # vLLM's online fp8: a float checkpoint quantized at load
+NGRAM_LOOKUP = {"prompt_lookup_max": 3, "prompt_lookup_min": 1}   # engine/speculative.py: ngram_propose's n = 3..1
+
+# vLLM flag -> what it sets here (the --help group "vLLM spellings" lists them; tests check each).
+VLLM_ALIASES = {
+    "MODEL (first argument)": "--model MODEL (`vllm serve MODEL`)",
+    "--enable-prefix-caching / --no-enable-prefix-caching": "--prefix-caching / --no-prefix-caching",
+    "--enable-chunked-prefill / --no-enable-chunked-prefill": "--chunked-prefill / --no-chunked-prefill",
+    "--kv-cache-dtype {auto,fp8,fp8_e4m3}": "--kv-dtype none / fp8 (e4m3, a scale per token and head)",
+    "--quantization / -q fp8": "--weight-dtype fp8 (a float checkpoint quantized at load, as vLLM's online fp8)",
+    "--speculative-config JSON": "--speculative ngram|draft, --num-speculative-tokens, --draft-model "
+                                 "(methods 'ngram' and 'draft_model')",
+    "--enforce-eager / --no-enforce-eager": "--no-cuda-graphs / --cuda-graphs",
+    "--kv-cache-memory-bytes N": "--kv-cache-bytes N",
+    "--uvicorn-log-level": "--log-level",
+    "--dtype half / float": "--dtype float16 / float32",
+    "--tensor-parallel-size / -tp N": "--tensor-parallel-size N (1 only until EngineConfig has the field)",
+    "--pipeline-parallel-size / -pp 1, --data-parallel-size / -dp 1": "accepted: one stage, one replica",
+    "--disable-log-requests, --disable-log-stats": "accepted: minillm logs neither",
+    "--max-logprobs 20": "accepted: minillm's cap is 20",
+    "--lora-modules '{\"name\": N, \"path\": P}'": "--lora-modules N=P",
+    "32k, 2K, 1.5g (--max-model-len, --max-num-batched-tokens, --kv-cache-bytes)": "32000, 2048, 1500000000",
+    "same name, same flag": "--max-num-seqs, --max-num-batched-tokens, --block-size, --max-model-len, --seed, "
+                            "--dtype, --enable-lora, --max-loras, --max-lora-rank, --lora-modules, "
+                            "--served-model-name, --host, --port",
+}
+
+_GPU_UTIL = ("it is the fraction of the GPU's whole memory vLLM may use for weights, activations and KV cache; "
+             "minillm sizes only its KV pool: --kv-cache-memory-fraction F (F of the free memory after the "
+             "weights) or --kv-cache-memory-bytes N")
+# vLLM flags refused, with the reason (a flag not listed and not minillm's is refused by argparse).
+VLLM_REFUSED = {
+    "--gpu-memory-utilization": (1, _GPU_UTIL),
+    "--swap-space": (1, "minillm preempts by recomputing, it never swaps KV blocks to the CPU"),
+    "--cpu-offload-gb": (1, "minillm keeps every weight on its device"),
+    "--num-gpu-blocks-override": (1, "size the KV pool with --kv-cache-bytes instead"),
+    "--trust-remote-code": (0, "minillm runs its own Llama-family forward pass and never runs a model's code"),
+    "--tokenizer": (1, "minillm reads the tokenizer from the model directory"),
+    "--revision": (1, "minillm loads the hub's default revision"),
+    "--download-dir": (1, "minillm uses the Hugging Face cache (MINILLM_CACHE for the default model)"),
+    "--load-format": (1, "minillm reads safetensors / GGUF by the files it finds"),
+    "--chat-template": (1, "minillm uses the tokenizer's chat template"),
+    "--api-key": (1, "minillm's server has no authentication: keep it on 127.0.0.1"),
+    "--enable-auto-tool-choice": (0, "tools are not implemented"),
+    "--tool-call-parser": (1, "tools are not implemented"),
+    "--reasoning-parser": (1, "minillm does not split reasoning from content"),
+    "--enable-expert-parallel": (0, "minillm runs every expert on one device"),
+    "--scheduling-policy": (1, "minillm schedules first come, first served (a seam: LLM(scheduling_policy=...))"),
+    "--async-scheduling": (0, "minillm schedules and runs each step in turn"),
+    "--compilation-config": (1, "minillm does not torch.compile; CUDA graphs are --cuda-graphs"),
+    "--kv-transfer-config": (1, "minillm has no disaggregated prefill"),
+    "--max-cpu-loras": (1, "minillm reads an adapter from disk again after its slot is evicted"),
+    "--fully-sharded-loras": (0, "minillm's LoRA slots are not sharded"),
+    "--enable-force-include-usage": (0, "ask per request with stream_options.include_usage"),
+    "--structured-outputs-config": (1, "minillm's structured output always uses xgrammar"),
+    "--guided-decoding-backend": (1, "minillm's structured output always uses xgrammar"),
+    "--enable-sleep-mode": (0, "minillm cannot release its weights' memory while serving"),
+}
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size") + \
+    tuple(NGRAM_LOOKUP)
+
+
+def kv_cache_dtype(text: str) -> str | None:
+    """vLLM's --kv-cache-dtype -> EngineConfig.kv_dtype."""
+    if text in VLLM_KV_CACHE_DTYPES:
+        return VLLM_KV_CACHE_DTYPES[text]
+    why = ("minillm's fp8 KV is e4m3 (fp8 / fp8_e4m3); e5m2 is not built" if text == "fp8_e5m2" else
+           "minillm builds auto (the model dtype), fp8 and fp8_e4m3 (int8 KV has no vLLM spelling: --kv-dtype int8)")
+    raise argparse.ArgumentTypeError(f"--kv-cache-dtype {text}: {why}")
+
+
+def quantization(text: str) -> str | None:
+    """vLLM's --quantization -> EngineConfig.weight_dtype, where the meaning is the same."""
+    if text.lower() in VLLM_QUANTIZATION:
+        return VLLM_QUANTIZATION[text.lower()]
+    if text in ("awq", "awq_marlin", "gptq", "gptq_marlin"):
+        why = (f"vLLM's {text} loads a checkpoint already quantized by {text[:4].rstrip('_').upper()}; minillm "
+               "quantizes a float checkpoint itself: --weight-dtype int4 --weight-calibration "
+               f"{'awq' if text.startswith('awq') else 'gptq'}")
+    else:
+        why = ("minillm quantizes a float checkpoint at load: fp8 is vLLM's one method with that meaning "
+               "(int8 / int4 have no vLLM spelling: --weight-dtype int8 / int4)")
+    raise argparse.ArgumentTypeError(f"--quantization {text}: {why}")
+
+
+def speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config JSON -> {speculative, num_speculative_tokens, draft_model}."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config {text!r} is not JSON ({exc})") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"--speculative-config {text!r} must be a JSON object like "
+                                         '{"method": "ngram", "num_speculative_tokens": 4}')
+    unknown = [k for k in spec if k not in SPECULATIVE_CONFIG_KEYS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--speculative-config key {unknown[0]!r} has no minillm counterpart "
+                                         f"(the keys minillm takes: {', '.join(SPECULATIVE_CONFIG_KEYS)})")
+    method, model = spec.get("method"), spec.get("model")
+    if method is None and model is not None:   # vLLM infers the method from the model
+        method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        model = None if method == "ngram" else model
+    out: dict = {}
+    if method == "ngram":
+        if model is not None:
+            raise argparse.ArgumentTypeError(f"--speculative-config: method 'ngram' takes no model (got {model!r})")
+        for key, fixed in NGRAM_LOOKUP.items():
+            if spec.get(key) not in (None, fixed):
+                raise argparse.ArgumentTypeError(
+                    f"--speculative-config {key}={spec[key]!r}: minillm's n-gram proposer always tries n = "
+                    f"{NGRAM_LOOKUP['prompt_lookup_max']} down to {NGRAM_LOOKUP['prompt_lookup_min']} "
+                    "(leave the key out, or give those values)")
+        out["speculative"] = "ngram"
+    elif method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise argparse.ArgumentTypeError("--speculative-config: method 'draft_model' needs \"model\": a smaller "
+                                             "model sharing the target's tokenizer")
+        out["speculative"], out["draft_model"] = "draft", model
+    else:
+        raise argparse.ArgumentTypeError(
+            f"--speculative-config method {method!r}: minillm builds 'ngram' and 'draft_model' (and its own "
+            "early-exit draft, --speculative self, which vLLM lacks); EAGLE, Medusa, MTP, suffix decoding are not built")
+    if spec.get("draft_tensor_parallel_size") not in (None, 1):
+        raise argparse.ArgumentTypeError(f"--speculative-config draft_tensor_parallel_size="
+                                         f"{spec['draft_tensor_parallel_size']!r}: minillm's draft runs on one device")
+    if "num_speculative_tokens" in spec:
+        out["num_speculative_tokens"] = spec["num_speculative_tokens"]
+    return out
+
+
+class _SetFields(argparse.Action):
+    """Store the converter's {field: value} dict as those fields (one vLLM flag, several EngineConfig fields)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for name, value in values.items():
+            setattr(namespace, name, value)
+
+
+class _Inverted(argparse.BooleanOptionalAction):
+    """--enforce-eager / --no-enforce-eager: the opposite of a minillm bool (cuda_graphs)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, option_string.startswith("--no-"))
+
+
+class _Refused(argparse.Action):
+    """A vLLM flag with no minillm meaning: stop with the reason instead of ignoring it."""
+
+    def __init__(self, option_strings, dest, reason: str = "", **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} (vLLM's flag) is refused: {self.reason}")
+
+
+class _Fixed(argparse.Action):
+    """-pp / -dp / -tp (without the field), --max-logprobs: the value minillm always has is accepted, another is
+    refused with the reason."""
+
+    def __init__(self, option_strings, dest, reason: str = "", value=1, **kwargs):
+        self.reason, self.value = reason, value
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values != self.value:
+            parser.error(f"{option_string} {values}: {self.reason}")
+
+
+class ServeArgumentParser(argparse.ArgumentParser):
+    """Errors are one line naming the flag (the usage of ~80 flags would bury it)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            message += (" (not a minillm serve flag; docs/VLLM.md maps vLLM's flags to minillm's, "
+                        "`minillm serve --help` lists both)")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_vllm_spellings(parser: argparse.ArgumentParser, names: set[str]) -> None:
+    group = parser.add_argument_group(
+        f"vLLM spellings (vllm serve {VLLM_VERSION}; docs/VLLM.md)",
+        "Accepted where the meaning is minillm's: " + "; ".join(f"{k} -> {v}" for k, v in VLLM_ALIASES.items()))
+    sup = argparse.SUPPRESS
+    group.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                       default=sup, help="= --prefix-caching (vLLM's default is on, minillm's off)")
+    group.add_argument("--enable-chunked-prefill", dest="chunked_prefill", action=argparse.BooleanOptionalAction,
+                       default=sup, help="= --chunked-prefill (vLLM's default is on, minillm's off)")
+    group.add_argument("--kv-cache-dtype", dest="kv_dtype", type=kv_cache_dtype, default=sup,
+                       metavar="{auto,fp8,fp8_e4m3}", help="= --kv-dtype: auto -> none, fp8 / fp8_e4m3 -> fp8")
+    group.add_argument("--quantization", "-q", dest="weight_dtype", type=quantization, default=sup,
+                       metavar="fp8", help="= --weight-dtype fp8 (awq / gptq are refused with the minillm flags that "
+                                           "do the same from a float checkpoint)")
+    group.add_argument("--speculative-config", dest="speculative_config", type=speculative_config, action=_SetFields,
+                       default=sup, metavar="JSON", help='\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                       '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' -> --speculative, '
+                       "--num-speculative-tokens, --draft-model")
+    group.add_argument("--enforce-eager", dest="cuda_graphs", action=_Inverted, default=sup,
+                       help="= --no-cuda-graphs (--no-enforce-eager = --cuda-graphs)")
+    group.add_argument("--kv-cache-memory-bytes", dest="kv_cache_bytes", type=_converter("kv_cache_bytes", "int"),
+                       default=sup, metavar="N", help="= --kv-cache-bytes (32G, 1.5g, ...)")
+    group.add_argument("--uvicorn-log-level", dest="log_level", default=sup,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="= --log-level")
+    if "tensor_parallel_size" not in names:
+        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=sup, action=_Fixed, metavar="1",
+                           help="accepted as 1 (one device) until EngineConfig has tensor_parallel_size",
+                           reason="this minillm's EngineConfig has no tensor_parallel_size yet: one device per server")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=sup, action=_Fixed, metavar="1",
+                       help="accepted as 1: minillm runs the whole model in one stage",
+                       reason="minillm has no pipeline parallelism (tensor parallelism is --tensor-parallel-size)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=sup, action=_Fixed, metavar="1",
+                       help="accepted as 1: one server is one replica",
+                       reason="one minillm server is one replica; start several and route between them "
+                              "(minillm.fleet)")
+    group.add_argument("--max-logprobs", type=int, default=sup, action=_Fixed, value=MAX_LOGPROBS,
+                       metavar=str(MAX_LOGPROBS), help=f"accepted as {MAX_LOGPROBS}: minillm's fixed cap",
+                       reason=f"minillm's cap on logprobs is fixed at {MAX_LOGPROBS} (vLLM's default)")
+    for flag in ("--disable-log-requests", "--disable-log-stats"):
+        group.add_argument(flag, action="store_true", default=sup, help="accepted: minillm logs neither")
+    refused = parser.add_argument_group("vLLM flags refused (no minillm meaning; the reason is printed)")
+    for flag, (nargs, reason) in VLLM_REFUSED.items():
+        refused.add_argument(flag, action=_Refused, nargs=nargs, reason=reason, default=sup,
+                             metavar="X" if nargs else None, help=reason)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="minillm serve", description="An OpenAI-compatible HTTP server on the minillm engine: /v1/completions, "
+    parser = ServeArgumentParser(
+        prog="minillm serve", usage="%(prog)s [MODEL] [--FLAG [VALUE] ...]   (every flag below)", description="An OpenAI-compatible HTTP server on the minillm engine: /v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics.", epilog=SCHEME)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model MODEL)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one)")
@@ -78,19 +344,33 @@ def build_parser() -> argparse.ArgumentParser:
                              "field selects one by NAME (implies --enable-lora)")
     engine = parser.add_argument_group("engine (every field of minillm.EngineConfig)", SCHEME)
     comments = _field_comments()
+    short_names = {"tensor_parallel_size": ["-tp"]}   # vLLM's short spelling
     for f in engine_fields():
+        names = [flag_name(f.name), *short_names.get(f.name, [])]
         help_text = comments.get(f.name, "")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{help_text} (default: {default!r})" if help_text else f"(default: {default!r})"
         if f.name == "model":
             help_text = "HF directory, hub id or random:<preset>; " + help_text
         if f.type in (bool, "bool"):
-            engine.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+            engine.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
-            engine.add_argument(flag_name(f.name), dest=f.name, type=_converter(f.name, f.type),
+            engine.add_argument(*names, dest=f.name, type=_converter(f.name, f.type),
                                 default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
+    _add_vllm_spellings(parser, {f.name for f in engine_fields()})
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """build_parser().parse_args, with `vllm serve MODEL`'s positional model merged into --model."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if getattr(args, "model", args.model_tag) != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} (first argument) and --model {args.model!r}")
+        args.model = args.model_tag
+    return args
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -101,13 +381,35 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def config_from_argv(argv: list[str]) -> EngineConfig:
     """Parse `minillm serve` arguments into the EngineConfig they ask for (validated)."""
-    kwargs = engine_kwargs(build_parser().parse_args(argv))
+    kwargs = engine_kwargs(parse_args(argv))
     return EngineConfig.from_kwargs(**kwargs)
+
+
+def lora_module_entries(entries: list[str] | None) -> list[str] | None:
+    """--lora-modules items: 'name=path', or vLLM's JSON '{"name": ..., "path": ..., "base_model_name": ...}'
+    -> 'name=path' (the base model is always the served one here)."""
+    if not entries:
+        return entries
+    out = []
+    for entry in entries:
+        if not entry.lstrip().startswith("{"):
+            out.append(entry)
+            continue
+        try:
+            item = json.loads(entry)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules {entry!r} is neither name=path nor JSON ({exc})") from None
+        extra = sorted(set(item) - {"name", "path", "base_model_name"}) if isinstance(item, dict) else ["?"]
+        if extra or not item.get("name") or not item.get("path"):
+            raise ValueError(f"--lora-modules {entry!r} must be name=path or JSON with \"name\" and \"path\" "
+                             "(and optionally \"base_model_name\")")
+        out.append(f"{item['name']}={item['path']}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     kwargs = engine_kwargs(args)
     if args.lora_modules:
         if kwargs.get("enable_lora") is False:
@@ -122,10 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         from .async_engine import AsyncEngine
         from .server import default_model_name, lora_modules_from
 
+        lora_entries = lora_module_entries(args.lora_modules)   # a bad entry is refused before the model loads
         model = kwargs.pop("model", None)
         llm = LLM(model, **kwargs)
         name = args.served_model_name or default_model_name(llm)
-        loras = lora_modules_from(args.lora_modules, llm, name)
+        loras = lora_modules_from(lora_entries, llm, name)
         async_engine = AsyncEngine(llm)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ImportError, OSError) as exc:
         print(f"minillm serve: {exc}", file=sys.stderr)
