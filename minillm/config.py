@@ -25,6 +25,7 @@ MAX_SPECULATIVE_TOKENS = 16
 WEIGHT_HEAD_DTYPES = ("auto", "model") + WEIGHT_DTYPES  # lm_head storage (models/quantize.py head_dtype_for)
 MAX_LORAS = 64                           # enable_lora: adapter slots at most
 MAX_LORA_RANK = 256                      # enable_lora: the largest adapter rank
+MAX_TENSOR_PARALLEL = 64                 # tensor_parallel_size: ranks at most
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
 
@@ -73,6 +74,7 @@ class EngineConfig:
     enable_lora: bool = False           # built: per-request LoRA adapters (LoRARequest), batched together
     max_loras: int = 4                  # enable_lora: adapters resident at once (slots; LRU-evicted when unused)
     max_lora_rank: int = 16             # enable_lora: the largest adapter rank r a slot holds
+    tensor_parallel_size: int = 1       # built: shard the model over N processes (Megatron: heads, MLP, vocabulary; two all-reduces per layer) on torch.distributed, gloo on CPU / NCCL on CUDA; N must divide the query and KV head counts (SmolLM2-135M: 1 or 3)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -193,6 +195,17 @@ class EngineConfig:
         if self.enable_lora and self.cuda_graphs:
             raise ValueError("enable_lora=True with cuda_graphs=True: not supported yet (the captured decode step has "
                              "no adapter slots); use cuda_graphs=False")
+        tp = self.tensor_parallel_size
+        need(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= MAX_TENSOR_PARALLEL,
+             f"tensor_parallel_size={tp!r} must be an integer in [1, {MAX_TENSOR_PARALLEL}]")
+        for name, on, why in (("speculative", self.speculative is not None, "the proposers run one unsharded model"),
+                              ("enable_lora", self.enable_lora, "the adapter deltas are not sharded"),
+                              ("cuda_graphs", self.cuda_graphs, "a captured step cannot broadcast to the other ranks"),
+                              ("weight_calibration", self.weight_calibration is not None,
+                               "calibration runs the whole model; shards are quantized round-to-nearest")):
+            if tp > 1 and on:
+                raise ValueError(f"tensor_parallel_size={tp} with {name}={getattr(self, name)!r}: not supported yet "
+                                 f"({why}); use tensor_parallel_size=1 or turn {name} off")
         if self.speculative is not None and not self.kv_cache:
             raise ValueError(f"speculative={self.speculative!r} needs kv_cache=True: the target scores the proposals "
                              "as a short chunk on top of the cached sequence")

@@ -38,6 +38,11 @@ class LLM:
         self.engine = build_engine(self.config, parts, share_weights_with=donor)
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (tensor_parallel_size > 1; also done at interpreter exit).
+        Nothing to do on one device. The LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
     def with_levers(self, **changes: Any) -> "LLM":
         """A second engine with some levers (or parts) changed that shares this one's weights (no reload).
 

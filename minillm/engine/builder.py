@@ -7,6 +7,8 @@
     parts              EngineParts: the replaceable ones (minillm/seams.py), each checked against its
                        protocol before anything is loaded; None takes the engine's own
     speculation        build_speculator: the proposer and verifier of speculative=...
+    tensor parallelism tensor_parallel_size > 1: this process is rank 0 (its shard, its heads' KV pool, a runner
+                       that broadcasts each forward); the other ranks start here (engine/parallel.py)
 
 `LLM(...)` and `llm.with_levers(...)` call build_engine; labs pass their parts through them.
 """
@@ -31,6 +33,7 @@ from .engine import Engine, Weights
 from .kv_cache import KVCache, kv_bytes_per_token, pool_bytes
 from .metrics import SpecStats
 from .model_runner import ModelRunner
+from .parallel import TensorParallel, TPKVCache, TPModelRunner, check_config, tensor_parallel_weights
 from .scheduler import Scheduler
 from .speculative import (PROPOSERS, DraftModelProposer, DraftWorker, NgramProposer, SelfDraftProposer, Speculator,
                           SpecVerifier)
@@ -128,6 +131,11 @@ def load_weights(config: EngineConfig, model_path: str, model_config, device: to
         if wd is not None:
             quantize_for_config(model, wd, config.weight_group_size, config.weight_calibration, tokenizer,
                                 in_place=True, head_dtype=config.weight_head_dtype)
+    return make_weights(model_path, model_config, model, tokenizer, fmt)
+
+
+def make_weights(model_path: str, model_config, model, tokenizer, fmt: tuple) -> Weights:
+    """Weights with the EOS ids of config.json, generation_config.json and the tokenizer."""
     eos = set(model_config.eos_token_ids) | set(read_generation_eos(model_path))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -135,9 +143,12 @@ def load_weights(config: EngineConfig, model_path: str, model_config, device: to
 
 
 def build_kv_pool(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                  factory: BlockManagerFactory | None = None) -> tuple[BlockAllocator | None, KVCache | None]:
+                  factory: BlockManagerFactory | None = None, cache_class: type[KVCache] = KVCache,
+                  cache_config=None) -> tuple[BlockAllocator | None, KVCache | None]:
     """The block allocator and the KV cache (None, None with kv_cache=False). The pool's bytes
-    (kv_cache_bytes, kv_cache_memory_fraction, or enough for the batch) become whole blocks."""
+    (kv_cache_bytes, kv_cache_memory_fraction, or enough for the batch) become whole blocks.
+    cache_config: the shapes the pool stores (tensor parallelism: one rank's heads; the blocks are
+    counted with the whole model's, so every rank has as many as one unsharded pool)."""
     if not config.kv_cache:
         return None, None
     size = pool_bytes(model_config, dtype, device, config.max_num_seqs, max_model_len, config.kv_cache_bytes,
@@ -159,7 +170,8 @@ def build_kv_pool(config: EngineConfig, model_config, dtype: torch.dtype, device
     if config.speculative is not None:
         needs.append(Truncation)
     check_part(block_manager, needs, "block_manager")
-    kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_dtype)
+    kv_cache = cache_class(cache_config or model_config, num_blocks, config.block_size, dtype, device, config.kv_dtype)
+    kv_cache.bytes_per_token = kv_bytes_per_token(model_config, dtype, config.kv_dtype)   # all ranks together
     return block_manager, kv_cache
 
 
@@ -223,10 +235,28 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
     model_path = donor.model_path if donor is not None else resolve_model_path(config.model)
     model_config = load_model_config(model_path)
     max_model_len = context_limit(config, model_config)
-    weights = load_weights(config, model_path, model_config, device, dtype, max_model_len, donor)
-    block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len, parts.block_manager)
+    tp = None
+    if config.tensor_parallel_size > 1 or (donor is not None and donor.tensor_parallel is not None):
+        donor = None   # a shard is never shared with another engine: each tensor-parallel engine cuts its own
+    if config.tensor_parallel_size == 1:
+        weights = load_weights(config, model_path, model_config, device, dtype, max_model_len, donor)
+        block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len,
+                                                parts.block_manager)
+    else:
+        check_config(config, model_config)
+        tp = TensorParallel(config.tensor_parallel_size, device)
+        block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len, parts.block_manager,
+                                                TPKVCache, tp.shard_config(model_config))
+        model = tensor_parallel_weights(tp, config, model_path, device, dtype, max_model_len,
+                                        block_manager.num_blocks if block_manager is not None else 0)
+        weights = make_weights(model_path, model_config, model, load_tokenizer(model_path), weight_format(config))
     scheduler = Scheduler(config, block_manager, max_model_len, parts.scheduling_policy)
-    runner = ModelRunner(weights.model, device, block_manager, kv_cache, config.attention_backend, parts.sampler)
+    runner = (TPModelRunner if tp else ModelRunner)(weights.model, device, block_manager, kv_cache,
+                                                    config.attention_backend, parts.sampler)
+    if tp is not None:
+        runner.tensor_parallel = tp
+        if kv_cache is not None:
+            kv_cache.tensor_parallel = tp
     runner.eos_token_ids = tuple(sorted(weights.eos_token_ids))
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len)
@@ -240,6 +270,7 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
     engine = Engine(config, device, dtype, weights, max_model_len, block_manager, kv_cache, scheduler, runner,
                     parts=parts, draft=draft)
     engine.lora_registry = lora_registry
+    engine.tensor_parallel = tp
     engine.speculator = build_speculator(config, parts, runner, block_manager, max_model_len, draft,
                                          lambda: engine.stats.spec)
     return engine

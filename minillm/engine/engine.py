@@ -73,6 +73,8 @@ class Engine:
         # speculative=...: set by build_engine once this engine's stats exist (its proposers count into them).
         self.speculator: Speculator | None = None
         self.lora_registry = None   # enable_lora=True: a LoRARegistry (minillm/lora.py), set by build_engine
+        # tensor_parallel_size > 1: rank 0's engine/parallel.TensorParallel (the workers), set by build_engine
+        self.tensor_parallel = None
         self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
@@ -335,6 +337,11 @@ class Engine:
         sched = self.scheduler
         self._prefix_at_reset = (sched.prefix_queries, sched.prefix_hits, sched.prefix_cached_prompt_tokens)
         return self.stats
+
+    def shutdown(self) -> None:
+        """Stop this engine's tensor-parallel workers (nothing to do on one device); no step runs afterwards."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     # ----------------------------------------------------------------- sizes
     def block_usage(self):
