@@ -322,6 +322,8 @@ def cmd_model(args) -> int:
 # Commands with their own argument parsers, in their own modules (each exposes main(argv) -> int).
 DELEGATED = {
     ("serve",): ("minillm.serve.cli", "an OpenAI-compatible HTTP server on the engine (every lever is a flag)"),
+    ("fleet",): ("minillm.fleet.ray_fleet", "replicas behind Ray Serve's router and autoscaler (the same OpenAI "
+                                            "routes); --demo-autoscale prints a 1 -> 2 -> 1 timeline"),
     ("bench", "serve"): ("minillm.bench.serve", "load generator against an OpenAI-compatible endpoint "
                                                  "(Poisson arrivals or fixed concurrency; vLLM-style report)"),
     ("bench", "lora"): ("minillm.bench.lora", "one batch mixing N LoRA adapters vs merging each into the weights "

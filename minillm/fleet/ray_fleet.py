@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import socket
@@ -43,6 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,7 @@ APP_NAME = "minillm-fleet"
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "FleetIngress"
 LOG_NAMESPACE = "minillm-fleet"
+REPLICA_HEADER = "x-minillm-replica"   # which replica answered (the ingress passes it on to the client)
 MAX_ATTEMPTS = 3                 # a request goes to at most this many replicas before the client gets the error
 MONITOR_INTERVAL_S = 0.2         # how often the driver's monitor thread reads the replica count
 STARTUP_TIMEOUT_S = 600.0        # serve.run waits this long for every replica to load its weights
@@ -221,8 +224,8 @@ def _deployments() -> dict[str, Any]:
                         app_task.result()   # the app's own exception, if it raised
                         return
                     if message["type"] == "http.response.start":
-                        yield ("start", message["status"],
-                               [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])])
+                        out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
+                        yield ("start", message["status"], out + [(REPLICA_HEADER, self.replica)])
                     elif message["type"] == "http.response.body":
                         if message.get("body"):
                             yield ("body", bytes(message["body"]))
@@ -528,12 +531,14 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
         else:
             ray.init(address=address, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env})
         started_ray = True
+    for name in ("ray.serve", "ray"):   # Serve's INFO lines ("Started Serve ...") would interleave with ours
+        logging.getLogger(name).setLevel(logging.WARNING)
     deployments = _deployments()
     log_name = f"fleet-log-{uuid.uuid4().hex[:8]}"
     log = deployments["FleetLog"].options(name=log_name, namespace=LOG_NAMESPACE).remote()
     http_port = port or _free_port(host)
     try:
-        serve.start(http_options={"host": host, "port": http_port, "location": "HeadOnly"},
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": http_port},
                     logging_config={"log_level": "ERROR"})
         options = {"max_ongoing_requests": max_ongoing_requests,
                    "ray_actor_options": {"num_cpus": threads_per_replica},
@@ -543,8 +548,10 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
             options["autoscaling_config"] = autoscaling.to_ray()
         else:
             options["num_replicas"] = num_replicas
-        engine = deployments["EngineReplica"].options(**options).bind(levers, threads_per_replica, log_name,
-                                                                     model_name)
+        with warnings.catch_warnings():   # Ray 2.60 deprecates metrics_interval_s (for an env variable) but obeys it
+            warnings.filterwarnings("ignore", message=".*metrics_interval_s.*", category=DeprecationWarning)
+            engine = deployments["EngineReplica"].options(**options).bind(levers, threads_per_replica, log_name,
+                                                                         model_name)
         serve.run(deployments["FleetIngress"].bind(engine, log_name), name=APP_NAME, route_prefix="/",
                   blocking=False)
         _wait_running(STARTUP_TIMEOUT_S)
@@ -575,3 +582,188 @@ def _wait_running(timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the fleet is still {state} after {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------- the autoscale demo
+def replica_count_path(timeline: list[tuple[float, int, str]]) -> list[int]:
+    """The running-replica counts the monitor saw, repeats dropped: [1, 2, 1] for a scale up then down."""
+    path: list[int] = []
+    for _, running, text in timeline:
+        if text.startswith(("replicas:", "autoscaler decided:")) and running and (not path or path[-1] != running):
+            path.append(running)
+    return path
+
+
+def _print_new(fleet: Fleet, printed: int, out) -> int:
+    events = fleet.timeline()
+    for t, running, text in events[printed:]:
+        print(f"  t={t:7.2f} s  [{running} running]  {text}", file=out, flush=True)
+    return len(events)
+
+
+def autoscale_demo(fleet: Fleet, *, high_clients: int = 8, max_tokens: int = 32, low_s: float = 3.0,
+                   hold_s: float = 4.0, timeout_s: float = 240.0, out=sys.stdout) -> list[int]:
+    """A load ramp against an autoscaling fleet: one client for `low_s`, then `high_clients` clients until a second
+    replica runs (plus `hold_s`), then none until the fleet is back to its minimum. Prints the timeline as it
+    happens; returns replica_count_path(fleet.timeline()), e.g. [1, 2, 1]."""
+    if fleet.autoscaling is None:
+        raise ValueError("autoscale_demo needs a fleet started with autoscaling=AutoscalingConfig(...)")
+    import httpx
+
+    low, high = fleet.autoscaling.min_replicas, fleet.autoscaling.max_replicas
+    clients = {"n": 1}
+    stop = threading.Event()
+    done = {"requests": 0, "failed": 0}
+
+    async def client(index: int) -> None:
+        async with httpx.AsyncClient(timeout=120.0) as http:
+            while not stop.is_set():
+                if index >= clients["n"]:
+                    await asyncio.sleep(0.05)
+                    continue
+                body = {"prompt": [100 + (index * 7 + k) % 300 for k in range(12)], "max_tokens": max_tokens,
+                        "ignore_eos": True, "stream": True}
+                try:
+                    async with http.stream("POST", fleet.base_url + "/v1/completions", json=body) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+                    done["requests"] += 1
+                except httpx.HTTPError:
+                    done["failed"] += 1
+
+    async def load() -> None:
+        await asyncio.gather(*(client(i) for i in range(high_clients)))
+
+    loader = threading.Thread(target=asyncio.run, args=(load(),), name="minillm-fleet-load", daemon=True)
+    printed = _print_new(fleet, 0, out)
+    t0 = time.monotonic()
+
+    def phase(text: str) -> None:
+        print(f"  t={time.time() - fleet.started_at:7.2f} s  load: {text}", file=out, flush=True)
+
+    def wait(predicate, seconds: float) -> bool:
+        nonlocal printed
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            printed = _print_new(fleet, printed, out)
+            if predicate():
+                return True
+            time.sleep(0.5)
+        return predicate()
+
+    try:
+        phase(f"1 streaming client ({max_tokens} tokens per request) for {low_s:.0f} s")
+        loader.start()
+        wait(lambda: False, low_s)
+        clients["n"] = high_clients
+        phase(f"{high_clients} streaming clients (target {fleet.autoscaling.target_ongoing_requests:g} ongoing "
+              f"requests per replica) until {high} replicas run")
+        if not wait(lambda: fleet.num_replicas() >= high, timeout_s):
+            raise TimeoutError(f"the fleet did not scale to {high} replicas within {timeout_s:.0f} s")
+        wait(lambda: False, hold_s)
+        clients["n"] = 0
+        phase(f"no clients until the fleet is back to {low} replica(s)")
+        if not wait(lambda: fleet.num_replicas() <= low, timeout_s):
+            raise TimeoutError(f"the fleet did not scale back to {low} replica(s) within {timeout_s:.0f} s")
+        wait(lambda: False, 1.0)
+    finally:
+        stop.set()
+        loader.join(30.0)
+        _print_new(fleet, printed, out)
+    path = replica_count_path(fleet.timeline())
+    print(f"replica count: {' -> '.join(map(str, path))} over {time.monotonic() - t0:.0f} s "
+          f"({done['requests']} requests served, {done['failed']} failed)", file=out, flush=True)
+    return path
+
+
+# ---------------------------------------------------------------------------- minillm fleet
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minillm fleet", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="multi-machine: `ray start --head` on one machine, `ray start "
+                                       "--address=HEAD:6379` on the others, then this command with --address HEAD:6379")
+    p.add_argument("--model", default=None, help="HF directory, hub id or random:PRESET (default: SmolLM2-135M)")
+    p.add_argument("--num-replicas", type=int, default=None, help="a fixed fleet of N replicas (default 2)")
+    p.add_argument("--min-replicas", type=int, default=None, help="autoscale: fewest replicas (default 1)")
+    p.add_argument("--max-replicas", type=int, default=None, help="autoscale: most replicas (default 2)")
+    p.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscale: requests running or queued per replica that Serve aims at (default 4; demo 2)")
+    p.add_argument("--upscale-delay-s", type=float, default=None, help="autoscale: default 5 (demo 1)")
+    p.add_argument("--downscale-delay-s", type=float, default=None, help="autoscale: default 30 (demo 3)")
+    p.add_argument("--max-ongoing-requests", type=int, default=16, help="most requests one replica is sent at once")
+    p.add_argument("--threads-per-replica", type=int, default=1, help="torch threads (and Ray CPUs) per replica")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="where Ray's HTTP proxy listens (0.0.0.0: every interface)")
+    p.add_argument("--address", default=None, help="an existing Ray cluster (HOST:6379 or auto); default: a local one")
+    p.add_argument("--set", nargs="*", metavar="LEVER=VALUE", help="engine levers, e.g. max_num_seqs=8")
+    p.add_argument("--demo-autoscale", action="store_true",
+                   help="autoscale 1..2 replicas, run a load ramp up then down, print the 1 -> 2 -> 1 timeline, exit")
+    p.add_argument("--run-s", type=float, default=None, help="serve this many seconds, then stop (default: Ctrl-C)")
+    return p
+
+
+AUTOSCALE_FLAGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
+
+
+def fleet_kwargs(args: argparse.Namespace) -> dict:
+    """start_fleet's keyword arguments from the parsed flags; ValueError naming a bad value or a conflict."""
+    from ..cli import _parse_levers
+
+    levers = _parse_levers(args.set or [])
+    if args.model is not None:
+        levers["model"] = args.model
+    given = {name: getattr(args, name) for name in AUTOSCALE_FLAGS if getattr(args, name) is not None}
+    if given and args.num_replicas is not None:
+        raise ValueError(f"--num-replicas={args.num_replicas} is a fixed fleet; --{next(iter(given)).replace('_', '-')} "
+                         "is for an autoscaling one: give one or the other")
+    kwargs = dict(levers=levers, port=args.port, host=args.host, address=args.address,
+                  threads_per_replica=args.threads_per_replica, max_ongoing_requests=args.max_ongoing_requests)
+    if given or args.demo_autoscale:
+        defaults = dict(target_ongoing_requests=2.0, upscale_delay_s=1.0, downscale_delay_s=3.0,
+                        metrics_interval_s=0.5, look_back_period_s=2.0) if args.demo_autoscale else {}
+        kwargs["autoscaling"] = AutoscalingConfig(**{**defaults, **given})
+        kwargs["num_replicas"] = None
+    else:
+        kwargs["num_replicas"] = args.num_replicas if args.num_replicas is not None else 2
+    return kwargs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        kwargs = fleet_kwargs(args)
+        _check_fleet_args(kwargs["num_replicas"], kwargs.get("autoscaling"), kwargs["port"],
+                          kwargs["threads_per_replica"], kwargs["max_ongoing_requests"])
+    except ValueError as exc:
+        print(f"minillm fleet: {exc}", file=sys.stderr)
+        return 2
+    what = (f"{kwargs['num_replicas']} replicas" if kwargs["num_replicas"] is not None else
+            "autoscaling " + json.dumps(kwargs["autoscaling"].to_ray()))
+    print(f"starting a fleet ({what}) on {'Ray at ' + args.address if args.address else 'a local Ray cluster'}...",
+          flush=True)
+    t0 = time.monotonic()
+    with start_fleet(**kwargs) as fleet:
+        print(f"ready in {time.monotonic() - t0:.1f} s at {fleet.base_url} (OpenAI routes under /v1)")
+        print("replica start-up (process start + weight load):")
+        for s in fleet.startup_times():
+            print(f"  {s['replica']} on node {s['node']} (pid {s['pid']}): {s['process_start_s']:.1f} s + "
+                  f"{s['weight_load_s']:.1f} s = {s['total_s']:.1f} s")
+        if args.demo_autoscale:
+            path = autoscale_demo(fleet)
+            low, high = fleet.autoscaling.min_replicas, fleet.autoscaling.max_replicas
+            return 0 if path[:1] == [low] and high in path and path[-1] == low else 1
+        print("timeline (Ctrl-C stops the fleet):")
+        printed = 0
+        deadline = None if args.run_s is None else time.monotonic() + args.run_s
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                printed = _print_new(fleet, printed, sys.stdout)
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        print("stopping the fleet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
