@@ -180,3 +180,288 @@ def test_help_lists_the_vllm_spellings(capsys):
         assert flag in text, f"{flag} missing from minillm serve --help"
     for alias in cli.VLLM_ALIASES:
         assert "".join(alias.split()) in squeezed, alias
+
+
+# ------------------------------------------------------------------ bench serve against vLLM's stream shapes
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+FIRST_DELAY_S = 0.10    # request arrives -> first token (prefill)
+GAP_S = 0.03            # between tokens (one decode step)
+SLACK_S = 0.15          # what a busy 2-core machine may add to a delivery
+EARLY_S = 0.005         # asyncio.sleep may wake this much before its time on time.perf_counter's clock
+
+
+class FakeVLLM:
+    """An OpenAI server that streams exactly as vLLM 0.11's serving_completion.py / serving_chat.py do, at known
+    times. Every request gets max_tokens tokens (ignore_eos), token i's text is " t{i}", FIRST_DELAY_S after
+    arrival for token 0 then one token every GAP_S. Options, each a detail of vLLM's streams:
+
+    empty_at:      token i's chunk has text "" (an incomplete UTF-8 character); its text comes with token i + 1
+    merged_at:     tokens i and i + 1 in one chunk (the engine's outputs coalesce when the client lags)
+    continuous:    usage (running totals) on every chunk, as stream_options.continuous_usage_stats asks
+    reasoning:     chat: the first R tokens stream as delta.reasoning_content (a --reasoning-parser model)
+    error_every:   every k-th request (1st, k+1-th, ...) fails after 2 tokens: {"error": {...}} then [DONE]
+
+    `sent[n]` is request n's (arrival, [(time, text, num_tokens) per chunk]) on time.perf_counter's clock."""
+
+    def __init__(self, first_delay_s=FIRST_DELAY_S, gap_s=GAP_S, empty_at=None, merged_at=None, continuous=False,
+                 reasoning=0, error_every=0):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        self.first_delay_s, self.gap_s = first_delay_s, gap_s
+        self.empty_at, self.merged_at, self.continuous = empty_at, merged_at, continuous
+        self.reasoning, self.error_every = reasoning, error_every
+        self.payloads: list[dict] = []
+        self.sent: list[tuple[float, list]] = []
+
+        async def models(request):
+            card = {"object": "model", "created": 1764633600, "owned_by": "vllm", "max_model_len": 8192,
+                    "permission": [{"id": "modelperm-0", "object": "model_permission", "allow_sampling": True}]}
+            return JSONResponse({"object": "list", "data": [
+                {**card, "id": BASE_MODEL, "root": BASE_MODEL, "parent": None},
+                {**card, "id": "sql-lora", "root": "/adapters/sql", "parent": BASE_MODEL}]})
+
+        async def complete(request):
+            body = await request.json()
+            arrival = time.perf_counter()
+            n = len(self.payloads)
+            self.payloads.append(body)
+            chunks: list = []
+            self.sent.append((arrival, chunks))
+            chat = request.url.path.endswith("/chat/completions")
+            if body.get("model") != BASE_MODEL:
+                return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                               "type": "NotFoundError", "param": None, "code": 404}}, 404)
+            return StreamingResponse(self._stream(body, n, chat, chunks), media_type="text/event-stream")
+
+        self._app = Starlette(routes=[Route("/v1/models", models),
+                                      Route("/v1/completions", complete, methods=["POST"]),
+                                      Route("/v1/chat/completions", complete, methods=["POST"])])
+
+    async def _stream(self, body: dict, n: int, chat: bool, chunks: list):
+        num_tokens, prompt_tokens = body["max_tokens"], 11
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and (self.continuous or bool(options.get("continuous_usage_stats")))
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{n:032x}",
+                "object": "chat.completion.chunk" if chat else "text_completion", "created": 1764633600,
+                "model": BASE_MODEL}
+        fails = self.error_every and n % self.error_every == 0
+
+        def event(payload: dict, text: str = "", tokens: int = 0) -> str:
+            chunks.append((time.perf_counter(), text, tokens))
+            return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+        def usage(done: int) -> dict:
+            return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done, "completion_tokens": done}
+
+        await asyncio.sleep(self.first_delay_s)
+        if chat:   # vLLM sends the role with the first output (exclude_unset: only the fields it set)
+            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], "prompt_token_ids": None}
+            if continuous:
+                first["usage"] = usage(0)
+            yield event(first)
+        done, pending, i = 0, "", 0
+        while i < num_tokens:
+            if i:
+                await asyncio.sleep(self.gap_s)
+            if fails and i == 2:
+                error = {"error": {"message": "Request 'x' aborted: KV cache exhausted", "type": "BadRequestError",
+                                   "param": None, "code": 400}}
+                yield event(error)
+                yield "data: [DONE]\n\n"
+                return
+            take = 2 if i == self.merged_at else 1
+            text = pending + "".join(f" t{j}" for j in range(i, i + take))
+            pending = ""
+            if i == self.empty_at:
+                text, pending = "", text
+            done += take
+            finish = "length" if done == num_tokens else None
+            if chat:
+                field = "reasoning_content" if i < self.reasoning else "content"
+                choice = {"index": 0, "delta": {field: text}, "logprobs": None, "finish_reason": finish,
+                          "token_ids": None}
+                if finish:
+                    choice["stop_reason"] = None
+            else:   # completions dump every field (exclude_unset=False): nulls included, usage: null
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                          "prompt_token_ids": None, "token_ids": None}
+            payload = {**head, "choices": [choice]}
+            if not chat:
+                payload["usage"] = None
+            if continuous:
+                payload["usage"] = {**usage(done), **({} if chat else {"prompt_tokens_details": None})}
+            yield event(payload, text, take)
+            i += take
+        if include_usage:   # exclude_none: the usage chunk has an empty choices list
+            yield event({**head, "choices": [], "usage": usage(done)})
+        yield "data: [DONE]\n\n"
+
+    def __enter__(self):
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self._app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "the fake vLLM server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def implied(self, n: int) -> dict:
+        """What request n's stream implies: TTFT, TPOT, ITL sum and counts, from the server's own send times."""
+        arrival, chunks = self.sent[n]
+        texts = [(t, text) for t, text, _ in chunks if text]
+        tokens = sum(k for _, _, k in chunks)
+        ttft = texts[0][0] - arrival
+        return {"ttft_s": ttft, "itl_sum_s": texts[-1][0] - texts[0][0], "num_text_chunks": len(texts),
+                "tokens": tokens, "tpot_s": (chunks[-1][0] - texts[0][0]) / (tokens - 1),
+                "text": "".join(text for _, text in texts)}
+
+
+PROMPTS = [{"prompt": f"question {i}: why is the sky blue?", "output_tokens": 8} for i in range(6)]
+
+
+def check_against_server(fake: FakeVLLM, result: bs.ServeBenchResult, expect_tokens: int) -> None:
+    """Each record's TTFT / TPOT / ITL / tokens equal what the server's send times and counts imply."""
+    assert result.failed == 0, result.errors
+    by_server_order = sorted(result.records, key=lambda r: r.start_s)
+    assert len(fake.sent) == len(by_server_order)
+    for n, rec in enumerate(by_server_order):
+        implied = fake.implied(n)
+        assert rec.usage_reported and rec.output_tokens == implied["tokens"] == expect_tokens
+        assert rec.prompt_tokens == 11
+        assert rec.num_chunks == implied["num_text_chunks"] and len(rec.itl_s) == rec.num_chunks - 1
+        # the client starts its clock before the server's arrival and reads each chunk after it was sent
+        assert implied["ttft_s"] <= rec.ttft_s <= implied["ttft_s"] + SLACK_S, (rec.ttft_s, implied)
+        assert implied["ttft_s"] >= fake.first_delay_s - EARLY_S
+        assert sum(rec.itl_s) == pytest.approx(implied["itl_sum_s"], abs=SLACK_S)
+        assert rec.tpot_s == pytest.approx((rec.e2el_s - rec.ttft_s) / (expect_tokens - 1), rel=1e-12)
+        assert rec.tpot_s == pytest.approx(implied["tpot_s"], abs=SLACK_S / (expect_tokens - 1))
+    assert result.total_output_tokens == expect_tokens * len(result.records)
+    assert result.total_input_tokens == 11 * len(result.records)
+    assert result.metrics["ttft"]["mean_ms"] >= (fake.first_delay_s - EARLY_S) * 1e3
+
+
+def test_completions_stream_with_vllms_shapes():
+    """usage: null on every chunk, an empty-text chunk, two tokens in one chunk, the final usage chunk with
+    "choices": [], data: [DONE]; the model found in a /v1/models list that also holds a LoRA adapter."""
+    with FakeVLLM(empty_at=2, merged_at=5) as fake:
+        r = bs.run_benchmark(fake.base_url, num_prompts=6, max_concurrency=2, dataset=PROMPTS, progress=False)
+    assert r.model == BASE_MODEL and all(p["model"] == BASE_MODEL for p in fake.payloads)
+    assert all(p["stream_options"] == {"include_usage": True} and p["max_tokens"] == 8 for p in fake.payloads)
+    check_against_server(fake, r, expect_tokens=8)
+    for rec in r.records:
+        assert rec.num_chunks == 6   # 8 tokens: one chunk had no text, one carried two tokens
+        assert rec.text == "".join(f" t{j}" for j in range(8))
+        assert rec.tpot_s == pytest.approx(GAP_S * 6 / 7, abs=SLACK_S / 7)   # 7 gaps, one saved by the merge
+    assert r.table().count("\n") > 10
+
+
+def test_continuous_usage_stats_take_the_last_running_total():
+    with FakeVLLM(continuous=True) as fake:
+        r = bs.run_benchmark(fake.base_url, num_prompts=4, max_concurrency=2, dataset=PROMPTS, progress=False)
+    check_against_server(fake, r, expect_tokens=8)   # not the sum of the running totals (36)
+    with FakeVLLM(continuous=True) as fake:
+        chat = bs.run_benchmark(fake.base_url, endpoint="/v1/chat/completions", num_prompts=2, max_tokens=5,
+                                dataset=PROMPTS, progress=False)
+    check_against_server(fake, chat, expect_tokens=5)
+
+
+def test_chat_stream_role_chunk_and_reasoning_deltas():
+    """The role-only first chunk is not a token; a reasoning model's thinking (reasoning_content) is output:
+    the first token is the first thinking token, and the answer text is the content alone."""
+    with FakeVLLM(reasoning=3) as fake:
+        r = bs.run_benchmark(fake.base_url, endpoint="/v1/chat/completions", num_prompts=4, max_concurrency=2,
+                             max_tokens=7, dataset=PROMPTS, progress=False)
+    assert fake.payloads[0]["messages"] == [{"role": "user", "content": fake.payloads[0]["messages"][0]["content"]}]
+    check_against_server(fake, r, expect_tokens=7)
+    for rec in r.records:
+        assert rec.ttft_s < FIRST_DELAY_S + 2 * GAP_S + SLACK_S / 2   # not at the first content token (3 gaps on)
+        assert rec.text == " t3 t4 t5 t6" and rec.num_chunks == 7
+
+
+def test_error_inside_the_stream_fails_that_request_only():
+    with FakeVLLM(error_every=3) as fake:
+        r = bs.run_benchmark(fake.base_url, num_prompts=6, max_concurrency=1, dataset=PROMPTS, progress=False)
+    assert (r.completed, r.failed) == (4, 2)   # requests 0 and 3 in arrival order
+    assert r.errors == {"error in the stream: Request 'x' aborted: KV cache exhausted": 2}
+    assert r.total_output_tokens == 4 * 8 and r.metrics["ttft"]["mean_ms"] >= (FIRST_DELAY_S - EARLY_S) * 1e3
+    failed = [rec for rec in sorted(r.records, key=lambda x: x.start_s) if not rec.success]
+    assert [rec.index for rec in failed] == [rec.index for rec in sorted(r.records, key=lambda x: x.start_s)[::3]]
+
+
+def test_unknown_model_is_vllms_404():
+    with FakeVLLM() as fake:
+        r = bs.run_benchmark(fake.base_url, "sql-lora-typo", num_prompts=2, dataset=PROMPTS, progress=False)
+    assert r.failed == 2 and all(e.startswith("HTTP 404") and "does not exist" in e for e in r.errors)
+
+
+def test_chunk_text_reads_every_kind_of_delta():
+    chat = "/v1/chat/completions"
+    assert bs._chunk_text({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, chat) == ("", "")
+    assert bs._chunk_text({"choices": [{"delta": {"reasoning": "hmm"}}]}, chat) == ("", "hmm")
+    call = {"index": 0, "id": "chatcmpl-tool-1", "type": "function", "function": {"name": "f", "arguments": "{\"a\""}}
+    assert bs._chunk_text({"choices": [{"delta": {"tool_calls": [call]}}]}, chat) == ("", "f{\"a\"")
+    assert bs._chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, "/v1/completions") == ("", "")
+    assert bs._chunk_text({"choices": [{"text": " x", "usage": None}]}, "/v1/completions") == (" x", " x")
+
+
+def test_compare_servers_runs_each_and_skips_a_missing_vllm():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    dead_port = sock.getsockname()[1]
+    sock.close()
+    dead = f"http://127.0.0.1:{dead_port}/v1"
+    with FakeVLLM(first_delay_s=0.05, gap_s=0.01) as fast, FakeVLLM(first_delay_s=0.25, gap_s=0.04) as slow:
+        c = bs.compare_servers({"fast": fast.base_url, "vllm": dead, "slow": slow.base_url + "/v1"}, num_prompts=4,
+                               max_concurrency=2, max_tokens=6, dataset=PROMPTS, progress=False)
+        sent = [p["prompt"] for p in fast.payloads], [p["prompt"] for p in slow.payloads]
+    assert sorted(sent[0]) == sorted(sent[1])   # the same prompts for each server
+    rows = {row["server"]: row for row in c.rows}
+    assert [row["server"] for row in c.rows] == ["fast", "vllm", "slow"]
+    assert rows["vllm"]["skipped"] and c.notes["vllm"] == rows["vllm"]["note"] == (
+        f"no vLLM server at {dead} (vLLM needs a GPU; run `vllm serve HuggingFaceTB/SmolLM2-135M-Instruct "
+        f"--port {dead_port}` where one exists)")
+    assert set(c.results) == {"fast", "slow"}
+    for name, fake in (("fast", fast), ("slow", slow)):
+        check_against_server(fake, c.results[name], expect_tokens=6)
+        assert rows[name]["ttft_mean_ms"] == c.results[name].metrics["ttft"]["mean_ms"]
+        assert rows[name]["total_output_tokens"] == 24 and rows[name]["completed"] == 4
+    assert rows["slow"]["ttft_mean_ms"] - rows["fast"]["ttft_mean_ms"] > 150     # 250 ms vs 50 ms prefill
+    assert rows["slow"]["tpot_mean_ms"] > rows["fast"]["tpot_mean_ms"] + 20       # 40 ms vs 10 ms a token
+    assert rows["fast"]["output_throughput_ratio"] == 1.0
+    assert rows["slow"]["output_throughput_ratio"] == pytest.approx(
+        rows["slow"]["output_throughput"] / rows["fast"]["output_throughput"])
+    text = c.table()
+    assert "vllm      skipped: no vLLM server at" in text and text.count("\n") == 5
+    json.dumps(c.to_dict())
+    other = bs.compare_servers({"mine": dead}, progress=False)
+    assert other.notes["mine"].startswith(f"no server answers at {dead} (") and not other.results
+    with pytest.raises(ValueError, match="servers=.* is empty"):
+        bs.compare_servers({})
+
+
+def test_bench_serve_cli_compare(capsys):
+    with FakeVLLM(first_delay_s=0.02, gap_s=0.005) as fake:
+        code = bs.main(["--compare", f"vllm={fake.base_url}", "--num-prompts", "2", "--max-tokens", "3",
+                        "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.splitlines()[2].split()[:3] == ["vllm", "2", "0"], out
+    assert bs.main(["--compare", "nourl"]) == 2
+    assert "--compare 'nourl' must be NAME=URL" in capsys.readouterr().err

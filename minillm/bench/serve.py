@@ -21,12 +21,20 @@ SLO (--goodput ttft:MS tpot:MS e2el:MS); goodput = good requests / benchmark dur
 Failed requests (HTTP errors, refused connections, an error inside the stream) are counted
 with their error; they never stop the run.
 
+It measures a vLLM server unchanged (tests/test_vllm_compat.py replays vLLM 0.11's stream
+shapes): `data: [DONE]`, a `"usage": null` on every completions chunk, the final usage chunk
+with `"choices": []`, usage on every chunk (`continuous_usage_stats`: the last one counts), the
+chat stream's role-only first chunk, empty-text chunks (a token whose text comes with the next
+one), several tokens in one chunk, reasoning deltas (`reasoning_content` / `reasoning`: output
+text for TTFT and ITL), tool-call argument deltas, and `{"error": ...}` inside the stream.
+
 From a notebook (the benchmark runs its own event loop in a worker thread, so it also works
 inside Jupyter's running loop):
 
-    >>> from minillm.bench.serve import run_benchmark
+    >>> from minillm.bench.serve import run_benchmark, compare_servers
     >>> result = run_benchmark(handle.base_url, num_prompts=16, max_concurrency=4)
     >>> print(result.table())
+    >>> print(compare_servers({"minillm": handle.base_url, "vllm": "http://127.0.0.1:8001"}).table())
 """
 
 from __future__ import annotations
@@ -345,14 +353,24 @@ def _payload(endpoint: str, model: str, prompt: str, max_tokens: int | None, ign
     return body
 
 
-def _chunk_text(chunk: dict, endpoint: str) -> str:
+def _chunk_text(chunk: dict, endpoint: str) -> tuple[str, str]:
+    """(answer text, all output text) of a streamed chunk. Chat deltas also carry a reasoning model's
+    thinking (vLLM's `reasoning_content`, later `reasoning`) and tool-call arguments: output tokens
+    for TTFT and ITL, though not the answer."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return "", ""
     choice = choices[0]
-    if endpoint == "/v1/chat/completions":
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
+    if endpoint != "/v1/chat/completions":
+        text = choice.get("text") or ""
+        return text, text
+    delta = choice.get("delta") or {}
+    content = delta.get("content") or ""
+    other = (delta.get("reasoning_content") or "") + (delta.get("reasoning") or "")
+    for call in delta.get("tool_calls") or []:
+        function = (call or {}).get("function") or {}
+        other += (function.get("name") or "") + (function.get("arguments") or "")
+    return content, other + content
 
 
 async def _send(client, url: str, endpoint: str, body: dict, record: RequestRecord, t0: float) -> None:
@@ -375,21 +393,21 @@ async def _send(client, url: str, endpoint: str, body: dict, record: RequestReco
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
+                if "error" in chunk or chunk.get("object") == "error":   # vLLM: {"error": {...}}, then [DONE]
+                    err = chunk.get("error", chunk)
                     record.error = f"error in the stream: {err.get('message', err) if isinstance(err, dict) else err}"
                     return
-                text = _chunk_text(chunk, endpoint)
-                if text:
+                answer, output = _chunk_text(chunk, endpoint)
+                if output:
                     if record.ttft_s is None:
                         record.ttft_s = now - start
                     else:
                         record.itl_s.append(now - last)
                     last = now
                     record.num_chunks += 1
-                    record.text += text
+                    record.text += answer
                 usage = chunk.get("usage")
-                if usage:
+                if usage:   # the final usage chunk, or (continuous_usage_stats) every chunk's running total
                     record.usage_reported = True
                     record.prompt_tokens = usage.get("prompt_tokens")
                     record.output_tokens = usage.get("completion_tokens") or 0
@@ -524,6 +542,112 @@ def run_benchmark(base_url: str, model: str | None = None, *, endpoint: str = "/
         records=results, input_tokens_known=all(r.prompt_tokens is not None for r in ok))
 
 
+# ------------------------------------------------------------------ the same benchmark against several servers
+DEFAULT_VLLM_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"   # minillm's default model, by its hub id
+COMPARE_COLUMNS = (   # (key, header, width, format)
+    ("server", "server", 10, ""), ("completed", "ok", 4, "d"), ("failed", "fail", 5, "d"),
+    ("request_throughput", "req/s", 7, ".2f"), ("output_throughput", "out tok/s", 10, ".1f"),
+    ("output_throughput_ratio", "x first", 8, ".2f"), ("ttft_mean_ms", "TTFT ms", 9, ".1f"),
+    ("ttft_p99_ms", "TTFT p99", 9, ".1f"), ("tpot_mean_ms", "TPOT ms", 9, ".1f"), ("itl_mean_ms", "ITL ms", 8, ".1f"),
+    ("e2el_mean_ms", "E2EL ms", 9, ".1f"))
+
+
+def server_missing_note(name: str, url: str, error: str = "") -> str:
+    """What to tell a learner when a server does not answer (a vLLM one needs a GPU to exist at all)."""
+    if "vllm" in name.lower():
+        port = url.rstrip("/").removesuffix("/v1").rsplit(":", 1)[-1]
+        port = f" --port {port}" if port.isdigit() else ""
+        return (f"no vLLM server at {url} (vLLM needs a GPU; run `vllm serve {DEFAULT_VLLM_MODEL}{port}` "
+                "where one exists)")
+    return f"no server answers at {url}" + (f" ({error})" if error else "")
+
+
+def _answers(base_url: str, timeout_s: float) -> str:
+    """'' when GET /v1/models answers 200, else why not."""
+    import httpx
+
+    try:
+        response = httpx.get(normalize_base_url(base_url) + "/v1/models", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return "" if response.status_code == 200 else f"GET /v1/models: HTTP {response.status_code}"
+
+
+@dataclass
+class ServerComparison:
+    """compare_servers' answer: one row per server (skipped ones with their note), the full results."""
+
+    rows: list[dict]
+    results: dict[str, ServeBenchResult]
+    notes: dict[str, str]               # server name -> why it was skipped
+    settings: dict
+
+    def table(self) -> str:
+        head = "".join(f"{h:{'<' if k == 'server' else '>'}{w}}" for k, h, w, _ in COMPARE_COLUMNS)
+        st = self.settings
+        tokens = f"{st['max_tokens']} tokens" if st["max_tokens"] else "the dataset's output lengths"
+        at_once = f"at most {st['max_concurrency']} at once" if st["max_concurrency"] else "no concurrency cap"
+        lines = [f"{st['endpoint']}: {st['num_prompts']} requests x {tokens}, {at_once}, request rate "
+                 f"{st['request_rate']}/s; the same prompts and arrivals for each server", head]
+        for row in self.rows:
+            if row["skipped"]:
+                lines.append(f"{row['server']:<10}skipped: {row['note']}")
+                continue
+            lines.append("".join(f"{row[k]:{'<' if k == 'server' else '>'}{w}{f}}" for k, _, w, f in COMPARE_COLUMNS))
+        if self.rows and any(not r["skipped"] for r in self.rows):
+            first = next(r for r in self.rows if not r["skipped"])
+            lines.append(f"x first: output tok/s over {first['server']}'s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "notes": self.notes, "settings": self.settings,
+                "results": {name: r.to_dict() for name, r in self.results.items()}}
+
+
+def compare_servers(servers: dict[str, str], models: dict[str, str] | None = None, *,
+                    endpoint: str = "/v1/completions", num_prompts: int = 16, max_concurrency: int | None = 4,
+                    max_tokens: int | None = 32, request_rate: float = float("inf"), dataset=None, seed: int = 0,
+                    goodput=None, ignore_eos: bool = True, progress: bool = True, check_timeout_s: float = 5.0,
+                    timeout_s: float = 3600.0) -> ServerComparison:
+    """The same benchmark (prompts, arrivals, max_tokens, concurrency) against each server in turn.
+
+    servers: {"minillm": "http://127.0.0.1:8000", "vllm": "http://gpu-box:8001"}; a server that
+    does not answer GET /v1/models within check_timeout_s is skipped with a note (a "vllm" one
+    says how to start vLLM where a GPU exists), never an exception. models: {name: model id}
+    (default: each server's first /v1/models id). The other arguments are run_benchmark's."""
+    if not servers:
+        raise ValueError("servers={} is empty: give {name: base_url}, e.g. {'minillm': 'http://127.0.0.1:8000'}")
+    rows, results, notes = [], {}, {}
+    for name, url in servers.items():
+        normalize_base_url(url)   # a malformed URL is the caller's mistake: ValueError now
+        problem = _answers(url, check_timeout_s)
+        if problem:
+            notes[name] = server_missing_note(name, url, problem)
+            rows.append({"server": name, "url": url, "skipped": True, "note": notes[name]})
+            continue
+        result = run_benchmark(url, (models or {}).get(name), endpoint=endpoint, num_prompts=num_prompts,
+                               request_rate=request_rate, max_concurrency=max_concurrency, max_tokens=max_tokens,
+                               dataset=dataset, seed=seed, goodput=goodput, ignore_eos=ignore_eos,
+                               progress=progress, timeout_s=timeout_s)
+        results[name] = result
+        m = result.metrics
+        rows.append({"server": name, "url": url, "skipped": False, "note": "", "model": result.model,
+                     "completed": result.completed, "failed": result.failed,
+                     "request_throughput": result.request_throughput, "output_throughput": result.output_throughput,
+                     "ttft_mean_ms": m["ttft"]["mean_ms"], "ttft_p99_ms": m["ttft"].get("p99_ms", float("nan")),
+                     "tpot_mean_ms": m["tpot"]["mean_ms"], "itl_mean_ms": m["itl"]["mean_ms"],
+                     "e2el_mean_ms": m["e2el"]["mean_ms"], "total_output_tokens": result.total_output_tokens,
+                     "goodput": result.goodput})
+    measured = [r for r in rows if not r["skipped"]]
+    for row in measured:
+        first = measured[0]["output_throughput"]
+        row["output_throughput_ratio"] = row["output_throughput"] / first if first else float("nan")
+    settings = {"endpoint": endpoint, "num_prompts": num_prompts, "max_concurrency": max_concurrency,
+                "max_tokens": max_tokens, "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+                "seed": seed}
+    return ServerComparison(rows, results, notes, settings)
+
+
 # ------------------------------------------------------------------ command line
 def _rate(text: str) -> float:
     try:
@@ -559,6 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a request may wait for its next bytes")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result (with every request) here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compare", nargs="+", default=None, metavar="NAME=URL",
+                   help="run the same benchmark against each server in turn and print one table, e.g. "
+                        "minillm=http://127.0.0.1:8000 vllm=http://127.0.0.1:8001 (a server that does not answer is "
+                        "skipped with a note)")
     p.add_argument("--write-dataset", default=None, metavar="FILE",
                    help="write build_serve_dataset() to FILE (how data/serve_prompts.jsonl is made) and exit")
     return p
@@ -570,6 +698,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_dataset:
             print(write_serve_dataset(args.write_dataset))
             return 0
+        if args.compare:
+            servers = {}
+            for item in args.compare:
+                name, sep, url = item.partition("=")
+                if not sep or not name or not url:
+                    raise ValueError(f"--compare {item!r} must be NAME=URL, e.g. vllm=http://127.0.0.1:8001")
+                servers[name] = url
+            comparison = compare_servers(servers, endpoint=args.endpoint, num_prompts=args.num_prompts,
+                                         request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                                         max_tokens=args.max_tokens, dataset=args.dataset, seed=args.seed,
+                                         goodput=args.goodput, ignore_eos=args.ignore_eos,
+                                         progress=not args.no_progress, timeout_s=args.timeout)
+            print(comparison.table())
+            if args.json:
+                Path(args.json).write_text(json.dumps(comparison.to_dict(), indent=1))
+            return 0 if comparison.results else 1
         result = run_benchmark(args.base_url, args.model, endpoint=args.endpoint, num_prompts=args.num_prompts,
                                request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                                max_tokens=args.max_tokens, dataset=args.dataset, seed=args.seed,
