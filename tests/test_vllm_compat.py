@@ -465,3 +465,33 @@ def test_bench_serve_cli_compare(capsys):
     assert code == 0 and out.splitlines()[2].split()[:3] == ["vllm", "2", "0"], out
     assert bs.main(["--compare", "nourl"]) == 2
     assert "--compare 'nourl' must be NAME=URL" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ docs/VLLM.md covers every lever, flag and metric
+DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "VLLM.md"
+
+
+def test_vllm_page_maps_every_lever_flag_and_metric():
+    from minillm.sampling import SamplingParams
+    from minillm.serve.metrics import EngineGauges, ServerMetrics, render_prometheus
+
+    text = DOC.read_text()
+    rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")}
+    missing = [f.name for f in dataclasses.fields(EngineConfig)
+               if not any(row.startswith(f"`{f.name}`") for row in rows)]
+    assert not missing, f"docs/VLLM.md has no row for EngineConfig fields {missing}"
+    missing = [f.name for f in dataclasses.fields(SamplingParams) if f"`{f.name}`" not in text]
+    assert not missing, f"docs/VLLM.md does not map SamplingParams fields {missing}"
+    server = [a.option_strings[0] for g in cli.build_parser()._action_groups if g.title == "server"
+              for a in g._group_actions]
+    bench = [a.option_strings[0] for a in bs.build_parser()._actions if a.option_strings and a.dest != "help"]
+    missing = [flag for flag in server + bench if f"`{flag}" not in text and flag != "--write-dataset"]
+    assert not missing, f"docs/VLLM.md does not map the flags {missing}"
+    exported = {line.split()[2] for line in render_prometheus("m", EngineGauges(), ServerMetrics()).splitlines()
+                if line.startswith("# TYPE")}
+    missing = [name for name in exported if f"`{name}`" not in text and f"`{name}{{" not in text]
+    assert not missing, f"docs/VLLM.md does not map the metrics {missing}"
+    for flag in [*cli.VLLM_REFUSED, "--speculative-config", "--kv-cache-dtype", "--enable-chunked-prefill",
+                 "--gpu-memory-utilization", "--tensor-parallel-size", "compare_servers"]:
+        assert f"`{flag}" in text or flag in text, flag
+    assert "vLLM 0.11" in text and "99d7eb5d" in text   # the version the page was read from

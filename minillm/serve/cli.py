@@ -116,7 +116,7 @@ VLLM_ALIASES = {
     "--kv-cache-memory-bytes N": "--kv-cache-bytes N",
     "--uvicorn-log-level": "--log-level",
     "--dtype half / float": "--dtype float16 / float32",
-    "--tensor-parallel-size / -tp N": "--tensor-parallel-size N (1 only until EngineConfig has the field)",
+    "--tensor-parallel-size / -tp N": "--tensor-parallel-size N",
     "--pipeline-parallel-size / -pp 1, --data-parallel-size / -dp 1": "accepted: one stage, one replica",
     "--disable-log-requests, --disable-log-stats": "accepted: minillm logs neither",
     "--max-logprobs 20": "accepted: minillm's cap is 20",
