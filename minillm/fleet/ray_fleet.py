@@ -171,10 +171,9 @@ def _deployments() -> dict[str, Any]:
 
         def __init__(self, levers: dict, threads: int, log_name: str, model_name: str | None = None):
             constructed_at = time.time()
-            import psutil
             import torch
 
-            process_start_s = max(0.0, constructed_at - psutil.Process().create_time())
+            process_start_s = max(0.0, constructed_at - _process_started_at())
             torch.set_num_threads(threads)
             from minillm.llm import LLM
             from minillm.serve.app import build_app
@@ -192,7 +191,8 @@ def _deployments() -> dict[str, Any]:
                       "node": ray.get_runtime_context().get_node_id()[:8], "pid": os.getpid(),
                       "process_start_s": process_start_s, "weight_load_s": weight_load_s,
                       "total_s": process_start_s + weight_load_s, "ready_at": time.time()}
-            ray.get_actor(log_name, namespace=LOG_NAMESPACE).startup.remote(record)
+            # waited for: Serve counts the replica as running only once the log holds its start-up
+            ray.get(ray.get_actor(log_name, namespace=LOG_NAMESPACE).startup.remote(record))
 
         async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes):
             """Run one HTTP request through the app; yields ("start", status, headers), then ("body", bytes)..."""
@@ -314,6 +314,21 @@ def _actor_died_errors() -> tuple[type[BaseException], ...]:
     return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
+_IMPORTED_AT = time.time()
+
+
+def _process_started_at() -> float:
+    """When this process was created (Linux: /proc, as psutil reads it); elsewhere when this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            boot_s = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot_s + int(after_name[19]) / os.sysconf("SC_CLK_TCK")   # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
 async def _next_or_none(chunks):
     try:
         return await chunks.__anext__()
@@ -360,7 +375,6 @@ class Fleet:
         self._stop = threading.Event()
         self._closed = False
         self._monitor = threading.Thread(target=self._watch, name="minillm-fleet-monitor", daemon=True)
-        self._monitor.start()
 
     # -------------------------------------------------------------- reading the fleet
     def _deployment_status(self):
@@ -472,7 +486,8 @@ class Fleet:
             return
         self._closed = True
         self._stop.set()
-        self._monitor.join(5.0)
+        if self._monitor.is_alive():
+            self._monitor.join(5.0)
         import ray
         from ray import serve
 
@@ -502,23 +517,31 @@ class Fleet:
 def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
                 autoscaling: AutoscalingConfig | None = None, port: int = 0, threads_per_replica: int = 1,
                 max_ongoing_requests: int = 16, address: str | None = None, host: str = "127.0.0.1",
-                model_name: str | None = None) -> Fleet:
+                model_name: str | None = None, progress: bool = True) -> Fleet:
     """Start engine replicas behind Ray Serve and return the Fleet once every initial replica is ready.
 
     levers: LLM(**levers) in each replica (model=..., any EngineConfig field). num_replicas: a fixed fleet; or
     autoscaling=AutoscalingConfig(...) (then num_replicas is ignored). port: the HTTP port (0: a free one).
     threads_per_replica: torch threads (and Ray CPUs) per replica. max_ongoing_requests: what Ray's router sends
     one replica at most (the rest wait in the ingress's queue). address: an existing Ray cluster ("HOST:6379" or
-    "auto"); None starts a local one on loopback (and shutdown() stops it). host: where the HTTP proxy listens."""
+    "auto"); None starts a local one on loopback (and shutdown() stops it). host: where the HTTP proxy listens.
+    model_name: the name clients pass as `model` (default: as `minillm serve` names it). progress: a tqdm bar of
+    replicas loaded (start-up takes 30-45 s on 2 cores)."""
     if autoscaling is not None:
         num_replicas = None
     _check_fleet_args(num_replicas, autoscaling, port, threads_per_replica, max_ongoing_requests)
     levers = dict(levers or {})
+    if address is None:   # a bad lever fails here, in words, not after Ray retried every replica's constructor
+        from ..config import EngineConfig
+        from ..engine.builder import EngineParts
+
+        EngineConfig.from_kwargs(**{k: v for k, v in levers.items() if k not in EngineParts.names()})
     import ray
     from ray import serve
 
     started_at = time.time()
     started_ray, temp_dir = False, None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # nothing leaves this machine unasked
     if not ray.is_initialized():
         env = {"OMP_NUM_THREADS": str(threads_per_replica), "MKL_NUM_THREADS": str(threads_per_replica),
                "TOKENIZERS_PARALLELISM": "false"}
@@ -537,9 +560,14 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
     log_name = f"fleet-log-{uuid.uuid4().hex[:8]}"
     log = deployments["FleetLog"].options(name=log_name, namespace=LOG_NAMESPACE).remote()
     http_port = port or _free_port(host)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    # The monitor runs from here on: the timeline shows the replicas starting, not only the fleet once up.
+    fleet = Fleet(base_url=f"http://{shown}:{http_port}", log=log, log_name=log_name, started_ray=started_ray,
+                  temp_dir=temp_dir, started_at=started_at, autoscaling=autoscaling, fixed_replicas=num_replicas)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": http_port},
                     logging_config={"log_level": "ERROR"})
+        fleet._monitor.start()
         options = {"max_ongoing_requests": max_ongoing_requests,
                    "ray_actor_options": {"num_cpus": threads_per_replica},
                    "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
@@ -554,34 +582,34 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
                                                                          model_name)
         serve.run(deployments["FleetIngress"].bind(engine, log_name), name=APP_NAME, route_prefix="/",
                   blocking=False)
-        _wait_running(STARTUP_TIMEOUT_S)
+        initial = num_replicas if autoscaling is None else (autoscaling.initial_replicas or autoscaling.min_replicas)
+        _wait_running(STARTUP_TIMEOUT_S, initial, progress)
     except BaseException:
-        try:
-            serve.shutdown()
-        finally:
-            if started_ray:
-                ray.shutdown()
+        fleet.shutdown()
         raise
-    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return Fleet(base_url=f"http://{shown}:{http_port}", log=log, log_name=log_name, started_ray=started_ray,
-                 temp_dir=temp_dir, started_at=started_at, autoscaling=autoscaling, fixed_replicas=num_replicas)
+    return fleet
 
 
-def _wait_running(timeout_s: float) -> None:
-    """serve.run(blocking=False) returns before replicas are up: wait for the application to be RUNNING."""
+def _wait_running(timeout_s: float, replicas: int, progress: bool) -> None:
+    """Wait for the application to be RUNNING (every initial replica loaded), with a progress bar of replicas."""
     from ray import serve
+    from tqdm.auto import tqdm
 
     deadline = time.monotonic() + timeout_s
-    while True:
-        app = serve.status().applications.get(APP_NAME)
-        state = getattr(app.status, "value", str(app.status)) if app is not None else "MISSING"
-        if state == "RUNNING":
-            return
-        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"the fleet did not start ({state}): {app.message}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the fleet is still {state} after {timeout_s:.0f} s")
-        time.sleep(0.2)
+    with tqdm(total=replicas, desc="fleet: replicas loaded", unit="replica", disable=not progress) as bar:
+        while True:
+            app = serve.status().applications.get(APP_NAME)
+            state = getattr(app.status, "value", str(app.status)) if app is not None else "MISSING"
+            engine = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
+            running = int(engine.replica_states.get("RUNNING", 0)) if engine is not None else 0
+            bar.update(max(0, min(running, replicas) - bar.n))
+            if state == "RUNNING":
+                return
+            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"the fleet did not start ({state}): {app.message}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the fleet is still {state} after {timeout_s:.0f} s")
+            time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------- the autoscale demo
