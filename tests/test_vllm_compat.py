@@ -18,8 +18,6 @@ from minillm.bench import serve as bs
 from minillm.config import EngineConfig
 from minillm.serve import cli
 
-HAS_TP = "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
-
 
 def config(*argv: str) -> EngineConfig:
     return cli.config_from_argv(list(argv))
@@ -102,17 +100,10 @@ def test_human_readable_int():
             cli.human_readable_int(bad)
 
 
-@pytest.mark.skipif(not HAS_TP, reason="EngineConfig has no tensor_parallel_size yet (the TP lever is being built)")
-def test_tensor_parallel_size_alias_sets_the_field():
-    assert config("--tensor-parallel-size", "2").tensor_parallel_size == 2
-    assert config("-tp", "2").tensor_parallel_size == 2
-
-
-@pytest.mark.skipif(HAS_TP, reason="EngineConfig has tensor_parallel_size: -tp sets it")
-def test_tensor_parallel_size_without_the_field(capsys):
-    assert config("-tp", "1") == EngineConfig()   # one device is what this engine does
-    err = refused(capsys, "--tensor-parallel-size", "2")
-    assert "--tensor-parallel-size 2" in err and "tensor_parallel_size" in err
+def test_tensor_parallel_size_and_its_short_spelling():
+    assert config("--tensor-parallel-size", "3").tensor_parallel_size == 3
+    assert config("-tp", "3").tensor_parallel_size == 3
+    assert config("-tp", "1") == EngineConfig()
 
 
 # ------------------------------------------------------------------ refusals

@@ -258,8 +258,7 @@ class _Refused(argparse.Action):
 
 
 class _Fixed(argparse.Action):
-    """-pp / -dp / -tp (without the field), --max-logprobs: the value minillm always has is accepted, another is
-    refused with the reason."""
+    """-pp / -dp / --max-logprobs: the value minillm always has is accepted, another is refused with the reason."""
 
     def __init__(self, option_strings, dest, reason: str = "", value=1, **kwargs):
         self.reason, self.value = reason, value
@@ -280,7 +279,7 @@ class ServeArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _add_vllm_spellings(parser: argparse.ArgumentParser, names: set[str]) -> None:
+def _add_vllm_spellings(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         f"vLLM spellings (vllm serve {VLLM_VERSION}; docs/VLLM.md)",
         "Accepted where the meaning is minillm's: " + "; ".join(f"{k} -> {v}" for k, v in VLLM_ALIASES.items()))
@@ -304,10 +303,6 @@ def _add_vllm_spellings(parser: argparse.ArgumentParser, names: set[str]) -> Non
                        default=sup, metavar="N", help="= --kv-cache-bytes (32G, 1.5g, ...)")
     group.add_argument("--uvicorn-log-level", dest="log_level", default=sup,
                        choices=["critical", "error", "warning", "info", "debug", "trace"], help="= --log-level")
-    if "tensor_parallel_size" not in names:
-        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=sup, action=_Fixed, metavar="1",
-                           help="accepted as 1 (one device) until EngineConfig has tensor_parallel_size",
-                           reason="this minillm's EngineConfig has no tensor_parallel_size yet: one device per server")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=sup, action=_Fixed, metavar="1",
                        help="accepted as 1: minillm runs the whole model in one stage",
                        reason="minillm has no pipeline parallelism (tensor parallelism is --tensor-parallel-size)")
@@ -358,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             engine.add_argument(*names, dest=f.name, type=_converter(f.name, f.type),
                                 default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
-    _add_vllm_spellings(parser, {f.name for f in engine_fields()})
+    _add_vllm_spellings(parser)
     return parser
 
 
