@@ -139,6 +139,8 @@ def test_start_fleet_refuses_bad_arguments():
         start_fleet(threads_per_replica=0)
     with pytest.raises(ValueError, match=r"give num_replicas .* or autoscaling"):
         start_fleet(num_replicas=None)
+    with pytest.raises(ValueError, match=r"max_num_seqs=0 must be an integer in \[1, 4096\]"):
+        start_fleet({"max_num_seqs": 0}, num_replicas=1)   # refused here, before Ray starts 1 replica that fails
 
 
 def test_cli_flags():
@@ -193,13 +195,24 @@ def test_64_streaming_clients_match_one_engine(fleet, offline):
 
 
 def test_chat_models_health_metrics_and_errors(fleet, offline):
-    """The other routes come through unchanged: chat (non-streaming), /v1/models, /health, /metrics, and a 400
+    """The other routes come through unchanged: chat (whole and streamed), /v1/models, /health, /metrics, and a 400
     naming the bad value."""
     with httpx.Client(base_url=fleet.base_url, timeout=120.0) as client:
         r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 12})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == offline["chat"]
         assert r.headers[REPLICA_HEADER]
+        pieces, roles = [], []
+        with client.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 12,
+                                                                 "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            delta = json.loads(line[len("data: "):])["choices"][0]["delta"]
+            roles.append(delta.get("role"))
+            pieces.append(delta.get("content") or "")
+        assert roles[0] == "assistant" and "".join(pieces) == offline["chat"]
         models = client.get("/v1/models").json()
         assert models["object"] == "list" and models["data"][0]["id"] == "SmolLM2-135M-Instruct"
         assert client.get("/health").json() == {"status": "ok"}
