@@ -330,6 +330,8 @@ DELEGATED = {
                                                "and serving the groups one after another: tok/s and memory"),
     ("bench", "many-models"): ("minillm.bench.many_models", "multi-LoRA batched vs merge-and-swap, then MoE bytes "
                                                              "read per decode step vs batch size, in one run"),
+    ("bench", "fleet"): ("minillm.bench.fleet", "the fleet simulator: a simulated day hour by hour, the warm replicas "
+                                                 "a p99 TTFT target needs, --validate against a real Ray Serve fleet"),
     ("cost",): ("minillm.bench.cost", "$ per million output tokens as the levers stack, measured here, plotted"),
 }
 

@@ -228,3 +228,67 @@ def test_profile_round_trips_through_json(tmp_path):
 def test_bad_inputs_are_refused_with_the_value(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+# ------------------------------------------------------------------ python -m minillm.bench.fleet
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory):
+    profile = ReplicaProfile(decode_points=[(1, 0.03), (4, 0.04), (8, 0.06)], prefill_points=[(16, 0.02), (256, 0.2)],
+                             startup_s=120.0, conditions={"how": "written by hand for the tests"})
+    return profile.save(tmp_path_factory.mktemp("fleet") / "profile.json")
+
+
+def test_day_command_prints_every_hour_and_plots(profile_file, tmp_path, capsys):
+    from minillm.bench import fleet
+
+    plot = tmp_path / "day.png"
+    assert fleet.main(["--day", "--profile", str(profile_file), "--peak-rps", "1.0", "--plot", str(plot),
+                       "--json", str(tmp_path / "day.json")]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [int(line.split()[0]) for line in table] == list(range(24))
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    hourly = json.loads((tmp_path / "day.json").read_text())["hourly"]
+    assert hourly[12]["arrivals_per_s"] == pytest.approx(1.0, rel=0.25)     # the spike hour: half of it at the peak
+    assert hourly[12]["replicas_mean"] >= hourly[3]["replicas_mean"]
+
+
+def test_warm_command_answers_a_number_of_replicas(profile_file, capsys):
+    from minillm.bench import fleet
+
+    # the spike doubles the plateau's 1.5 req/s; Ray's policy at 8 ongoing per replica keeps few spare replicas,
+    # and a new one takes 2 minutes: the spike needs warm ones
+    assert fleet.main(["--warm-for-p99", "0.5", "--profile", str(profile_file), "--peak-rps", "3",
+                       "--target-ongoing", "8", "--max-replicas", "5"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].endswith("warm replicas keep p99 TTFT under 0.5 s through the spike")
+    answer = int(lines[-1].split()[0])
+    rows = [line.split() for line in lines[:-1] if line.split() and line.split()[0].isdigit()]
+    p99 = {int(r[0]): float(r[2].rstrip("s")) for r in rows}
+    assert answer >= 2 and p99[answer] <= 0.5 and all(p99[n] > 0.5 for n in range(1, answer))
+    with pytest.raises(SystemExit, match="--warm-for-p99=-1.0"):
+        fleet.main(["--warm-for-p99", "-1", "--profile", str(profile_file)])
+
+
+def test_validation_ramp_and_tolerance():
+    from minillm.bench.fleet import TOLERANCE_ABS_S, TOLERANCE_REL, ramp_requests, within
+
+    plan = ramp_requests(600.0, 0.5, 2.0, seed=1)
+    first = sum(t < 200 for t, _, _ in plan) / 200
+    last = sum(t >= 400 for t, _, _ in plan) / 200
+    assert first == pytest.approx(0.75, rel=0.2) and last == pytest.approx(1.75, rel=0.15)
+    assert all(16 <= p <= 192 and 8 <= o <= 40 for _, p, o in plan)
+    assert within(1.0 + TOLERANCE_REL - 0.01, 1.0) and not within(1.0 + TOLERANCE_REL + 0.01, 1.0)
+    assert within(0.1 + TOLERANCE_ABS_S - 0.01, 0.1) and not within(0.1 + TOLERANCE_ABS_S + 0.01, 0.1)
+
+
+@pytest.mark.slow
+def test_simulator_predicts_a_real_fleet_within_the_stated_tolerance():
+    """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 60 s ramp."""
+    pytest.importorskip("ray")
+    from minillm.bench.fleet import format_validation, validate
+
+    report = validate(quick=True, progress=False)
+    print(format_validation(report))
+    for q in (50, 99):
+        assert report[f"p{q}"]["within"], format_validation(report)

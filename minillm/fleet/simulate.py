@@ -417,7 +417,7 @@ def day_requests(traffic: Traffic, seed: int = 0, start_h: float = 0.0, end_h: f
         if t >= horizon:
             return requests
         if rng.random() * peak < traffic.rate(start_h + t / traffic.hour_s):
-            requests.append(SimRequest(t, rng.randint(plo, phi), rng.randint(olo, ohi)))
+            requests.append(_fresh_values(t, rng.randint(plo, phi), rng.randint(olo, ohi)))
 
 
 # ------------------------------------------------------------------ the simulation
@@ -731,13 +731,17 @@ class _Simulation:
             yield env.timeout(cfg.control_interval_s)
 
 
+def _fresh_values(arrival_s: float, prompt_tokens: int, output_tokens: int) -> SimRequest:
+    """A SimRequest from values known to be valid (skips __post_init__: a day holds ~10^5 of them)."""
+    request = object.__new__(SimRequest)
+    request.__dict__.update(arrival_s=arrival_s, prompt_tokens=prompt_tokens, output_tokens=output_tokens, replica=-1,
+                            dispatched_s=None, first_token_s=None, finish_s=None, ttft_s=None, remaining=0)
+    return request
+
+
 def _fresh(request: SimRequest) -> SimRequest:
-    """A copy without the simulated times (already validated: skips __post_init__)."""
-    copy = object.__new__(SimRequest)
-    copy.__dict__.update(arrival_s=request.arrival_s, prompt_tokens=request.prompt_tokens,
-                         output_tokens=request.output_tokens, replica=-1, dispatched_s=None, first_token_s=None,
-                         finish_s=None, ttft_s=None, remaining=0)
-    return copy
+    """A copy without the simulated times."""
+    return _fresh_values(request.arrival_s, request.prompt_tokens, request.output_tokens)
 
 
 def simulate(requests: list[SimRequest], profile: ReplicaProfile, config: FleetConfig | None = None,

@@ -1,0 +1,273 @@
+"""The fleet simulator's commands: a simulated day, the warm replicas a p99 TTFT target needs, and its validation.
+
+    python -m minillm.bench.fleet --day                      # = minillm bench fleet: a day, hour by hour, + a plot
+    python -m minillm.bench.fleet --warm-for-p99 2.0         # fewest warm replicas with p99 TTFT <= 2 s in the spike
+    python -m minillm.bench.fleet --validate [--quick]       # a real 2-replica Ray Serve fleet vs the simulator
+
+--day and --warm-for-p99 use a replica profile: --profile PATH (JSON from ReplicaProfile.save), else
+artifacts/fleet_profile.json, else one measured here and saved there (minillm.fleet.profile.measure_profile:
+the default model, 1 torch thread, about a minute). The day is daily_traffic(--peak-rps): night at a tenth of
+the peak, a morning ramp to half of it, a 30-minute midday spike to the peak, the evening decline; Ray Serve's
+default autoscaling policy (target 2 ongoing requests per replica, 30 s upscale and 600 s downscale delays),
+--hourly-usd per replica-hour (minillm's CPU example price by default).
+
+--validate starts a real fleet (minillm.fleet.ray_fleet.start_fleet: 2 replicas of the default model, 1 torch
+thread each, on loopback), calibrates a profile on it through its HTTP API (calibrate_on_server: every replica
+busy, see minillm/fleet/profile.py for why), then sends a ramp of streamed requests with known send times, prompt
+tokens (random token ids, 16-192) and output tokens (8-40, ignore_eos), the rate rising linearly from 20% to
+65% of the fleet's estimated capacity (beyond that the real fleet's queue can run away while the simulated
+one does not: a few percent of error in the service time decides whether a queue near saturation grows). The simulator replays the same requests (their measured send times)
+through a fixed 2-replica fleet with the calibrated profile (its prediction averaged over 5 router seeds), and
+the command prints measured vs predicted TTFT p50 and p99 and whether each is within the tolerance:
+|predicted - measured| <= max(TOLERANCE_REL x measured, TOLERANCE_ABS_S). Exit status 1 if not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from ..config import DEFAULT_CPU_HOURLY_USD
+
+TOLERANCE_REL = 0.30        # the validation's stated tolerance: 30% of the measured value ...
+TOLERANCE_ABS_S = 0.25      # ... or 0.25 s, whichever is larger
+DEFAULT_PROFILE = Path("artifacts/fleet_profile.json")
+SIM_SEEDS = 5
+
+
+def within(predicted: float, measured: float) -> bool:
+    return abs(predicted - measured) <= max(TOLERANCE_REL * measured, TOLERANCE_ABS_S)
+
+
+# ------------------------------------------------------------------ the simulated day
+def load_or_measure_profile(path: str | None, max_num_seqs: int, remeasure: bool = False):
+    from ..fleet.profile import measure_profile
+    from ..fleet.simulate import ReplicaProfile
+
+    target = Path(path) if path else DEFAULT_PROFILE
+    if target.is_file() and not remeasure:
+        profile = ReplicaProfile.load(target)
+        print(f"profile: {target} ({profile.conditions.get('how', 'given')})")
+        if profile.max_measured_batch >= max_num_seqs:
+            return profile
+        print(f"it stops at batch {profile.max_measured_batch} < --max-num-seqs {max_num_seqs}: measuring again")
+    if path and not remeasure and not target.is_file():
+        raise FileNotFoundError(f"--profile {path}: no such file")
+    sizes = sorted({1, 2, 4, 8, 16, max_num_seqs})
+    sizes = [b for b in sizes if b <= max(16, max_num_seqs)]
+    print(f"measuring a replica profile (default model, 1 thread, batch sizes {sizes}) ...")
+    profile = measure_profile({}, batch_sizes=sizes, threads=1)
+    profile.save(target)
+    print(f"saved {target}")
+    return profile
+
+
+def describe_profile(profile, max_num_seqs: int) -> str:
+    decode = ", ".join(f"{b}: {s * 1000:.0f}" for b, s in profile.decode_points)
+    prefill = ", ".join(f"{n}: {s * 1000:.0f}" for n, s in profile.prefill_points)
+    return (f"decode step ms by batch {{{decode}}}; prefill ms by prompt tokens {{{prefill}}}; "
+            f"start-up {profile.startup_s:.1f} s; one replica at batch {max_num_seqs}: "
+            f"{profile.tokens_per_s(max_num_seqs):.0f} output tok/s")
+
+
+def run_day(args) -> int:
+    from ..fleet.simulate import FleetConfig, RayServePolicy, daily_traffic, simulate_day
+
+    profile = load_or_measure_profile(args.profile, args.max_num_seqs, args.measure)
+    print(describe_profile(profile, args.max_num_seqs))
+    traffic = daily_traffic(peak_rps=args.peak_rps, prompt_tokens=(32, 256), output_tokens=(16, 128))
+    config = FleetConfig(max_num_seqs=args.max_num_seqs, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         hourly_usd=args.hourly_usd, policy=RayServePolicy(target_ongoing_requests=args.target_ongoing))
+    t0 = time.perf_counter()
+    result = simulate_day(traffic, profile, config, seed=args.seed)
+    took = time.perf_counter() - t0
+    print(f"\nsimulated day: peak {args.peak_rps} req/s at {traffic.spike[0]:g}-{traffic.spike[1]:g} h, "
+          f"max_num_seqs {args.max_num_seqs}, replicas {args.min_replicas}-{args.max_replicas}, "
+          f"{args.hourly_usd} $/replica-hour; {len(result.requests)} requests simulated in {took:.2f} s\n")
+    print(result.hourly_table())
+    lo, hi = traffic.spike[0] * 3600, traffic.spike[1] * 3600
+    print(f"spike: TTFT p50 {result.ttft_percentile(50, lo, hi):.2f} s, p99 {result.ttft_percentile(99, lo, hi):.2f} s")
+    path = result.plot(args.plot, title=f"simulated day: peak {args.peak_rps} req/s, max_num_seqs {args.max_num_seqs}")
+    print(f"plot: {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"hourly": result.hourly(), "scale_events": result.scale_events,
+                                               "profile": profile.to_dict()}, indent=1, default=str))
+    return 0
+
+
+def run_warm(args) -> int:
+    from ..fleet.simulate import FleetConfig, RayServePolicy, daily_traffic, warm_replicas_for_p99
+
+    profile = load_or_measure_profile(args.profile, args.max_num_seqs, args.measure)
+    print(describe_profile(profile, args.max_num_seqs))
+    traffic = daily_traffic(peak_rps=args.peak_rps, prompt_tokens=(32, 256), output_tokens=(16, 128))
+    config = FleetConfig(max_num_seqs=args.max_num_seqs, min_replicas=1, max_replicas=args.max_replicas,
+                         hourly_usd=args.hourly_usd, policy=RayServePolicy(target_ongoing_requests=args.target_ongoing))
+    answer, rows = warm_replicas_for_p99(args.warm_for_p99, profile, config, traffic, seed=args.seed, progress=True)
+    print(f"\nspike {traffic.spike[0]:g}-{traffic.spike[1]:g} h at {args.peak_rps} req/s, start-up "
+          f"{profile.startup_s:.0f} s, autoscaling above the warm replicas (simulated 10:00-13:30)")
+    print(f"{'warm':>5} {'spike p50':>10} {'spike p99':>10} {'max used':>9} {'$/Mtok':>8}")
+    for row in rows:
+        print(f"{row.warm_replicas:>5} {row.spike_ttft_p50_s:>9.2f}s {row.spike_ttft_p99_s:>9.2f}s "
+              f"{row.max_replicas_used:>9} {row.usd_per_mtok:>8.2f}")
+    if answer is None:
+        print(f"no number of warm replicas up to {args.max_replicas} keeps p99 TTFT under {args.warm_for_p99} s")
+        return 1
+    print(f"{answer} warm replicas keep p99 TTFT under {args.warm_for_p99} s through the spike")
+    return 0
+
+
+# ------------------------------------------------------------------ validation against a real fleet
+def ramp_requests(duration_s: float, rate_from: float, rate_to: float, seed: int = 0,
+                  prompt_tokens=(16, 192), output_tokens=(8, 40)) -> list[tuple[float, int, int]]:
+    """(send at s, prompt tokens, output tokens): Poisson arrivals whose rate rises linearly over duration_s."""
+    rng = random.Random(seed)
+    peak = max(rate_from, rate_to)
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration_s:
+            return out
+        if rng.random() * peak < rate_from + (rate_to - rate_from) * t / duration_s:
+            out.append((t, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
+
+
+def capacity_rps(profile, num_replicas: int, max_num_seqs: int, mean_prompt: float, mean_output: float) -> float:
+    """Requests/s the fleet finishes with full batches: each request costs its share of decode steps
+    plus a prefill step (which stalls the batch)."""
+    replica_s = mean_output * profile.decode_step_s(max_num_seqs) / max_num_seqs + profile.prefill_s(round(mean_prompt))
+    return num_replicas / replica_s
+
+
+def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, max_ongoing_requests: int = 16,
+             duration_s: float | None = None, load_from: float = 0.2, load_to: float = 0.65, seed: int = 0,
+             progress: bool = True) -> dict:
+    """Run the validation (see the module docstring); returns measured and predicted TTFTs and the verdicts."""
+    from ..fleet.profile import calibrate_on_server, prompt_ids, run_async, send_requests
+    from ..fleet.ray_fleet import start_fleet
+    from ..fleet.simulate import FixedReplicas, FleetConfig, SimRequest, simulate
+
+    duration_s = duration_s or (60.0 if quick else 180.0)
+    t_start = time.perf_counter()
+    print(f"starting a fleet of {num_replicas} replicas (default model, 1 thread each, max_num_seqs {max_num_seqs}) ...",
+          flush=True)
+    with start_fleet({"max_num_seqs": max_num_seqs}, num_replicas=num_replicas, threads_per_replica=1,
+                     max_ongoing_requests=max_ongoing_requests) as fleet:
+        startups = fleet.startup_times()
+        startup_s = statistics.mean(s["total_s"] for s in startups) if startups else 0.0
+        print(f"fleet up at {fleet.base_url} in {time.perf_counter() - t_start:.0f} s "
+              f"(replica start-up {startup_s:.1f} s)", flush=True)
+        batch_sizes = sorted({1, 2, 4, max_num_seqs} | ({8} if max_num_seqs >= 8 else set()))
+        batch_sizes = [b for b in batch_sizes if b <= max_num_seqs]
+        profile = calibrate_on_server(fleet.base_url, num_replicas=num_replicas, batch_sizes=batch_sizes,
+                                      prompt_tokens=(16, 96, 192), decode_prompt_tokens=104,
+                                      repeats=2 if quick else 3, startup_s=startup_s,
+                                      progress=progress)
+        print(describe_profile(profile, max_num_seqs), flush=True)
+        mean_prompt, mean_output = (16 + 192) / 2, (8 + 40) / 2
+        capacity = capacity_rps(profile, num_replicas, max_num_seqs, mean_prompt, mean_output)
+        plan = ramp_requests(duration_s, load_from * capacity, load_to * capacity, seed=seed)
+        print(f"estimated capacity {capacity:.2f} req/s: sending {len(plan)} requests over {duration_s:.0f} s, "
+              f"{load_from * capacity:.2f} -> {load_to * capacity:.2f} req/s", flush=True)
+        from ..bench.serve import discover_model
+        model = discover_model(fleet.base_url)
+        timings = run_async(send_requests, fleet.base_url, model,
+                            [(at, prompt_ids(p, seed=i), o) for i, (at, p, o) in enumerate(plan)], progress=progress)
+    failed = [t.error for t in timings if t.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(timings)} validation requests failed: {failed[0]}")
+    measured = [t.ttft_s for t in timings]
+    requests = [SimRequest(t.start_s, p, o) for t, (_, p, o) in zip(timings, plan)]
+    predictions = {50: [], 99: []}
+    for s in range(SIM_SEEDS):
+        config = FleetConfig(max_num_seqs=max_num_seqs, max_ongoing_requests=max_ongoing_requests,
+                             min_replicas=num_replicas, max_replicas=num_replicas, policy=FixedReplicas(num_replicas),
+                             seed=s)
+        result = simulate(requests, profile, config)
+        for q in predictions:
+            predictions[q].append(result.ttft_percentile(q))
+    from .runner import percentile
+    first = simulate(requests, profile, FleetConfig(max_num_seqs=max_num_seqs, max_ongoing_requests=max_ongoing_requests,
+                                                    min_replicas=num_replicas, max_replicas=num_replicas,
+                                                    policy=FixedReplicas(num_replicas)))
+    report = {"requests": [{"start_s": t.start_s, "prompt_tokens": p, "output_tokens": o, "ttft_s": t.ttft_s,
+                            "predicted_ttft_s": r.ttft_s}
+                           for (t, (_, p, o)), r in zip(sorted(zip(timings, plan), key=lambda x: x[0].start_s),
+                                                        sorted(first.requests, key=lambda r: r.arrival_s))],
+              "num_requests": len(requests), "duration_s": duration_s, "capacity_rps": capacity,
+              "rate_from": load_from * capacity, "rate_to": load_to * capacity, "num_replicas": num_replicas,
+              "max_num_seqs": max_num_seqs, "profile": profile.to_dict(),
+              "tolerance": {"rel": TOLERANCE_REL, "abs_s": TOLERANCE_ABS_S}, "wall_s": time.perf_counter() - t_start}
+    for q in (50, 99):
+        got, pred = percentile(measured, q), statistics.mean(predictions[q])
+        report[f"p{q}"] = {"measured_s": got, "predicted_s": pred, "rel_error": (pred - got) / got,
+                           "within": within(pred, got)}
+    return report
+
+
+def format_validation(report: dict) -> str:
+    tol = report["tolerance"]
+    lines = [f"validation: {report['num_requests']} requests over {report['duration_s']:.0f} s on "
+             f"{report['num_replicas']} replicas (max_num_seqs {report['max_num_seqs']}), "
+             f"{report['rate_from']:.2f} -> {report['rate_to']:.2f} req/s (capacity {report['capacity_rps']:.2f}); "
+             f"tolerance: within max({tol['rel']:.0%} of measured, {tol['abs_s']} s)",
+             f"{'TTFT':>6} {'measured':>9} {'predicted':>10} {'error':>7}  verdict"]
+    for q in (50, 99):
+        row = report[f"p{q}"]
+        lines.append(f"{'p' + str(q):>6} {row['measured_s']:>8.3f}s {row['predicted_s']:>9.3f}s "
+                     f"{row['rel_error']:>+7.0%}  {'within' if row['within'] else 'OUTSIDE'}")
+    lines.append(f"(whole run {report['wall_s']:.0f} s wall, 2 replicas x 1 thread)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.fleet", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--day", action="store_true", help="the simulated day, hour by hour (the default)")
+    what.add_argument("--warm-for-p99", type=float, metavar="SECONDS",
+                      help="how many warm replicas keep p99 TTFT under SECONDS through the midday spike")
+    what.add_argument("--validate", action="store_true", help="a real Ray Serve fleet vs the simulator")
+    p.add_argument("--quick", action="store_true", help="--validate: a 60 s ramp (180 s without)")
+    p.add_argument("--profile", help=f"replica profile JSON (default {DEFAULT_PROFILE}, measured if missing)")
+    p.add_argument("--measure", action="store_true", help="measure the profile again (and save it)")
+    p.add_argument("--peak-rps", type=float, default=6.0, help="requests/s at the midday spike")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="each replica's batch size")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=12)
+    p.add_argument("--target-ongoing", type=float, default=2.0, help="Ray Serve's target_ongoing_requests")
+    p.add_argument("--hourly-usd", type=float, default=DEFAULT_CPU_HOURLY_USD, help="USD per replica-hour")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default="artifacts/fleet_day.png", help="--day: where the PNG goes")
+    p.add_argument("--json", help="also write the numbers as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("peak_rps", "hourly_usd", "target_ongoing"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0 or (name == "hourly_usd" and value == 0)):
+            raise SystemExit(f"--{name.replace('_', '-')}={value} must be a finite number > 0")
+    if args.warm_for_p99 is not None and not (math.isfinite(args.warm_for_p99) and args.warm_for_p99 > 0):
+        raise SystemExit(f"--warm-for-p99={args.warm_for_p99} must be a number of seconds > 0")
+    if args.validate:
+        report = validate(quick=args.quick, max_num_seqs=args.max_num_seqs)
+        print(format_validation(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0 if all(report[f"p{q}"]["within"] for q in (50, 99)) else 1
+    if args.warm_for_p99 is not None:
+        return run_warm(args)
+    return run_day(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
