@@ -226,6 +226,43 @@ def test_chat_models_health_metrics_and_errors(fleet, offline):
         assert missing.status_code == 404 and "/v1/nothing-here" in missing.json()["error"]["message"]
 
 
+def replica_metrics(client: httpx.Client, replica: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """/metrics of one replica (Ray's router picks who answers: ask until that one does)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = client.get("/metrics")
+        if r.headers[REPLICA_HEADER] == replica:
+            samples = {}
+            for line in r.text.splitlines():
+                if line and not line.startswith("#"):
+                    name, value = line.rsplit(" ", 1)
+                    samples[name] = float(value)
+            return samples
+    raise AssertionError(f"replica {replica} never answered /metrics in {timeout_s} s")
+
+
+def test_client_leaving_mid_stream_aborts_its_request_in_the_replica(fleet):
+    """Closing a stream through the fleet cancels the relay, the replica's generator, and the engine's request."""
+    with httpx.Client(base_url=fleet.base_url, timeout=120.0) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "Count to a thousand:", "max_tokens": 4000,
+                                                            "ignore_eos": True, "stream": True}) as r:
+            replica = r.headers[REPLICA_HEADER]
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+        deadline = time.monotonic() + 30
+        while True:
+            samples = replica_metrics(client, replica)
+            running = next(v for k, v in samples.items() if k.startswith("minillm_num_requests_running"))
+            aborted = sum(v for k, v in samples.items()
+                          if k.startswith("minillm_request_success_total") and 'finished_reason="abort"' in k)
+            if running == 0 and aborted >= 1:
+                break
+            assert time.monotonic() < deadline, f"replica {replica} still runs {running} requests, {aborted} aborted"
+            time.sleep(0.2)
+        generated = next(v for k, v in samples.items() if k.startswith("minillm_generation_tokens_total"))
+        assert generated < NUM_CLIENTS * MAX_TOKENS + 1000   # it stopped long before its 4000 tokens
+
+
 def test_startup_times_and_timeline(fleet):
     times = fleet.startup_times()
     assert len(times) == 2 and len({t["replica"] for t in times}) == 2
