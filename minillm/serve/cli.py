@@ -130,7 +130,8 @@ VLLM_ALIASES = {
 _GPU_UTIL = ("it is the fraction of the GPU's whole memory vLLM may use for weights, activations and KV cache; "
              "minillm sizes only its KV pool: --kv-cache-memory-fraction F (F of the free memory after the "
              "weights) or --kv-cache-memory-bytes N")
-# vLLM flags refused, with the reason (a flag not listed and not minillm's is refused by argparse).
+# vLLM flags refused: flag -> (values it takes: 0 or 1, the reason). A flag neither listed nor minillm's is
+# refused by argparse, by name.
 VLLM_REFUSED = {
     "--gpu-memory-utilization": (1, _GPU_UTIL),
     "--swap-space": (1, "minillm preempts by recomputing, it never swaps KV blocks to the CPU"),
