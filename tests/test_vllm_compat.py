@@ -454,6 +454,8 @@ def test_bench_serve_cli_compare(capsys):
                         "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0 and out.splitlines()[2].split()[:3] == ["vllm", "2", "0"], out
+    args = bs.build_parser().parse_args(["--metric-percentiles", "50,99", "--disable-tqdm"])   # vLLM's spellings
+    assert (args.percentiles, args.no_progress) == ("50,99", True)
     assert bs.main(["--compare", "nourl"]) == 2
     assert "--compare 'nourl' must be NAME=URL" in capsys.readouterr().err
 

@@ -679,10 +679,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask the server to generate all max_tokens (vLLM's ignore_eos; default on)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs, e.g. ttft:500 tpot:100 e2el:10000; goodput = requests meeting all / s")
-    p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report, e.g. 50,90,99")
+    p.add_argument("--percentiles", "--metric-percentiles", default="50,90,99",
+                   help="latency percentiles to report, e.g. 50,90,99 (vLLM's spelling: --metric-percentiles)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a request may wait for its next bytes")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result (with every request) here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bar (vLLM: --disable-tqdm)")
     p.add_argument("--compare", nargs="+", default=None, metavar="NAME=URL",
                    help="run the same benchmark against each server in turn and print one table, e.g. "
                         "minillm=http://127.0.0.1:8000 vllm=http://127.0.0.1:8001 (a server that does not answer is "
