@@ -78,6 +78,12 @@ def cmd_bench(args) -> int:
     from .bench.workloads import chat_workload
 
     levers = _parse_levers(args.set)
+    if args.tensor_parallel is not None:   # N ranks vs N = 1: all-reduce bytes and time per step
+        from .bench.tensor_parallel import run as run_tensor_parallel
+
+        result = run_tensor_parallel(args.model, args.tensor_parallel, args.num_requests or 4, 32,
+                                     args.max_tokens or 16, levers={"max_model_len": 512, **levers})
+        return 0 if result["tokens_match"] and result["bytes_match"] else 1
     llm = LLM(args.model, **levers)
     if args.workload == "mixed":
         return _bench_mixed(llm, args)
@@ -394,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                         "mixed: transformers' generate with static padded batches of the same size")
     b.add_argument("--compare-prompts", type=int, default=4)
     b.add_argument("--json", default=None, help="also write the results to this file")
+    b.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="tensor parallelism: N ranks vs N=1, per step all-reduce bytes and time beside the compute "
+                        "(python -m minillm.bench.tensor_parallel)")
     b.set_defaults(func=cmd_bench)
 
     q = sub.add_parser("quality", help="perplexity, top-1 agreement, memory and decode tok/s of each setting "

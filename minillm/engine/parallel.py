@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import threading
 import time
 import weakref
@@ -195,7 +196,12 @@ def _worker_main(rank: int, world_size: int, port: int, config, model_path: str,
     runner = worker_runner(config, model_path, group, device, dtype, max_model_len, num_blocks)
     store.set(f"ready/{rank}", "1")
     group.backend, control = make_backends(store, rank, world_size, device, loopback=True)
-    worker_loop(runner, CallChannel(control, rank), device)
+    try:
+        worker_loop(runner, CallChannel(control, rank), device)
+    except RuntimeError as exc:   # a peer (rank 0 or another worker) is gone: rank 0 reports it, exit quietly
+        print(f"minillm tensor-parallel worker rank {rank}: stopping, a collective failed: "
+              f"{str(exc).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def run_torchrun_worker(config) -> int:
@@ -231,7 +237,6 @@ class WorkerProcess:
 
     def __init__(self, rank: int, args: tuple):
         import subprocess
-        import sys
 
         self.rank = rank
         self.popen = subprocess.Popen(
@@ -265,8 +270,6 @@ class WorkerProcess:
 
 def worker_entry() -> None:
     """A local worker's main (WorkerProcess): the arguments come pickled on stdin."""
-    import sys
-
     _worker_main(*pickle.loads(sys.stdin.buffer.read()))
 
 

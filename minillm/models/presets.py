@@ -43,6 +43,12 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64},
         max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,)),
+    # Tensor-parallel tests: 8 query and 4 KV heads split by 2 or 4, an MLP of 128 (32 per rank at N = 4: one
+    # int4 group of 32), and a vocabulary of 510 that 4 does not divide (the head's last shard is padded).
+    "tiny-llama-tp": ModelConfig(
+        **_LLAMA, vocab_size=510, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+        num_kv_heads=4, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,)),
     # A smaller model on tiny-llama's vocabulary: the draft of speculative="draft" in tests
     # (one layer, half the width, MQA: its KV pool has another shape than the target's).
     "tiny-llama-draft": ModelConfig(

@@ -66,7 +66,8 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int, weight_dtype: str |
             raise ValueError(
                 f"weight_dtype='int4' with tensor_parallel_size={world_size}: weight_group_size={group_size} does not "
                 f"divide the input columns each rank holds of {', '.join(f'{k} ({v})' for k, v in bad.items())}; "
-                f"int4 groups must not straddle two ranks. Use weight_group_size in {fits or 'none: use int8'}")
+                "int4 groups must not straddle two ranks. " + (f"Use weight_group_size in {fits}" if fits else
+                                                                "No group size fits: use weight_dtype='int8'"))
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
