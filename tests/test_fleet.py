@@ -163,6 +163,8 @@ def test_cli_refuses_bad_values_before_starting_ray(capsys):
     assert "max_replicas=1 is out of range: an integer >= min_replicas (2)" in capsys.readouterr().err
     assert main(["--port", "-5"]) == 2
     assert "port=-5 must be an integer in [0, 65535]" in capsys.readouterr().err
+    assert main(["--set", "max_num_seqs=0", "--port", "0"]) == 2
+    assert "minillm fleet: max_num_seqs=0 must be an integer in [1, 4096]" in capsys.readouterr().err
 
 
 def test_replica_count_path():

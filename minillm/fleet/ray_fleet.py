@@ -770,7 +770,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting a fleet ({what}) on {'Ray at ' + args.address if args.address else 'a local Ray cluster'}...",
           flush=True)
     t0 = time.monotonic()
-    with start_fleet(**kwargs) as fleet:
+    try:
+        fleet = start_fleet(**kwargs)
+    except (ValueError, TypeError) as exc:   # a bad lever (--set, --model): refused before any replica starts
+        print(f"minillm fleet: {exc}", file=sys.stderr)
+        return 2
+    with fleet:
         print(f"ready in {time.monotonic() - t0:.1f} s at {fleet.base_url} (OpenAI routes under /v1)")
         print("replica start-up (process start + weight load):")
         for s in fleet.startup_times():
