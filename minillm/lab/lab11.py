@@ -1,0 +1,688 @@
+"""Lab 11 (scale out): the checks of the column / row split of a linear layer and of a tensor-parallel SwiGLU MLP,
+the learner's all-reduce accounting and the when-does-splitting-pay answer; the autoscaler policy's checks and the
+fleet choice's grading by re-simulation; the printouts and figures of the tensor-parallel run, the simulated day, the
+real two-replica fleet and the minillm / vLLM side-by-side benchmark.
+
+Every check calls the learner's function through `call_learner` on the stated cases and on fresh random inputs of
+odd shapes, compares with a torch reference written here (the unsharded layer, the engine's SiLU-and-mul), and names
+the usual mistake when it recognises one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed  # noqa: F401 - echo for the notebook
+
+ATOL = 1e-5
+
+
+# =================================================================== inputs
+def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """A linear layer's weight [out, in] (fp32) as torch stores it (y = x W^T), scaled so y is about x's size."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+
+
+def random_tokens(num_tokens: int, features: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_tokens, features, generator=torch.Generator().manual_seed(seed + 1000))
+
+
+def blocks(size: int, num_shards: int) -> list[slice]:
+    """The contiguous block of each rank: rank r holds indices r * size / N .. (r + 1) * size / N - 1."""
+    step = size // num_shards
+    return [slice(r * step, (r + 1) * step) for r in range(num_shards)]
+
+
+# =================================================================== references
+def reference_column(x, weight, num_shards: int) -> list[torch.Tensor]:
+    return [x @ weight[rows].t() for rows in blocks(weight.shape[0], num_shards)]
+
+
+def reference_row(x, weight, num_shards: int) -> list[torch.Tensor]:
+    return [x[:, cols] @ weight[:, cols].t() for cols in blocks(weight.shape[1], num_shards)]
+
+
+def reference_mlp(x, w_gate_up, w_down) -> torch.Tensor:
+    """SwiGLU as the engine runs it: gate_up [2I, H] holds the gate rows, then the up rows."""
+    gate, up = (x @ w_gate_up.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w_down.t()
+
+
+def reference_mlp_partials(x, w_gate_up, w_down, num_shards: int) -> list[torch.Tensor]:
+    """Each rank's partial output before the MLP's one all-reduce (Megatron: gate_up column-, down row-parallel)."""
+    inter = w_down.shape[1]
+    gate_w, up_w = w_gate_up[:inter], w_gate_up[inter:]
+    out = []
+    for cols in blocks(inter, num_shards):
+        h = F.silu(x @ gate_w[cols].t()) * (x @ up_w[cols].t())
+        out.append(h @ w_down[:, cols].t())
+    return out
+
+
+# =================================================================== shared checking
+def _as_shards(got, num_shards: int, shape: tuple[int, int], call: str, hint_shape: Callable) -> list[torch.Tensor]:
+    if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in got):
+        raise CheckFailed(f"{call} returned {type(got).__name__}; expected a list of {num_shards} tensors, one per rank "
+                          "in rank order")
+    if len(got) != num_shards:
+        raise CheckFailed(f"{call} returned {len(got)} tensors; expected {num_shards}: one per rank")
+    for rank, t in enumerate(got):
+        if tuple(t.shape) != shape:
+            raise CheckFailed(f"{call}: rank {rank}'s output has shape {tuple(t.shape)}, expected {shape}"
+                              f"{hint_shape(tuple(t.shape))}")
+    return [t.float() for t in got]
+
+
+def _first_bad(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> int | None:
+    for rank, (g, w) in enumerate(zip(got, want)):
+        if not torch.allclose(g, w, atol=ATOL, rtol=1e-4):
+            return rank
+    return None
+
+
+def _same(got: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> bool:
+    return len(got) == len(other) and all(g.shape == o.shape and torch.allclose(g, o, atol=ATOL, rtol=1e-4)
+                                          for g, o in zip(got, other))
+
+
+def _strided(weight, num_shards: int, dim: int) -> list[torch.Tensor]:
+    return [weight[r::num_shards] if dim == 0 else weight[:, r::num_shards] for r in range(num_shards)]
+
+
+def _split_cases(seed: int, num_random: int, stated: list[tuple]) -> list[tuple]:
+    """(x, weight, N, what): the stated cases, then random odd shapes (out and in multiples of N)."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = list(stated)
+    for i in range(num_random):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        out_f = n * int(torch.randint(1, 14, (1,), generator=gen))
+        in_f = n * int(torch.randint(1, 14, (1,), generator=gen))
+        tokens = int(torch.randint(1, 10, (1,), generator=gen))
+        cases.append((random_tokens(tokens, in_f, seed * 100 + i), random_weight(out_f, in_f, seed * 100 + i), n,
+                      f"random case {i}: {tokens} tokens, weight [{out_f}, {in_f}], N = {n}"))
+    return cases
+
+
+def _stated_split_cases() -> list[tuple]:
+    x, w = random_tokens(3, 6, seed=1), random_weight(4, 6, seed=1)
+    x9, w9 = random_tokens(5, 9, seed=2), random_weight(6, 9, seed=2)
+    return [(x, w, 2, "weight [4, 6], N = 2"), (x9, w9, 3, "weight [6, 9], N = 3"),
+            (x, w, 1, "N = 1: one rank holds the whole layer")]
+
+
+# =================================================================== 1. column parallel
+def check_column_parallel(fn: Callable, seed: int = 0, num_random: int = 8) -> None:
+    """column_parallel against the unsharded layer: rank r's output is x @ W[block r]^T, and the concatenation of
+    the N outputs in rank order (the all-gather) is x @ W^T."""
+    for x, weight, n, what in _split_cases(seed, num_random, _stated_split_cases()):
+        x_before, w_before = x.clone(), weight.clone()
+        out_f, in_f = weight.shape
+        call = f"column_parallel(x [{x.shape[0]}, {in_f}], weight [{out_f}, {in_f}], {n})"
+
+        def shape_hint(shape, out_f=out_f, in_f=in_f, n=n):
+            if n > 1 and shape == (x.shape[0], out_f):
+                return (": that is a whole output (or a row split's partial sum). A column split gives rank r only "
+                        "its block of output features: weight's rows r * out / N .. (r + 1) * out / N - 1")
+            return ": [tokens, out / N] — split weight's dim 0 (its output rows, torch stores [out, in])"
+
+        got = _as_shards(call_learner(fn, (x, weight, n), call), n, (x.shape[0], out_f // n), call, shape_hint)
+        if not torch.equal(x, x_before) or not torch.equal(weight, w_before):
+            raise CheckFailed(f"{call} ({what}) changed its inputs in place")
+        want = reference_column(x, weight, n)
+        rank = _first_bad(got, want)
+        if rank is None:
+            continue
+        if _same(got, [x @ w.t() for w in _strided(weight, n, 0)]):
+            hint = "every N-th row is not a block: rank r holds the contiguous rows r * out / N .. (r + 1) * out / N - 1"
+        elif _same(got, want[::-1]):
+            hint = "the outputs are in reverse order: return them in rank order, rank 0 first"
+        else:
+            hint = "rank r computes x @ weight[r * out / N : (r + 1) * out / N].T"
+        raise CheckFailed(f"{call} ({what}): rank {rank}'s output differs from x @ W[block {rank}]^T by "
+                          f"{float((got[rank] - want[rank]).abs().max()):.3g}: {hint}")
+    passed("column_parallel", len(_split_cases(seed, num_random, _stated_split_cases())))
+
+
+# =================================================================== 2. row parallel
+def check_row_parallel(fn: Callable, seed: int = 0, num_random: int = 8) -> None:
+    """row_parallel against the unsharded layer: rank r's partial is x[:, block r] @ W[:, block r]^T, and the sum of
+    the N partials (the all-reduce) is x @ W^T."""
+    for x, weight, n, what in _split_cases(seed + 7, num_random, _stated_split_cases()):
+        x_before, w_before = x.clone(), weight.clone()
+        out_f, in_f = weight.shape
+        call = f"row_parallel(x [{x.shape[0]}, {in_f}], weight [{out_f}, {in_f}], {n})"
+
+        def shape_hint(shape, out_f=out_f, n=n):
+            if n > 1 and shape == (x.shape[0], out_f // n):
+                return (": that is a column split's output. A row split cuts the INPUT features (weight's dim 1, x's "
+                        "dim 1); every rank's partial has all out features")
+            return ": [tokens, out] — every rank's partial covers every output feature"
+
+        got = _as_shards(call_learner(fn, (x, weight, n), call), n, (x.shape[0], out_f), call, shape_hint)
+        if not torch.equal(x, x_before) or not torch.equal(weight, w_before):
+            raise CheckFailed(f"{call} ({what}) changed its inputs in place")
+        want = reference_row(x, weight, n)
+        rank = _first_bad(got, want)
+        if rank is None:
+            continue
+        full = x @ weight.t()
+        if n > 1 and all(torch.allclose(g, full, atol=ATOL, rtol=1e-4) for g in got):
+            hint = ("every rank returned the whole x @ W^T: then the all-reduce (a sum) gives N times the output. "
+                    "Rank r multiplies only its block: x[:, block r] @ weight[:, block r].T")
+        elif n > 1 and all(torch.allclose(g, full / n, atol=ATOL, rtol=1e-4) for g in got):
+            hint = "each rank returned x @ W^T / N: a rank holds only its block of weight, x[:, block r] @ weight[:, block r].T"
+        elif _same(got, [x[:, r::n] @ w.t() for r, w in enumerate(_strided(weight, n, 1))]):
+            hint = "every N-th column is not a block: rank r holds the contiguous columns r * in / N .. (r + 1) * in / N - 1"
+        else:
+            hint = "rank r's partial is x[:, block r] @ weight[:, block r].T (the same block of x's and weight's columns)"
+        raise CheckFailed(f"{call} ({what}): rank {rank}'s partial differs from x[:, block {rank}] @ W[:, block "
+                          f"{rank}]^T by {float((got[rank] - want[rank]).abs().max()):.3g}: {hint}")
+    passed("row_parallel", len(_split_cases(seed + 7, num_random, _stated_split_cases())))
+
+
+# =================================================================== 3. the MLP block
+def random_mlp(hidden: int, inter: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_gate_up [2I, H] (gate rows, then up rows) and w_down [H, I], as the engine stores a SwiGLU MLP."""
+    return random_weight(2 * inter, hidden, seed), random_weight(hidden, inter, seed + 500)
+
+
+def _naive_chunk_partials(x, w_gate_up, w_down, n):
+    """gate_up cut into N contiguous blocks of 2I / N rows, as if it were one matrix (the fused layout ignored)."""
+    out = []
+    for rows, cols in zip(blocks(w_gate_up.shape[0], n), blocks(w_down.shape[1], n)):
+        gate, up = (x @ w_gate_up[rows].t()).chunk(2, dim=-1)
+        out.append((F.silu(gate) * up) @ w_down[:, cols].t())
+    return out
+
+
+def _mlp_cases(seed: int, num_random: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2 = random_mlp(6, 8, seed=3)
+    cases = [(random_tokens(4, 6, 3), w13, w2, 2, "hidden 6, intermediate 8, N = 2"),
+             (random_tokens(1, 6, 4), w13, w2, 4, "one token (a decode step of batch 1), N = 4"),
+             (random_tokens(3, 6, 5), w13, w2, 1, "N = 1: the whole MLP on one rank")]
+    for i in range(num_random):
+        n = int(torch.randint(1, 5, (1,), generator=gen))
+        hidden = int(torch.randint(2, 30, (1,), generator=gen))
+        inter = n * int(torch.randint(1, 12, (1,), generator=gen))
+        tokens = int(torch.randint(1, 9, (1,), generator=gen))
+        w13, w2 = random_mlp(hidden, inter, seed * 100 + i)
+        cases.append((random_tokens(tokens, hidden, seed * 100 + i), w13, w2, n,
+                      f"random case {i}: {tokens} tokens, hidden {hidden}, intermediate {inter}, N = {n}"))
+    return cases
+
+
+def check_parallel_mlp(fn: Callable, seed: int = 0, num_random: int = 8) -> None:
+    """parallel_mlp: N partial outputs [T, H] whose sum (the MLP's one all-reduce) is the unsharded SwiGLU MLP, each
+    computed from its rank's gate rows, up rows and down columns only."""
+    cases = _mlp_cases(seed, num_random)
+    for x, w13, w2, n, what in cases:
+        before = (x.clone(), w13.clone(), w2.clone())
+        call = f"parallel_mlp(x [{x.shape[0]}, {x.shape[1]}], w_gate_up {list(w13.shape)}, w_down {list(w2.shape)}, {n})"
+
+        def shape_hint(shape, hidden=x.shape[1]):
+            return f": [tokens, hidden {hidden}] per rank — down_proj is row-parallel, its partials cover every feature"
+
+        got = _as_shards(call_learner(fn, (x, w13, w2, n), call), n, (x.shape[0], x.shape[1]), call, shape_hint)
+        if not all(torch.equal(a, b) for a, b in zip((x, w13, w2), before)):
+            raise CheckFailed(f"{call} ({what}) changed its inputs in place")
+        want = reference_mlp_partials(x, w13, w2, n)
+        total = torch.stack(got).sum(0)
+        reference = reference_mlp(x, w13, w2)
+        rank = _first_bad(got, want)
+        if rank is None and torch.allclose(total, reference, atol=1e-4, rtol=1e-4):
+            continue
+        rank = 0 if rank is None else rank
+        if n > 1 and _same(got, _naive_chunk_partials(x, w13, w2, n)):
+            hint = ("gate_up is two matrices stacked (gate rows 0 .. I - 1, then up rows I .. 2I - 1): cutting it into "
+                    "N blocks gives rank 0 only gate rows. Rank r needs its block of the gate rows AND the same block "
+                    "of the up rows")
+        elif n > 1 and all(torch.allclose(g, reference, atol=1e-4, rtol=1e-4) for g in got):
+            hint = ("every rank returned the whole MLP output: the all-reduce then sums N copies. Return each rank's "
+                    "partial, before the sum")
+        elif _same(got, reference_mlp_partials(x, torch.cat(w13.chunk(2)[::-1]), w2, n)):
+            hint = "the gate rows come first in w_gate_up, then the up rows: silu(gate) * up, not silu(up) * gate"
+        else:
+            hint = ("rank r: h = silu(x @ gate[block r].T) * (x @ up[block r].T) (no communication needed), then its "
+                    "partial h @ w_down[:, block r].T")
+        raise CheckFailed(f"{call} ({what}): rank {rank}'s partial differs from the reference by "
+                          f"{float((got[rank] - want[rank]).abs().max()):.3g} (the sum differs from the unsharded MLP "
+                          f"by {float((total - reference).abs().max()):.3g}): {hint}")
+    passed("parallel_mlp", len(cases))
+
+
+def print_model_mlp(result: dict) -> None:
+    """Section 4: the learner's parallel_mlp on a real decoder layer's weights, against that layer's MLP."""
+    print(f"{result['model']}, layer {result['layer']}: MLP hidden {result['hidden']}, intermediate "
+          f"{result['intermediate']}, {result['tokens']} hidden states")
+    for n, diff in result["diffs"].items():
+        mark = "✓" if diff < 1e-4 else "✗"
+        print(f"  N = {n}: {mark} sum of your {n} partials vs the layer's own MLP: largest relative difference "
+              f"{diff:.2g}; each rank holds {result['shard_mib'][n]:.2f} MiB of this MLP's weights")
+
+
+def check_model_mlp(result: dict | None) -> None:
+    if result is None:
+        raise CheckFailed("model_mlp is None: run the cell above (it needs parallel_mlp)")
+    for n, diff in result["diffs"].items():
+        if not diff < 1e-4:
+            raise CheckFailed(f"your parallel_mlp on layer {result['layer']} of {result['model']} with N = {n}: the sum "
+                              f"of the partials differs from the layer's MLP by {diff:.3g} (relative): run exercise 3's "
+                              "checks")
+    passed("your split on the model's own MLP", len(result["diffs"]))
+
+
+# =================================================================== 5. the all-reduce per step
+def print_tp_runs(result: dict, device: str) -> None:
+    """Section 5: each N's greedy tokens against N = 1's, and its mean decode step with its collectives."""
+    sizes = list(result["tokens"])
+    base = result["tokens"][sizes[0]]
+    print(f"{result['model']}: {len(base)} prompts x {len(base[0])} greedy tokens, {result['num_layers']} layers ({device})")
+    for n in sizes[1:]:
+        same = sum(a == b for a, b in zip(result["tokens"][n], base))
+        print(f"  tensor_parallel_size={n}: {same} of {len(base)} prompts give N = {sizes[0]}'s tokens"
+              + (" ✓" if same == len(base) else " ✗"))
+    print(f"{'N':>3} {'decode step':>12} {'all-reduces':>12} {'their time':>11} {'bytes':>10} {'logits all-gather':>18}")
+    for r in result["rows"]:
+        print(f"{r['tensor_parallel_size']:>3} {r['step_s'] * 1e3:>10.1f}ms {r['num_allreduces']:>12.1f} "
+              f"{r['allreduce_s'] * 1e3:>9.2f}ms {r['allreduce_bytes'] / 1e3:>8.1f}kB {r['allgather_s'] * 1e3:>16.2f}ms")
+
+
+def check_tp_runs(result: dict | None) -> None:
+    if result is None:
+        raise CheckFailed("tp is None: run the tensor-parallel cell above")
+    sizes = list(result["tokens"])
+    for n in sizes[1:]:
+        for i, (mine, want) in enumerate(zip(result["tokens"][n], result["tokens"][sizes[0]])):
+            if mine != want:
+                j = next((t for t, (p, q) in enumerate(zip(mine, want)) if p != q), min(len(mine), len(want)))
+                raise CheckFailed(f"tensor_parallel_size={n}: prompt {i} parts from N = {sizes[0]}'s greedy tokens at "
+                                  f"output token {j}")
+    passed("tensor-parallel tokens", len(sizes) - 1)
+
+
+def reference_allreduce_costs(rows: Sequence[dict]) -> list[dict]:
+    base = next((r for r in rows if r["tensor_parallel_size"] == 1), None)
+    out = []
+    for r in rows:
+        out.append({"tensor_parallel_size": r["tensor_parallel_size"],
+                    "allreduce_share": r["allreduce_s"] / r["step_s"],
+                    "allreduce_mb_per_step": r["allreduce_bytes"] / 1e6,
+                    "us_per_allreduce": (1e6 * r["allreduce_s"] / r["num_allreduces"]) if r["num_allreduces"] else 0.0,
+                    "speedup": base["step_s"] / r["step_s"] if base else float("nan")})
+    return out
+
+
+def check_allreduce_costs(fn: Callable, rows: Sequence[dict] | None) -> None:
+    """allreduce_costs against the reference on the measured rows and on a stub of two rows."""
+    if not rows:
+        raise CheckFailed("tp_rows is empty: run the measurement cell above first")
+    stub = [{"tensor_parallel_size": 1, "step_s": 0.02, "allreduce_s": 0.0, "allreduce_bytes": 0, "num_allreduces": 0},
+            {"tensor_parallel_size": 2, "step_s": 0.025, "allreduce_s": 0.01, "allreduce_bytes": 4_000_000,
+             "num_allreduces": 50}]
+    hints = {"tensor_parallel_size": "the row's tensor_parallel_size, unchanged",
+             "allreduce_share": "allreduce_s / step_s: the share of a step spent in all-reduces",
+             "allreduce_mb_per_step": "allreduce_bytes / 1e6 (megabytes, 10^6 bytes)",
+             "us_per_allreduce": "1e6 * allreduce_s / num_allreduces (0.0 when a step has none, N = 1)",
+             "speedup": "the N = 1 row's step_s / this row's step_s (above 1: splitting paid)"}
+    for case_rows, what in ((list(rows), "your measured rows"),
+                            (stub, "two rows: N = 1 at 20 ms a step; N = 2 at 25 ms, 10 ms of it in 50 all-reduces")):
+        call = f"allreduce_costs({what})"
+        got = call_learner(fn, (case_rows,), call)
+        want = reference_allreduce_costs(case_rows)
+        if not isinstance(got, list) or len(got) != len(want):
+            raise CheckFailed(f"{call} returned {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'} "
+                              f"items; expected a list of {len(want)} dicts, one per row in the rows' order")
+        for i, (g, w) in enumerate(zip(got, want)):
+            if not isinstance(g, dict) or set(g) != set(w):
+                raise CheckFailed(f"{call}[{i}] is {g!r}; expected a dict with the keys {sorted(w)}")
+            for key, value in w.items():
+                if isinstance(g[key], bool) or not isinstance(g[key], (int, float)) or not math.isclose(
+                        g[key], value, rel_tol=1e-6, abs_tol=1e-12):
+                    raise CheckFailed(f"{call}[{i}][{key!r}] = {g[key]!r}, expected {value:.6g}: {hints[key]}")
+    passed("allreduce_costs", 2)
+
+
+def print_allreduce_costs(costs: Sequence[dict], device: str) -> None:
+    print(f"{'N':>3} {'step share in all-reduce':>25} {'MB all-reduced / step':>22} {'µs / all-reduce':>16} "
+          f"{'speed-up vs N = 1':>18}   ({device})")
+    for c in costs:
+        print(f"{c['tensor_parallel_size']:>3} {c['allreduce_share']:>25.0%} {c['allreduce_mb_per_step']:>22.3f} "
+              f"{c['us_per_allreduce']:>16.0f} {c['speedup']:>17.2f}x")
+
+
+def tp_figure(rows: Sequence[dict], device: str):
+    """Per N: a decode step's time split into the all-reduces and the rest (compute, weights read)."""
+    fig = new_figure("A decode step split across N ranks: compute vs all-reduce", "tensor_parallel_size N",
+                     "ms per decode step", device)
+    n = [str(r["tensor_parallel_size"]) for r in rows]
+    fig.add_bar(x=n, y=[1e3 * (r["step_s"] - r["allreduce_s"]) for r in rows], name="compute (and the rest)")
+    fig.add_bar(x=n, y=[1e3 * r["allreduce_s"] for r in rows], name="all-reduce")
+    fig.update_layout(barmode="stack")
+    return fig
+
+
+# =================================================================== 6. when splitting pays
+def tp_step_ms(weight_bytes: float, hbm_bytes_s: float, num_layers: int, allreduce_s: float, n: int) -> float:
+    """A memory-bound decode step on N devices: each reads 1 / N of the weights; 2 all-reduces per layer when N > 1."""
+    return 1e3 * (weight_bytes / (n * hbm_bytes_s) + (2 * num_layers * allreduce_s if n > 1 else 0.0))
+
+
+# Section 6's numbers: Llama-3-70B in bf16 on H100 SXMs, batch 1, NVLink all-reduces of a few kB.
+PAYS_MODEL = {"params": 70.6e9, "bytes_per_param": 2, "hbm_bytes_s": 3.35e12, "num_layers": 80, "allreduce_s": 20e-6}
+
+
+def answer_tp8_ms() -> float:
+    m = PAYS_MODEL
+    return tp_step_ms(m["params"] * m["bytes_per_param"], m["hbm_bytes_s"], m["num_layers"], m["allreduce_s"], 8)
+
+
+def check_answer_tp8_step_ms(value) -> None:
+    want = answer_tp8_ms()
+    case = "answer_tp8_step_ms (Llama-3-70B, bf16, 8 x H100, batch 1)"
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckFailed(f"{case} is {value!r}; set it to a number of milliseconds (a float, e.g. 12.5)")
+    if abs(value - want) <= 0.3:
+        passed("answer_tp8_step_ms", 1)
+        return
+    m = PAYS_MODEL
+    weights_ms = 1e3 * m["params"] * m["bytes_per_param"] / m["hbm_bytes_s"]
+    comm_ms = 1e3 * 2 * m["num_layers"] * m["allreduce_s"]
+    if abs(value - weights_ms / 8) < 0.3:
+        hint = f"the all-reduces are missing: 2 per layer x 80 layers x 20 µs = {comm_ms:.1f} ms every step"
+    elif abs(value - (weights_ms / 8 + comm_ms / 2)) < 0.3:
+        hint = "two all-reduces per layer (after o_proj and after down_proj), not one"
+    elif abs(value - (weights_ms / 8 + 8 * comm_ms)) < 0.5 or abs(value - (weights_ms / 8 + comm_ms / 8)) < 0.3:
+        hint = "an all-reduce costs its 20 µs whatever N (latency-bound at batch 1): do not scale it with N"
+    elif abs(value - weights_ms) < 0.5:
+        hint = "that is one device reading everything: with N = 8 each device reads 1/8 of the weights in parallel"
+    else:
+        hint = "weight bytes / (8 x 3.35 TB/s) + 2 x 80 x 20 µs"
+    raise CheckFailed(f"{case} = {value!r} ms is not it: {hint}")
+
+
+def pays_rows(ns: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> list[dict]:
+    """Section 6's model over N: step time, its all-reduce part, and the speed-up over the smallest N."""
+    m = PAYS_MODEL
+    rows = []
+    for n in ns:
+        step = tp_step_ms(m["params"] * m["bytes_per_param"], m["hbm_bytes_s"], m["num_layers"], m["allreduce_s"], n)
+        comm = 1e3 * 2 * m["num_layers"] * m["allreduce_s"] if n > 1 else 0.0
+        rows.append({"n": n, "step_ms": step, "allreduce_ms": comm})
+    return rows
+
+
+def print_pays(rows: Sequence[dict]) -> None:
+    print("Llama-3-70B bf16, batch 1, H100 SXM (3.35 TB/s each), 20 µs per all-reduce: a model, not a measurement")
+    print(f"{'N':>3} {'ms / step':>10} {'of it all-reduce':>17} {'tok/s':>7} {'efficiency':>11}")
+    first = rows[0]
+    for r in rows:
+        eff = first["step_ms"] * first["n"] / (r["step_ms"] * r["n"])
+        print(f"{r['n']:>3} {r['step_ms']:>10.2f} {r['allreduce_ms']:>16.1f}  {1e3 / r['step_ms']:>7.0f} {eff:>10.0%}")
+
+
+# =================================================================== 7. the autoscaler's policy
+def reference_policy(state, target_ongoing: float = 2.0, upscale_window_s: float = 5.0,
+                     downscale_window_s: float = 30.0, rounding: Callable = math.ceil) -> int:
+    """Exercise 5's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
+    replicas; down to ceil(largest load of the last downscale_window_s / target) when that is below; clamped."""
+    def over(window_s):
+        return [total for t, total, _ in state.history if t > state.now_s - window_s] or [state.total_ongoing_requests]
+
+    want_up = rounding(min(over(upscale_window_s)) / target_ongoing)
+    want_down = rounding(max(over(downscale_window_s)) / target_ongoing)
+    desired = state.target_replicas
+    if want_up > desired:
+        desired = want_up
+    elif want_down < desired:
+        desired = want_down
+    return min(max(desired, state.min_replicas), state.max_replicas)
+
+
+def fleet_state(now_s: float, loads: Sequence[int], running: int, starting: int = 0, queue: int = 0,
+                min_replicas: int = 1, max_replicas: int = 8, tick_s: float = 1.0):
+    """A FleetState at now_s whose history holds one total-ongoing sample per tick (the last one is now's, and
+    includes the router queue); the load now is spread over the running replicas."""
+    from ..fleet.simulate import FleetState
+
+    history = tuple((now_s - tick_s * (len(loads) - 1 - i), int(total), running) for i, total in enumerate(loads))
+    at_replicas = max(0, loads[-1] - queue)
+    per = [at_replicas // running + (1 if i < at_replicas % running else 0) for i in range(running)] if running else []
+    return FleetState(now_s=now_s, running_replicas=running, starting_replicas=starting,
+                      ongoing_per_replica=tuple(per), queue_length=queue, target_replicas=running + starting,
+                      min_replicas=min_replicas, max_replicas=max_replicas, history=history)
+
+
+def _policy_cases() -> list[tuple]:
+    """(state, kwargs, what): the stated cases of exercise 5 (1 s ticks, 40 s of history)."""
+    flat = [4] * 40
+    return [
+        (fleet_state(100.0, flat, running=2), {}, "a steady load of 4 on 2 replicas: keep 2"),
+        (fleet_state(100.0, [4] * 34 + [10] * 6, running=2), {},
+         "the load at 10 for the last 6 s (the up window is 5 s): go up to ceil(10 / 2) = 5"),
+        (fleet_state(100.0, [4] * 37 + [10] * 3, running=2), {},
+         "the load at 10 for only 3 s: not yet (the least load of the last 5 s is 4)"),
+        (fleet_state(100.0, [4] * 30 + [10, 9, 8, 12, 10, 10, 7, 9, 11, 10], running=2), {},
+         "a noisy high load (7 to 12) for 10 s: up to the LEAST load of the up window, ceil(7 / 2) = 4"),
+        (fleet_state(100.0, [1] * 40, running=4), {}, "the load at 1 for 40 s on 4 replicas: down to 1"),
+        (fleet_state(100.0, [1] * 15 + [5] + [1] * 24, running=4), {},
+         "the load at 1 but for one tick of 5 within the last 30 s: down only to ceil(5 / 2) = 3"),
+        (fleet_state(100.0, [4] * 30 + [12] + [4] * 9, running=1, starting=3), {},
+         "a burst of 12 9 s ago, 4 now, 1 replica running and 3 starting: between the windows' asks (2 and 6), keep "
+         "the 4 the fleet already has (target_replicas)"),
+        (fleet_state(100.0, [30] * 40, running=2), {}, "a load of 30: ceil(30 / 2) = 15, clamped to max_replicas 8"),
+        (fleet_state(100.0, [0] * 40, running=2, min_replicas=1), {}, "no load: down to min_replicas 1, never below"),
+        (fleet_state(100.0, [0] * 40, running=1, min_replicas=0), {}, "no load and min_replicas 0: scale to zero"),
+        (fleet_state(100.0, [12] * 40, running=2, queue=8), {},
+         "12 requests of which 8 wait at the router (both replicas full): they count, up to 6"),
+        (fleet_state(100.0, [9] * 40, running=2), {"target_ongoing": 3.0}, "target_ongoing 3, a load of 9: 3 replicas"),
+        (fleet_state(100.0, [4] * 37 + [10] * 3, running=2), {"upscale_window_s": 2.0},
+         "upscale_window_s 2: the 3 s at 10 are enough, up to 5"),
+        (fleet_state(100.0, [1] * 30 + [5] + [1] * 9, running=4), {"downscale_window_s": 8.0},
+         "downscale_window_s 8: the 5 is 9 s ago, outside the window, down to 1"),
+    ]
+
+
+def _policy_hint(state, kwargs, got: int) -> str:
+    import dataclasses
+
+    def ref(s=state, **over):
+        return reference_policy(s, **{**kwargs, **over})
+
+    target = kwargs.get("target_ongoing", 2.0)
+    if not state.min_replicas <= got <= state.max_replicas:
+        return f"clamp the answer to [state.min_replicas, state.max_replicas] = [{state.min_replicas}, {state.max_replicas}]"
+    if state.starting_replicas and got == ref(dataclasses.replace(state, target_replicas=state.running_replicas)):
+        return ("compare with state.target_replicas (running + starting), not running_replicas: replicas already "
+                "starting will serve soon; asking for fewer cancels them, asking again would double them")
+    if state.queue_length and got == min(max(math.ceil(sum(state.ongoing_per_replica) / target), state.min_replicas),
+                                         state.max_replicas):
+        return "the requests queued at the router count too: the history's totals (state.total_ongoing_requests) hold them"
+    if got == ref(upscale_window_s=1e-9, downscale_window_s=1e-9):
+        return ("that is ceil(load now / target): with no windows the fleet follows every burst. Go up only to what "
+                "the whole up window asks for (its least load), down only to what the whole down window allows (its "
+                "largest load)")
+    if got in (ref(rounding=math.floor), ref(rounding=round)):
+        return "ceil, not floor or round: 5 requests at 2 per replica need 3 replicas"
+    return ("desired = target_replicas; up to ceil(min(up-window loads) / target) if that is more, else down to "
+            "ceil(max(down-window loads) / target) if that is less; clamp to [min_replicas, max_replicas]")
+
+
+def check_autoscaler(fn: Callable) -> None:
+    """autoscaler_policy against the rule of exercise 5 on the stated states."""
+    cases = _policy_cases()
+    for state, kwargs, what in cases:
+        extra = "".join(f", {k}={v}" for k, v in kwargs.items())
+        call = f"autoscaler_policy(state{extra})"
+        got = call_learner(lambda: fn(state, **kwargs), (), call)
+        want = reference_policy(state, **kwargs)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise CheckFailed(f"{call} ({what}) returned {got!r} ({type(got).__name__}); expected an int number of "
+                              "replicas (math.ceil gives one)")
+        if got != want:
+            raise CheckFailed(f"{call} ({what}): returned {got}, expected {want}: {_policy_hint(state, kwargs, got)}")
+    passed("autoscaler_policy", len(cases))
+
+
+# =================================================================== 8. the simulated day
+# One CPU replica of the default model (SmolLM2-135M, fp32, one thread, continuous batching), measured on the 2-core
+# CPU of the course's CI (AMD EPYC): decode step seconds by batch size, prefill step seconds by prompt tokens.
+EXAMPLE_PROFILE = {"decode_points": [(1, 0.0333), (4, 0.0415), (8, 0.0858), (16, 0.126), (32, 0.199)],
+                   "prefill_points": [(32, 0.149), (128, 0.386), (512, 1.567)],
+                   "conditions": {"measured_on": "cpu: AMD EPYC (2 threads), one thread per replica",
+                                  "model": "SmolLM2-135M-Instruct, fp32"}}
+
+
+def example_profile(startup_s: float = 5.0):
+    """EXAMPLE_PROFILE as the simulator's ReplicaProfile, with this start-up time."""
+    from ..fleet.simulate import ReplicaProfile
+
+    return ReplicaProfile(decode_points=list(EXAMPLE_PROFILE["decode_points"]),
+                          prefill_points=list(EXAMPLE_PROFILE["prefill_points"]), startup_s=startup_s,
+                          conditions=dict(EXAMPLE_PROFILE["conditions"]))
+
+
+def print_profile(profile, label: str) -> None:
+    print(f"replica profile ({label}):")
+    print("  decode step: " + ", ".join(f"batch {b}: {s * 1e3:.0f} ms ({b / s:.0f} tok/s)" for b, s in profile.decode_points))
+    print("  prefill step: " + ", ".join(f"{n} tokens: {s * 1e3:.0f} ms" for n, s in profile.prefill_points))
+
+
+def _interval_p99(result, step_s: float) -> list[float]:
+    from ..bench.runner import percentile
+
+    return [percentile(result.ttfts(s["t_s"] - step_s, s["t_s"]), 99) for s in result.timeline]
+
+
+def day_figure(results: dict, start_hour: float, title: str):
+    """Per named SimResult: requests waiting, replicas (serving + starting) and TTFT p99 per sample interval."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=("requests waiting (router + engines)", "replicas (serving + starting)",
+                                        "TTFT p99 per interval (s)"))
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    for i, (name, result) in enumerate(results.items()):
+        hours = [start_hour + s["t_s"] / result.hour_s for s in result.timeline]
+        step = (result.timeline[1]["t_s"] - result.timeline[0]["t_s"]) if len(result.timeline) > 1 else result.hour_s
+        style = dict(color=colors[i % len(colors)])
+        fig.add_scatter(x=hours, y=[s["queue"] + s["waiting"] for s in result.timeline], name=name, line=style,
+                        legendgroup=name, row=1, col=1)
+        fig.add_scatter(x=hours, y=[s["replicas"] + s["starting"] for s in result.timeline], name=name,
+                        line=dict(shape="hv", **style), legendgroup=name, showlegend=False, row=2, col=1)
+        fig.add_scatter(x=hours, y=_interval_p99(result, step), name=name, line=style, legendgroup=name,
+                        showlegend=False, row=3, col=1)
+    fig.update_layout(title=dict(text=title, subtitle=dict(text="simulated (minillm/fleet/simulate.py)")),
+                      height=720, template="plotly_white", margin=dict(t=100, l=70, r=30, b=60))
+    fig.update_yaxes(type="log", row=3, col=1)
+    fig.update_xaxes(title_text="hour of the day", row=3, col=1)
+    return fig
+
+
+def day_summary(result, spike_s: tuple[float, float]) -> dict:
+    """The numbers the lab prints per simulated run: TTFT p50 / p99 (whole run and spike), the longest queue, the
+    most replicas, replica-hours, $ per million output tokens."""
+    return {"ttft_p50_s": result.ttft_percentile(50), "ttft_p99_s": result.ttft_percentile(99),
+            "spike_ttft_p99_s": result.ttft_percentile(99, *spike_s),
+            "queue_max": max(s["queue"] + s["waiting"] for s in result.timeline),
+            "replicas_max": max(s["replicas"] + s["starting"] for s in result.timeline),
+            "replica_hours": result.replica_seconds() / 3600, "usd_per_mtok": result.usd_per_mtok,
+            "requests": len(result.requests)}
+
+
+def print_day(results: dict, spike_s: tuple[float, float], hourly_usd: float) -> None:
+    print(f"{'run':<28} {'requests':>8} {'TTFT p50':>9} {'p99':>7} {'spike p99':>10} {'max queue':>10} "
+          f"{'max repl.':>9} {'repl.-hours':>11} {'$/Mtok':>7}   (a replica at {hourly_usd:.2f} $/h)")
+    for name, result in results.items():
+        d = day_summary(result, spike_s)
+        print(f"{name:<28} {d['requests']:>8} {d['ttft_p50_s']:>8.2f}s {d['ttft_p99_s']:>6.2f}s "
+              f"{d['spike_ttft_p99_s']:>9.2f}s {d['queue_max']:>10} {d['replicas_max']:>9} {d['replica_hours']:>11.1f} "
+              f"{d['usd_per_mtok']:>7.3f}")
+
+
+# =================================================================== 9. warm replicas and batch size
+CHOICE_KEYS = ("warm_replicas", "max_num_seqs", "spike_ttft_p99_s", "usd_per_mtok")
+
+
+def reference_choice(rows: Sequence[dict], target_p99_s: float) -> dict | None:
+    meeting = [r for r in rows if r["spike_ttft_p99_s"] <= target_p99_s]
+    return min(meeting, key=lambda r: r["usd_per_mtok"]) if meeting else None
+
+
+def _stub_run(table: dict) -> Callable:
+    def run(warm_replicas, max_num_seqs):
+        p99, usd = table[(warm_replicas, max_num_seqs)]
+        return {"spike_ttft_p99_s": p99, "usd_per_mtok": usd}
+    return run
+
+
+STUB_TABLE = {(1, 4): (3.0, 0.50), (1, 8): (2.5, 0.40), (2, 4): (1.1, 0.80), (2, 8): (1.5, 0.60),
+              (3, 4): (0.5, 1.20), (3, 8): (0.8, 0.90)}
+
+
+def check_choose_fleet(fn: Callable, run: Callable | None, target_p99_s: float, warm_options, batch_options,
+                       rows: Sequence[dict] | None = None) -> None:
+    """choose_fleet on a stub table (the rule: cheapest among those meeting the target, None when none does), then
+    its measured rows: one per option pair with run's own numbers, and the choice the rule gives on them."""
+    cases = [(_stub_run(STUB_TABLE), 1.0, (1, 2, 3), (4, 8), {"warm_replicas": 3, "max_num_seqs": 8},
+              "a table of 6 runs, target 1.0 s: (3 warm, batch 8) at 0.90 $/Mtok, not the cheaper ones that miss it"),
+             (_stub_run(STUB_TABLE), 2.0, (1, 2, 3), (4, 8), {"warm_replicas": 2, "max_num_seqs": 8},
+              "the same table, target 2.0 s: (2 warm, batch 8) at 0.60 $/Mtok"),
+             (_stub_run(STUB_TABLE), 0.1, (1, 2, 3), (4, 8), None, "the same table, target 0.1 s: no run meets it, None")]
+    for stub, target, warms, batches, want, what in cases:
+        call = f"choose_fleet(run, {target}, {warms}, {batches})"
+        got = call_learner(fn, (stub, target, warms, batches), call)
+        if want is None:
+            if got is not None:
+                raise CheckFailed(f"{call} ({what}) returned {got!r}; expected None: no option meets the target")
+            continue
+        if not isinstance(got, dict) or not set(CHOICE_KEYS) <= set(got):
+            raise CheckFailed(f"{call} ({what}) returned {got!r}; expected a dict with the keys {list(CHOICE_KEYS)} "
+                              "and 'rows'")
+        pairs = [(r.get("warm_replicas"), r.get("max_num_seqs")) for r in got.get("rows") or [] if isinstance(r, dict)]
+        if pairs != [(w, b) for w in warms for b in batches]:
+            raise CheckFailed(f"{call} ({what}): rows cover {pairs}; expected every pair of warm_options x batch_options "
+                              f"in the loop's order (warm outer): {[(w, b) for w in warms for b in batches]}")
+        chosen = (got["warm_replicas"], got["max_num_seqs"])
+        if chosen != (want["warm_replicas"], want["max_num_seqs"]):
+            p99, usd = STUB_TABLE.get(chosen, (None, None))
+            if p99 is not None and p99 > target:
+                hint = f"that run's spike p99 is {p99} s, above the target: keep only the runs that meet it"
+            elif p99 is not None:
+                hint = "the cheapest (lowest usd_per_mtok) among those that meet the target, not the fastest"
+            else:
+                hint = "the warm_replicas and max_num_seqs of the chosen run"
+            raise CheckFailed(f"{call} ({what}): chose {chosen}, expected {(want['warm_replicas'], want['max_num_seqs'])}: {hint}")
+    if run is None:
+        raise CheckFailed("fleet_window is None: run the cells of section 9 first")
+    if not rows:
+        raise CheckFailed("choice is None or has no rows: run the cell above (it needs choose_fleet)")
+    pairs = {(r.get("warm_replicas"), r.get("max_num_seqs")) for r in rows}
+    want_pairs = {(w, b) for w in warm_options for b in batch_options}
+    if pairs != want_pairs:
+        raise CheckFailed(f"choice['rows'] covers {sorted(pairs, key=str)}; expected every pair of warm_options x "
+                          f"batch_options: {sorted(want_pairs)}")
+    for r in rows:
+        again = run(r["warm_replicas"], r["max_num_seqs"])
+        for key in ("spike_ttft_p99_s", "usd_per_mtok"):
+            if not math.isclose(r[key], again[key], rel_tol=1e-9):
+                raise CheckFailed(f"choice['rows'] ({r['warm_replicas']} warm, batch {r['max_num_seqs']}): {key} "
+                                  f"{r[key]!r}, but the simulation gives {again[key]!r}: copy run's numbers unchanged")
+    passed("choose_fleet", len(cases) + len(rows))
+
+
+def print_choice(choice: dict | None, target_p99_s: float, hourly_usd: float) -> None:
+    if choice is None:
+        print(f"no option keeps the spike's p99 TTFT under {target_p99_s} s")
+        return
+    print(f"{'warm':>5} {'batch':>6} {'spike p99':>10} {'$/Mtok':>8}   (target p99 {target_p99_s} s; "
+          f"a replica at {hourly_usd:.2f} $/h)")
+    for r in choice["rows"]:
+        mark = "  <- your choice" if (r["warm_replicas"], r["max_num_seqs"]) == (choice["warm_replicas"], choice["max_num_seqs"]) else (
+            "" if r["spike_ttft_p99_s"] <= target_p99_s else "  (misses the target)")
+        print(f"{r['warm_replicas']:>5} {r['max_num_seqs']:>6} {r['spike_ttft_p99_s']:>9.2f}s {r['usd_per_mtok']:>8.3f}{mark}")

@@ -1,0 +1,356 @@
+"""Lab 11 (scale out): the master's solutions pass every check; the checks name each usual mistake (every N-th row
+taken for a block, the wrong dimension split, the outputs out of rank order, the whole product on every rank, the fused
+gate_up cut as one matrix, gate and up swapped, the all-reduce share or the speed-up upside down, mebibytes for
+megabytes, the all-reduces forgotten or counted once per layer, a policy without windows, on running replicas, without
+its clamp or with floor, the fastest fleet instead of the cheapest, the target ignored); every graded test cell fails on
+two or more plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails); the notebook's experiments (the split on
+a model's own MLP, the tensor-parallel runs with their all-reduce counts, the simulated day, the fleet sweep) give
+values that follow from the shapes and the rules. Everything runs on tiny random models and the example profile."""
+
+from __future__ import annotations
+
+import functools
+
+import nbformat
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab_utils import (assert_check_fails, assert_master_structure, notebook_functions, run_solution_cells,
+                       solution_fixture)
+
+from grading.build import REPO_ROOT, SOURCE_DIR
+from minillm.lab import lab11
+from minillm.lab.common import CheckFailed, figure_subtitle
+
+MASTER = SOURCE_DIR / "11_scale_out" / "11_scale_out.ipynb"
+EXERCISES = {"column_parallel", "row_parallel", "parallel_mlp", "measure_allreduce_costs", "answer_tp8_step_ms",
+             "autoscaler_policy", "measure_choose_fleet"}
+GRADED = {"test_column_parallel": 2, "test_row_parallel": 2, "test_parallel_mlp": 2, "test_measure_allreduce_costs": 2,
+          "test_answer_tp8_step_ms": 1, "test_autoscaler_policy": 2, "test_measure_choose_fleet": 2}
+DEVICE = "cpu: test device"
+TINY = "random:tiny-llama"   # 2 layers, hidden 64, intermediate 128, 4 query / 2 KV heads: N = 1, 2 (4 for the MLP)
+
+solution = solution_fixture(MASTER, {"lab11": lab11, "torch": torch, "F": F})
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    from minillm import LLM
+
+    return LLM(TINY)
+
+
+@pytest.fixture(scope="module")
+def fleet_namespace() -> dict:
+    """The names the notebook's fleet cells define, in quick mode, on the example profile."""
+    from minillm.fleet.simulate import FleetConfig, RayServePolicy, daily_traffic, day_requests, simulate, simulate_day
+
+    traffic = daily_traffic(peak_rps=4.0, spike_rps=8.0, ramp_min=1.0, prompt_tokens=(16, 96), output_tokens=(16, 64))
+    window = (11.9, 12.6)
+    return {"FleetConfig": FleetConfig, "RayServePolicy": RayServePolicy, "simulate": simulate,
+            "simulate_day": simulate_day, "TRAFFIC": traffic, "HOURLY_USD": 0.10, "DAY": (11.0, 13.0),
+            "profile": lab11.example_profile(5.0), "WINDOW": window, "WARM_OPTIONS": (2, 4, 6),
+            "BATCH_OPTIONS": (4, 16), "TARGET_P99_S": 1.0,
+            "window_requests": day_requests(traffic, seed=0, start_h=window[0], end_h=window[1])}
+
+
+@pytest.fixture(scope="module")
+def experiments(fleet_namespace) -> dict:
+    from minillm import LLM, SamplingParams
+
+    return notebook_functions(MASTER, "model_mlp", "tp_runs", "fleet_window", "day", LLM=LLM,
+                              SamplingParams=SamplingParams, lab11=lab11, **fleet_namespace)
+
+
+@pytest.fixture(scope="module")
+def tp_result(experiments) -> dict:
+    """tensor_parallel_size 1 and 2 on the tiny Llama, 4 greedy tokens (the N = 2 run starts one gloo worker)."""
+    return experiments["tp_runs"](TINY, (1, 2), 4)
+
+
+def test_master_has_every_graded_piece_with_hidden_tests():
+    assert_master_structure(MASTER, EXERCISES, GRADED, 13)
+
+
+def test_student_copy_has_stubs_and_no_solution():
+    student = nbformat.read(REPO_ROOT / "labs" / "11_scale_out.ipynb", as_version=4)
+    stubs = {c.metadata["nbgrader"]["grade_id"]: c.source for c in student.cells
+             if c.metadata.get("nbgrader", {}).get("solution")}
+    assert set(stubs) == EXERCISES
+    for gid, source in stubs.items():
+        assert "raise NotImplementedError()" in source or gid.startswith("answer_"), gid
+    assert "silu" not in stubs["parallel_mlp"] and "want_up" not in stubs["autoscaler_policy"]
+    assert "8.5" not in stubs["answer_tp8_step_ms"] and "3.35e12" not in stubs["answer_tp8_step_ms"]
+
+
+# --------------------------------------------------------------------- the solutions pass
+def test_solution_passes_every_check(solution):
+    for seed in (0, 1, 2, 3):
+        lab11.check_column_parallel(solution["column_parallel"], seed=seed)
+        lab11.check_row_parallel(solution["row_parallel"], seed=seed)
+        lab11.check_parallel_mlp(solution["parallel_mlp"], seed=seed)
+    lab11.check_autoscaler(solution["autoscaler_policy"])
+    lab11.check_answer_tp8_step_ms(solution["answer_tp8_step_ms"])
+    assert lab11.answer_tp8_ms() == pytest.approx(70.6e9 * 2 / 3.35e12 / 8 * 1e3 + 3.2)
+
+
+def test_the_splits_add_up_to_the_unsharded_layer(solution):
+    x, w = lab11.random_tokens(7, 12, seed=4), lab11.random_weight(9, 12, seed=4)
+    assert torch.allclose(torch.cat(solution["column_parallel"](x, w, 3), dim=-1), x @ w.T, atol=1e-5)
+    assert torch.allclose(sum(solution["row_parallel"](x, w, 4)), x @ w.T, atol=1e-5)
+    w13, w2 = lab11.random_mlp(10, 12, seed=4)
+    parts = solution["parallel_mlp"](lab11.random_tokens(3, 10), w13, w2, 6)
+    assert len(parts) == 6 and torch.allclose(sum(parts), lab11.reference_mlp(lab11.random_tokens(3, 10), w13, w2),
+                                              atol=1e-5)
+
+
+def test_the_policy_follows_the_reference_on_random_states(solution):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        running = int(torch.randint(0, 6, (1,), generator=gen))
+        starting = int(torch.randint(0, 3, (1,), generator=gen))
+        loads = torch.randint(0, 25, (40,), generator=gen).tolist()
+        state = lab11.fleet_state(60.0, loads, running=max(running, 1), starting=starting,
+                                  min_replicas=int(torch.randint(0, 2, (1,), generator=gen)))
+        kwargs = {"target_ongoing": float(torch.randint(1, 5, (1,), generator=gen)),
+                  "upscale_window_s": float(torch.randint(1, 10, (1,), generator=gen)),
+                  "downscale_window_s": float(torch.randint(10, 40, (1,), generator=gen))}
+        assert solution["autoscaler_policy"](state, **kwargs) == lab11.reference_policy(state, **kwargs)
+
+
+# --------------------------------------------------------------------- the experiments
+def test_model_mlp_on_a_tiny_model_and_a_wrong_split(tiny_llm, solution, experiments, capsys):
+    result = experiments["model_mlp"](tiny_llm, solution["parallel_mlp"], [2, 4])
+    assert result["hidden"] == 64 and result["intermediate"] == 128 and max(result["diffs"].values()) < 1e-5
+    assert result["shard_mib"][4] == pytest.approx(result["shard_mib"][2] / 2)
+    lab11.check_model_mlp(result)
+    lab11.print_model_mlp(result)
+    assert "N = 4: ✓" in capsys.readouterr().out
+
+    def whole_on_every_rank(x, w_gate_up, w_down, n):
+        return [lab11.reference_mlp(x, w_gate_up, w_down)] * n
+
+    wrong = experiments["model_mlp"](tiny_llm, whole_on_every_rank, [2])
+    with pytest.raises(CheckFailed, match="with N = 2: the sum of the partials differs"):
+        lab11.check_model_mlp(wrong)
+    with pytest.raises(CheckFailed, match="run the cell above"):
+        lab11.check_model_mlp(None)
+
+
+def test_tp_runs_equal_tokens_and_count_the_all_reduces(tp_result, capsys):
+    assert tp_result["tokens"][2] == tp_result["tokens"][1] and len(tp_result["tokens"][1][0]) == 5
+    one, two = tp_result["rows"]
+    assert one["num_allreduces"] == 0 and one["allreduce_bytes"] == 0 and one["allreduce_s"] == 0
+    # a decode step of 3 sequences: 2 all-reduces per layer (o_proj, down_proj) + the embedding's, of [3, 64] fp32
+    assert two["num_allreduces"] == 2 * 2 + 1
+    assert two["allreduce_bytes"] == 5 * 3 * 64 * 4
+    assert 0 < two["allreduce_s"] < two["step_s"] and two["allgather_s"] > 0
+    lab11.check_tp_runs(tp_result)
+    lab11.print_tp_runs(tp_result, DEVICE)
+    assert "tensor_parallel_size=2: 3 of 3 prompts give N = 1's tokens ✓" in capsys.readouterr().out
+    fig = lab11.tp_figure(tp_result["rows"], DEVICE)
+    assert [list(t.x) for t in fig.data] == [["1", "2"]] * 2 and DEVICE in figure_subtitle(fig)
+    broken = {**tp_result, "tokens": {1: tp_result["tokens"][1], 2: [[0] + t[1:] for t in tp_result["tokens"][2]]}}
+    with pytest.raises(CheckFailed, match="tensor_parallel_size=2: prompt 0 parts from N = 1's greedy tokens at output token 0"):
+        lab11.check_tp_runs(broken)
+
+
+def test_allreduce_costs_on_the_measured_rows(tp_result, solution, capsys):
+    lab11.check_allreduce_costs(solution["allreduce_costs"], tp_result["rows"])
+    costs = solution["allreduce_costs"](tp_result["rows"])
+    assert costs[0]["speedup"] == 1.0 and costs[0]["us_per_allreduce"] == 0.0
+    assert 0 < costs[1]["allreduce_share"] < 1
+    lab11.print_allreduce_costs(costs, DEVICE)
+    assert DEVICE in capsys.readouterr().out
+
+
+def test_when_splitting_pays_model(capsys):
+    rows = lab11.pays_rows()
+    by_n = {r["n"]: r for r in rows}
+    assert by_n[8]["step_ms"] == pytest.approx(lab11.answer_tp8_ms())
+    assert by_n[1]["allreduce_ms"] == 0 and by_n[16]["allreduce_ms"] == pytest.approx(3.2)
+    assert by_n[32]["step_ms"] < by_n[16]["step_ms"] < by_n[8]["step_ms"]   # faster, with falling efficiency
+    lab11.print_pays(rows)
+    assert "8.47" in capsys.readouterr().out
+
+
+def test_the_simulated_day_with_the_solution_policy(solution, experiments, fleet_namespace, capsys):
+    day = experiments["day"]
+    spike_s = tuple((h - 11.0) * 3600 for h in fleet_namespace["TRAFFIC"].spike)
+    fast = day(solution["autoscaler_policy"], 5.0)
+    slow = day(solution["autoscaler_policy"], 60.0)
+    ray = day(fleet_namespace["RayServePolicy"](target_ongoing_requests=2), 5.0)
+    fast_d, slow_d = lab11.day_summary(fast, spike_s), lab11.day_summary(slow, spike_s)
+    assert fast_d["requests"] == slow_d["requests"] > 1000
+    assert slow_d["queue_max"] > fast_d["queue_max"] and slow_d["spike_ttft_p99_s"] > fast_d["spike_ttft_p99_s"]
+    assert fast_d["replicas_max"] > 1, "the policy scaled up for the spike"
+    lab11.print_day({"yours": fast, "ray": ray}, spike_s, 0.10)
+    assert "0.10 $/h" in capsys.readouterr().out
+    fig = lab11.day_figure({"5 s": fast, "60 s": slow}, 11.0, "day")
+    assert len(fig.data) == 6 and max(fig.data[1].x) <= 13.0
+
+
+def test_choose_fleet_on_the_simulated_window(solution, experiments, fleet_namespace, capsys):
+    ns = fleet_namespace
+    choice = solution["choose_fleet"](experiments["fleet_window"], ns["TARGET_P99_S"], ns["WARM_OPTIONS"],
+                                      ns["BATCH_OPTIONS"])
+    assert choice is not None and choice["spike_ttft_p99_s"] <= ns["TARGET_P99_S"]
+    assert len(choice["rows"]) == 6 and choice == {**lab11.reference_choice(choice["rows"], 1.0), "rows": choice["rows"]}
+    assert any(r["spike_ttft_p99_s"] > 1.0 for r in choice["rows"]), "the target rules some settings out"
+    lab11.check_choose_fleet(solution["choose_fleet"], experiments["fleet_window"], 1.0, ns["WARM_OPTIONS"],
+                             ns["BATCH_OPTIONS"], choice["rows"])
+    lab11.print_choice(choice, 1.0, 0.10)
+    assert "<- your choice" in capsys.readouterr().out
+    again = experiments["fleet_window"].__wrapped__(choice["warm_replicas"], choice["max_num_seqs"])
+    assert again == experiments["fleet_window"](choice["warm_replicas"], choice["max_num_seqs"])   # deterministic
+
+
+def test_example_profile_is_valid_and_printed(capsys):
+    profile = lab11.example_profile(60.0)
+    assert profile.startup_s == 60.0 and profile.max_measured_batch == 32
+    assert profile.decode_step_s(8) == pytest.approx(0.0858)
+    lab11.print_profile(profile, DEVICE)
+    assert "batch 8: 86 ms" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------- every graded cell fails on plausible mistakes
+_COLUMN = '''def column_parallel(x, weight, num_shards):
+    rows = weight.shape[0] // num_shards
+    return [x @ weight[r * rows:(r + 1) * rows].T for r in range(num_shards)]
+'''
+_ROW = '''def row_parallel(x, weight, num_shards):
+    cols = weight.shape[1] // num_shards
+    return [x[:, r * cols:(r + 1) * cols] @ weight[:, r * cols:(r + 1) * cols].T for r in range(num_shards)]
+'''
+_MLP = '''def parallel_mlp(x, w_gate_up, w_down, num_shards):
+    gate_w, up_w = w_gate_up.chunk(2, dim=0)
+    cols = w_down.shape[1] // num_shards
+    out = []
+    for r in range(num_shards):
+        block = slice(r * cols, (r + 1) * cols)
+        h = F.silu(x @ gate_w[block].T) * (x @ up_w[block].T)
+        out.append(h @ w_down[:, block].T)
+    return out
+'''
+_COSTS = '''def allreduce_costs(rows):
+    base = next(r for r in rows if r["tensor_parallel_size"] == 1)
+    return [{"tensor_parallel_size": r["tensor_parallel_size"],
+             "allreduce_share": r["allreduce_s"] / r["step_s"],
+             "allreduce_mb_per_step": r["allreduce_bytes"] / 1e6,
+             "us_per_allreduce": 1e6 * r["allreduce_s"] / r["num_allreduces"] if r["num_allreduces"] else 0.0,
+             "speedup": base["step_s"] / r["step_s"]} for r in rows]
+'''
+_POLICY = '''def autoscaler_policy(state, target_ongoing=2.0, upscale_window_s=5.0, downscale_window_s=30.0):
+    def totals(window_s):
+        return [total for t, total, _ in state.history if t > state.now_s - window_s]
+
+    want_up = math.ceil(min(totals(upscale_window_s)) / target_ongoing)
+    want_down = math.ceil(max(totals(downscale_window_s)) / target_ongoing)
+    desired = state.target_replicas
+    if want_up > desired:
+        desired = want_up
+    elif want_down < desired:
+        desired = want_down
+    return min(max(desired, state.min_replicas), state.max_replicas)
+'''
+_CHOOSE = '''def choose_fleet(run, target_p99_s, warm_options, batch_options):
+    rows = [{"warm_replicas": warm, "max_num_seqs": batch, **run(warm, batch)}
+            for warm in warm_options for batch in batch_options]
+    meeting = [row for row in rows if row["spike_ttft_p99_s"] <= target_p99_s]
+    if not meeting:
+        return None
+    best = min(meeting, key=lambda row: row["usd_per_mtok"])
+    return {**best, "rows": rows}
+'''
+
+MISTAKES = {
+    "test_column_parallel": [
+        ("# every N-th row\n" + _COLUMN.replace("weight[r * rows:(r + 1) * rows]", "weight[r::num_shards]"),
+         "every N-th row is not a block"),
+        ("# the input features split (a row split)\n" + _ROW.replace("row_parallel", "column_parallel"),
+         "that is a whole output (or a row split's partial sum)"),
+        ("# reverse order\n" + _COLUMN.replace("for r in range(num_shards)]", "for r in range(num_shards)][::-1]"),
+         "reverse order"),
+    ],
+    "test_row_parallel": [
+        ("# the whole product on every rank\ndef row_parallel(x, weight, num_shards):\n"
+         "    return [x @ weight.T for _ in range(num_shards)]\n", "every rank returned the whole x @ W^T"),
+        ("# a column split\n" + _COLUMN.replace("column_parallel", "row_parallel"), "that is a column split's output"),
+        ("# every N-th column\n" + _ROW.replace("x[:, r * cols:(r + 1) * cols] @ weight[:, r * cols:(r + 1) * cols].T",
+                                                "x[:, r::num_shards] @ weight[:, r::num_shards].T"),
+         "every N-th column is not a block"),
+    ],
+    "test_parallel_mlp": [
+        ("# gate_up cut as one matrix\n" + _MLP.replace(
+            "h = F.silu(x @ gate_w[block].T) * (x @ up_w[block].T)",
+            "g, u = (x @ w_gate_up[2 * r * cols:2 * (r + 1) * cols].T).chunk(2, dim=-1)\n        h = F.silu(g) * u"),
+         "gate_up is two matrices stacked"),
+        ("# the whole MLP on every rank\n" + _MLP.replace("        out.append(h @ w_down[:, block].T)",
+                                                          "        out.append(lab11.reference_mlp(x, w_gate_up, w_down))"),
+         "every rank returned the whole MLP output"),
+        ("# up taken for gate\n" + _MLP.replace("gate_w, up_w = w_gate_up.chunk(2, dim=0)",
+                                                "up_w, gate_w = w_gate_up.chunk(2, dim=0)"), "the gate rows come first"),
+    ],
+    "test_measure_allreduce_costs": [
+        ("# the share upside down\n" + _COSTS.replace('r["allreduce_s"] / r["step_s"]',
+                                                      'r["step_s"] / r["allreduce_s"] if r["allreduce_s"] else 0.0'),
+         "allreduce_s / step_s"),
+        ("# mebibytes\n" + _COSTS.replace('r["allreduce_bytes"] / 1e6', 'r["allreduce_bytes"] / 2**20'),
+         "megabytes, 10^6 bytes"),
+        ("# the speed-up upside down\n" + _COSTS.replace('base["step_s"] / r["step_s"]', 'r["step_s"] / base["step_s"]'),
+         "the N = 1 row's step_s / this row's step_s"),
+        ("# N = 1 divided by zero\n" + _COSTS.replace(' if r["num_allreduces"] else 0.0', ""),
+         "allreduce_costs(your measured rows) raised ZeroDivisionError"),
+    ],
+    "test_answer_tp8_step_ms": [
+        ("answer_tp8_step_ms = 70.6e9 * 2 / 3.35e12 * 1e3 / 8   # the weights only\n", "the all-reduces are missing"),
+        ("answer_tp8_step_ms = 70.6e9 * 2 / 3.35e12 * 1e3 / 8 + 80 * 20e-3   # one per layer\n",
+         "two all-reduces per layer"),
+        ("answer_tp8_step_ms = 70.6e9 * 2 / 3.35e12 * 1e3   # one device\n", "one device reading everything"),
+        ("answer_tp8_step_ms = None\n", "set it to a number"),
+    ],
+    "test_autoscaler_policy": [
+        ("# the load now, no windows\n" + _POLICY.replace("min(totals(upscale_window_s))", "state.total_ongoing_requests")
+         .replace("max(totals(downscale_window_s))", "state.total_ongoing_requests"), "that is ceil(load now / target)"),
+        ("# from the running replicas\n" + _POLICY.replace("desired = state.target_replicas",
+                                                           "desired = state.running_replicas"),
+         "compare with state.target_replicas"),
+        ("# no clamp\n" + _POLICY.replace("return min(max(desired, state.min_replicas), state.max_replicas)",
+                                          "return desired"), "clamp the answer"),
+        ("# floor\n" + _POLICY.replace("math.ceil", "math.floor"), "ceil, not floor or round"),
+    ],
+    "test_measure_choose_fleet": [
+        ("# the fastest that meets the target\n" + _CHOOSE.replace('key=lambda row: row["usd_per_mtok"]',
+                                                                     'key=lambda row: row["spike_ttft_p99_s"]'),
+         "not the fastest"),
+        ("# the target ignored\n" + _CHOOSE.replace('if row["spike_ttft_p99_s"] <= target_p99_s', ""),
+         "keep only the runs that meet it"),
+        ("# an empty dict when nothing meets the target\n" + _CHOOSE.replace("        return None", "        return {}"),
+         "expected None"),
+        ("# only the rows that meet the target kept\n" + _CHOOSE.replace('return {**best, "rows": rows}',
+                                                                           'return {**best, "rows": meeting}'),
+         "expected every pair of warm_options x batch_options in the loop's order"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def graded_namespace(tiny_llm, experiments, tp_result, fleet_namespace) -> dict:
+    """What the graded test cells read: the master's solution cells, the tiny model and its MLP check, the measured
+    tensor-parallel rows, the fleet sweep's function and the choice made with it."""
+    import math
+
+    ns = run_solution_cells(MASTER, {"lab11": lab11, "torch": torch, "F": F, "math": math})
+    ns.update(fleet_namespace, llm=tiny_llm, model_mlp=experiments["model_mlp"], tp_rows=tp_result["rows"],
+              fleet_window=experiments["fleet_window"], functools=functools)
+    ns["model_mlp_result"] = ns["model_mlp"](tiny_llm, ns["parallel_mlp"], [2, 4])
+    ns["choice"] = ns["choose_fleet"](ns["fleet_window"], ns["TARGET_P99_S"], ns["WARM_OPTIONS"], ns["BATCH_OPTIONS"])
+    return ns
+
+
+@pytest.mark.parametrize("grade_id, mistake, names_the_case",
+                         [(gid, m, case) for gid, cases in MISTAKES.items() for m, case in cases],
+                         ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
+def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
+    assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
