@@ -284,7 +284,7 @@ def test_validation_ramp_and_tolerance():
 
 @pytest.mark.slow
 def test_simulator_predicts_a_real_fleet_within_the_stated_tolerance():
-    """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 60 s ramp."""
+    """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 90 s ramp."""
     pytest.importorskip("ray")
     from minillm.bench.fleet import format_validation, validate
 

@@ -249,6 +249,7 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
                         progress: bool = True) -> ReplicaProfile:
     """A replica profile measured through a running fleet's (or server's) HTTP API with every replica busy.
 
+    `repeats` rounds, each over every size (the medians over the rounds are kept).
     Decode at batch B: num_replicas x B concurrent streams of decode_tokens tokens after prompts of
     decode_prompt_tokens (attention reads the whole context: give the workload's typical prompt); the median
     inter-token gap (each stream's first two gaps left out: late admissions' prefill steps) is the
@@ -271,25 +272,25 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
     base = normalize_base_url(base_url)
     model = model or discover_model(base)
-    bar = tqdm(total=1 + len(batch_sizes) + len(prompt_tokens) * repeats, desc="calibrate fleet", disable=not progress)
+    bar = tqdm(total=1 + repeats * (len(batch_sizes) + len(prompt_tokens)), desc="calibrate fleet",
+               disable=not progress)
     _burst(base, model, [prompt_ids(16, seed=i) for i in range(num_replicas * 2)], 4, timeout_s)  # warm-up
     bar.update(1)
-    decode = []
-    for b in batch_sizes:
-        timings = _burst(base, model, [prompt_ids(decode_prompt_tokens, seed=i) for i in range(num_replicas * b)],
-                         decode_tokens, timeout_s)
-        gaps = [g for t in timings for g in t.gaps_s[2:]]
-        decode.append((b, statistics.median(gaps)))
-        bar.update(1)
-    prefill = []
-    for n in prompt_tokens:
-        ttfts = []
-        for rep in range(repeats):
-            timings = _burst(base, model, [prompt_ids(n, seed=100 * rep + i) for i in range(num_replicas)], 2, timeout_s)
-            ttfts += [t.ttft_s for t in timings]
+    gaps: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    ttfts: dict[int, list[float]] = {n: [] for n in prompt_tokens}
+    for rep in range(repeats):   # rounds over every size: a passing load on the machine touches them all alike
+        for b in batch_sizes:
+            timings = _burst(base, model, [prompt_ids(decode_prompt_tokens, seed=100 * rep + i)
+                                           for i in range(num_replicas * b)], decode_tokens, timeout_s)
+            gaps[b] += [g for t in timings for g in t.gaps_s[2:]]
             bar.update(1)
-        prefill.append((n, statistics.median(ttfts)))
+        for n in prompt_tokens:
+            timings = _burst(base, model, [prompt_ids(n, seed=100 * rep + i) for i in range(num_replicas)], 2, timeout_s)
+            ttfts[n] += [t.ttft_s for t in timings]
+            bar.update(1)
     bar.close()
+    decode = [(b, statistics.median(gaps[b])) for b in batch_sizes]
+    prefill = [(n, statistics.median(ttfts[n])) for n in prompt_tokens]
     return ReplicaProfile(decode_points=decode, prefill_points=prefill, startup_s=startup_s,
                           conditions={"how": "calibrate_on_server (HTTP, every replica busy)", "base_url": base,
                                       "num_replicas": num_replicas, "decode_tokens": decode_tokens,
