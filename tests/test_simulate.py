@@ -110,6 +110,31 @@ def test_downscale_delay_and_replica_hours():
     assert math.isinf(result.usd_per_mtok), "no tokens served: infinite $ per token"
 
 
+def test_a_draining_replica_finishes_its_requests_and_is_billed_until_the_last_one():
+    # two replicas, one long request on each; the policy asks for one replica at t=1: one of them takes no
+    # new request, finishes what it holds, and its bill stops at its last token
+    profile = flat_profile(decode_s=0.1, prefill_s=0.5)
+    requests = [SimRequest(0.0, 8, 30), SimRequest(0.0, 8, 10), SimRequest(2.0, 8, 5), SimRequest(2.5, 8, 5)]
+    result = simulate(requests, profile, FleetConfig(min_replicas=1, max_replicas=2, initial_replicas=2,
+                                                     policy=lambda state: 1 if state.now_s >= 1 else 2))
+    assert result.scale_events == [(1.0, 1)]
+    a, b, *late = by_arrival(result)
+    assert a.replica != b.replica, "power of two choices put the first two requests on different replicas"
+    (kept,) = {r.replica for r in late}
+    drained = a if b.replica == kept else b
+    assert drained.finish_s == pytest.approx(0.5 + (drained.output_tokens - 1) * 0.1)
+    assert result.replica_spans[drained.replica] == pytest.approx((0.0, drained.finish_s))
+    assert result.replica_spans[kept][1] == pytest.approx(result.duration_s)
+
+
+def test_scale_from_zero_asks_for_a_replica_at_the_first_request():
+    profile = flat_profile(startup_s=7.0)
+    config = FleetConfig(min_replicas=0, max_replicas=3, policy=RayServePolicy(upscale_delay_s=100))
+    (request,) = simulate([SimRequest(3.2, 8, 2)], profile, config).requests
+    assert request.dispatched_s == pytest.approx(4.0 + 7.0), "the next tick (t=4) starts one; it serves 7 s later"
+    assert request.ttft_s == pytest.approx(11.0 + 0.5 - 3.2)
+
+
 def test_cost_per_million_tokens_is_replica_time_over_tokens():
     profile = flat_profile(decode_s=0.1, prefill_s=0.5)
     requests = [SimRequest(float(i), 10, 5) for i in range(10)]     # each: 0.5 + 4 x 0.1 = 0.9 s
