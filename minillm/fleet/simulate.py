@@ -53,7 +53,7 @@ import random
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import simpy
 
@@ -177,15 +177,15 @@ class ReplicaProfile:
 
 
 # ------------------------------------------------------------------ the autoscaler's seam
-@dataclass(frozen=True)
-class FleetState:
+class FleetState(NamedTuple):
     """What an autoscaling policy sees at each control tick.
 
     ongoing_per_replica: ongoing requests (waiting + running in its engine) of each ready replica.
     queue_length: requests waiting at the router (every ready replica at max_ongoing_requests).
     target_replicas: the policy's last decision after clamping (running + starting replicas).
     history: recent (now_s, total_ongoing_requests, running_replicas) samples, oldest first, one per
-    tick over the last `FleetConfig.history_s` seconds (the current tick included)."""
+    tick over the last `FleetConfig.history_s` seconds (the current tick included). Immutable (a NamedTuple:
+    one is built every tick, so it is cheap)."""
 
     now_s: float
     running_replicas: int
