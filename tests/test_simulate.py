@@ -317,3 +317,49 @@ def test_simulator_predicts_a_real_fleet_within_the_stated_tolerance():
     print(format_validation(report))
     for q in (50, 99):
         assert report[f"p{q}"]["within"], format_validation(report)
+
+
+# ------------------------------------------------------------------ measured profiles (a tiny random model)
+@pytest.fixture(scope="module")
+def tiny_llm():
+    from minillm import LLM
+
+    return LLM("random:tiny-llama", max_num_seqs=4)
+
+
+def test_measure_profile_times_the_engine_steps(tiny_llm):
+    from minillm.fleet.profile import measure_profile
+
+    profile = measure_profile(llm=tiny_llm, batch_sizes=(4, 1), prompt_tokens=(8, 40), decode_prompt_tokens=8,
+                              decode_steps=4, repeats=2, startup=False, progress=False)
+    assert [b for b, _ in profile.decode_points] == [1, 4] and [n for n, _ in profile.prefill_points] == [8, 40]
+    assert all(0 < s < 1.0 for _, s in profile.decode_points + profile.prefill_points)
+    assert profile.conditions["threads"] == 1 and profile.conditions["decode_steps"] == 4
+    result = simulate([SimRequest(0.0, 20, 3)], profile, FleetConfig(max_num_seqs=4, policy=FixedReplicas(1)))
+    assert result.requests[0].ttft_s == pytest.approx(profile.prefill_s(20))
+    with pytest.raises(ValueError, match="threads=0"):
+        measure_profile(llm=tiny_llm, threads=0)
+    with pytest.raises(ValueError, match="batch_sizes=\\(\\)"):
+        measure_profile(llm=tiny_llm, batch_sizes=())
+    with pytest.raises(ValueError, match="levers or llm"):
+        measure_profile({"max_num_seqs": 2}, llm=tiny_llm)
+
+
+def test_calibrate_on_server_times_a_server_through_http(tiny_llm):
+    from minillm.fleet.profile import calibrate_on_server, prompt_ids, run_async, send_requests
+    from minillm.serve import serve_in_thread
+
+    llm = tiny_llm.with_levers(max_num_seqs=4)
+    with serve_in_thread(llm) as server:
+        profile = calibrate_on_server(server.base_url, num_replicas=1, batch_sizes=(1, 2), prompt_tokens=(8, 24),
+                                      decode_tokens=6, decode_prompt_tokens=8, repeats=1, startup_s=3.0,
+                                      vocab_size=512, progress=False)
+        timings = run_async(send_requests, server.base_url, server.model_name,
+                            [(0.0, prompt_ids(8, vocab_size=512), 5), (0.2, prompt_ids(9, vocab_size=512), 3)])
+    assert [b for b, _ in profile.decode_points] == [1, 2] and profile.startup_s == 3.0
+    assert all(0 < s < 5.0 for _, s in profile.decode_points + profile.prefill_points)
+    assert [t.error for t in timings] == ["", ""]
+    assert [t.chunks for t in timings] == [5, 3] and [len(t.gaps_s) for t in timings] == [4, 2]
+    assert timings[1].start_s >= 0.2 and all(t.ttft_s > 0 for t in timings)
+    with pytest.raises(ValueError, match="num_replicas=0"):
+        calibrate_on_server("http://127.0.0.1:1", num_replicas=0)

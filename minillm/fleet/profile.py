@@ -49,10 +49,12 @@ def _check_sizes(name: str, values, lo: int = 1) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def prompt_ids(num_tokens: int, seed: int = 0, vocab: tuple[int, int] = (1000, 20000)) -> list[int]:
-    """A prompt of exactly num_tokens random token ids (ordinary words of SmolLM2's vocabulary)."""
+def prompt_ids(num_tokens: int, seed: int = 0, vocab_size: int = 49152) -> list[int]:
+    """A prompt of exactly num_tokens random token ids, from the middle of the vocabulary (ordinary words of
+    SmolLM2's 49152, its default; past the special tokens at the start of any vocabulary)."""
     rng = random.Random(seed * 100003 + num_tokens)
-    return [rng.randrange(*vocab) for _ in range(num_tokens)]
+    lo, hi = min(1000, vocab_size // 4), min(20000, vocab_size)
+    return [rng.randrange(lo, hi) for _ in range(num_tokens)]
 
 
 def time_startup(levers: dict | None = None, threads: int = 1, timeout_s: float = 600.0) -> float:
@@ -105,11 +107,13 @@ def measure_profile(levers: dict | None = None, *, batch_sizes=DEFAULT_BATCH_SIZ
             llm = llm.with_levers(max_num_seqs=batch_sizes[-1])
         bar = tqdm(total=len(batch_sizes) + len(prompt_tokens) * repeats + 1, desc="replica profile",
                    disable=not progress)
-        llm.generate([{"prompt_token_ids": prompt_ids(16)}], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        vocab = llm.engine.model_config.vocab_size
+        llm.generate([{"prompt_token_ids": prompt_ids(16, vocab_size=vocab)}],
+                     SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         bar.update(1)
         decode = []
         for b in batch_sizes:
-            prompts = [{"prompt_token_ids": prompt_ids(decode_prompt_tokens, seed=i)} for i in range(b)]
+            prompts = [{"prompt_token_ids": prompt_ids(decode_prompt_tokens, seed=i, vocab_size=vocab)} for i in range(b)]
             llm.generate(prompts, SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
             steps = [s.duration_s for s in llm.stats.steps if s.kind == "decode" and s.num_seqs == b]
             decode.append((b, statistics.median(steps)))
@@ -118,7 +122,8 @@ def measure_profile(levers: dict | None = None, *, batch_sizes=DEFAULT_BATCH_SIZ
         for n in prompt_tokens:
             times = []
             for r in range(repeats):
-                llm.generate([{"prompt_token_ids": prompt_ids(n, seed=r)}], SamplingParams(max_tokens=1, ignore_eos=True))
+                llm.generate([{"prompt_token_ids": prompt_ids(n, seed=r, vocab_size=vocab)}],
+                             SamplingParams(max_tokens=1, ignore_eos=True))
                 times.append(sum(s.duration_s for s in llm.stats.steps if s.kind == "prefill"))
                 bar.update(1)
             prefill.append((n, statistics.median(times)))
@@ -186,11 +191,16 @@ async def stream_completion(client, url: str, body: dict, t0: float) -> StreamTi
 
 async def send_requests(base_url: str, model: str, requests: list[tuple[float, list[int], int]],
                         timeout_s: float = 600.0, progress: bool = False) -> list[StreamTiming]:
-    """Send (at_s, prompt token ids, max_tokens) requests at their times from now (greedy, ignore_eos), streamed."""
+    """Send (at_s, prompt token ids, max_tokens) requests at their times from now (greedy, ignore_eos), streamed.
+    base_url: "http://host:port", with or without "/v1"."""
     import asyncio
 
     import httpx
     from tqdm.auto import tqdm
+
+    from ..bench.serve import normalize_base_url
+
+    base_url = normalize_base_url(base_url)
 
     body = {"model": model, "stream": True, "temperature": 0.0, "ignore_eos": True}
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
@@ -244,9 +254,8 @@ def _burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
 
 def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 4, 8),
                         prompt_tokens=(16, 128, 384), decode_tokens: int = 24, decode_prompt_tokens: int = 96,
-                        repeats: int = 3,
-                        startup_s: float = 0.0, model: str | None = None, timeout_s: float = 300.0,
-                        progress: bool = True) -> ReplicaProfile:
+                        repeats: int = 3, startup_s: float = 0.0, model: str | None = None,
+                        vocab_size: int = 49152, timeout_s: float = 300.0, progress: bool = True) -> ReplicaProfile:
     """A replica profile measured through a running fleet's (or server's) HTTP API with every replica busy.
 
     `repeats` rounds, each over every size (the medians over the rounds are kept).
@@ -255,7 +264,8 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
     inter-token gap (each stream's first two gaps left out: late admissions' prefill steps) is the
     step. Prefill at L tokens: num_replicas concurrent requests of L-token prompts, `repeats` times;
     the median TTFT (HTTP latency included, see the module docstring). startup_s: from the fleet
-    (fleet.startup_times()), since a running fleet cannot be timed starting again."""
+    (fleet.startup_times()), since a running fleet cannot be timed starting again. vocab_size: the served
+    model's (prompts are random token ids below it)."""
     from tqdm.auto import tqdm
 
     from ..bench.serve import discover_model, normalize_base_url
@@ -274,18 +284,20 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
     model = model or discover_model(base)
     bar = tqdm(total=1 + repeats * (len(batch_sizes) + len(prompt_tokens)), desc="calibrate fleet",
                disable=not progress)
-    _burst(base, model, [prompt_ids(16, seed=i) for i in range(num_replicas * 2)], 4, timeout_s)  # warm-up
+    _burst(base, model, [prompt_ids(16, seed=i, vocab_size=vocab_size) for i in range(num_replicas * 2)], 4,
+           timeout_s)  # warm-up
     bar.update(1)
     gaps: dict[int, list[float]] = {b: [] for b in batch_sizes}
     ttfts: dict[int, list[float]] = {n: [] for n in prompt_tokens}
     for rep in range(repeats):   # rounds over every size: a passing load on the machine touches them all alike
         for b in batch_sizes:
-            timings = _burst(base, model, [prompt_ids(decode_prompt_tokens, seed=100 * rep + i)
+            timings = _burst(base, model, [prompt_ids(decode_prompt_tokens, seed=100 * rep + i, vocab_size=vocab_size)
                                            for i in range(num_replicas * b)], decode_tokens, timeout_s)
             gaps[b] += [g for t in timings for g in t.gaps_s[2:]]
             bar.update(1)
         for n in prompt_tokens:
-            timings = _burst(base, model, [prompt_ids(n, seed=100 * rep + i) for i in range(num_replicas)], 2, timeout_s)
+            timings = _burst(base, model, [prompt_ids(n, seed=100 * rep + i, vocab_size=vocab_size)
+                                           for i in range(num_replicas)], 2, timeout_s)
             ttfts[n] += [t.ttft_s for t in timings]
             bar.update(1)
     bar.close()
