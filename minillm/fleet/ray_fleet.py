@@ -580,18 +580,28 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
             warnings.filterwarnings("ignore", message=".*metrics_interval_s.*", category=DeprecationWarning)
             engine = deployments["EngineReplica"].options(**options).bind(levers, threads_per_replica, log_name,
                                                                          model_name)
-        serve.run(deployments["FleetIngress"].bind(engine, log_name), name=APP_NAME, route_prefix="/",
-                  blocking=False)
+        app = deployments["FleetIngress"].bind(engine, log_name)
+        deploy_error: list[BaseException] = []
+
+        def deploy() -> None:   # serve.run returns once every replica is up: the bar below counts them meanwhile
+            try:
+                serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in this thread by _wait_running
+                deploy_error.append(exc)
+
+        deployer = threading.Thread(target=deploy, name="minillm-fleet-deploy", daemon=True)
+        deployer.start()
         initial = num_replicas if autoscaling is None else (autoscaling.initial_replicas or autoscaling.min_replicas)
-        _wait_running(STARTUP_TIMEOUT_S, initial, progress)
+        _wait_running(STARTUP_TIMEOUT_S, initial, progress, deployer, deploy_error)
     except BaseException:
         fleet.shutdown()
         raise
     return fleet
 
 
-def _wait_running(timeout_s: float, replicas: int, progress: bool) -> None:
-    """Wait for the application to be RUNNING (every initial replica loaded), with a progress bar of replicas."""
+def _wait_running(timeout_s: float, replicas: int, progress: bool, deployer: threading.Thread,
+                  deploy_error: list) -> None:
+    """Wait for serve.run (in `deployer`) and the application to be RUNNING, with a progress bar of replicas."""
     from ray import serve
     from tqdm.auto import tqdm
 
@@ -602,8 +612,11 @@ def _wait_running(timeout_s: float, replicas: int, progress: bool) -> None:
             state = getattr(app.status, "value", str(app.status)) if app is not None else "MISSING"
             engine = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
             running = int(engine.replica_states.get("RUNNING", 0)) if engine is not None else 0
-            bar.update(max(0, min(running, replicas) - bar.n))
-            if state == "RUNNING":
+            if min(running, replicas) > bar.n:
+                bar.update(min(running, replicas) - bar.n)
+            if deploy_error:
+                raise deploy_error[0]
+            if state == "RUNNING" and not deployer.is_alive():
                 return
             if state in ("DEPLOY_FAILED", "UNHEALTHY"):
                 raise RuntimeError(f"the fleet did not start ({state}): {app.message}")
@@ -742,8 +755,9 @@ def fleet_kwargs(args: argparse.Namespace) -> dict:
         levers["model"] = args.model
     given = {name: getattr(args, name) for name in AUTOSCALE_FLAGS if getattr(args, name) is not None}
     if given and args.num_replicas is not None:
-        raise ValueError(f"--num-replicas={args.num_replicas} is a fixed fleet; --{next(iter(given)).replace('_', '-')} "
-                         "is for an autoscaling one: give one or the other")
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise ValueError(f"--num-replicas={args.num_replicas} is a fixed fleet; {flag} is for an autoscaling one: "
+                         "give one or the other")
     kwargs = dict(levers=levers, port=args.port, host=args.host, address=args.address,
                   threads_per_replica=args.threads_per_replica, max_ongoing_requests=args.max_ongoing_requests)
     if given or args.demo_autoscale:
