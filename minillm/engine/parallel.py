@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.parallel import TPGroup
-from ..models.loader import load_model, load_model_config
+from ..models.loader import load_model, load_model_config, resolve_model_path
 from ..models.shard import check_tensor_parallel, shard_config, shard_model
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
@@ -221,11 +221,17 @@ def run_torchrun_worker(config) -> int:
     group = TPGroup(rank, world_size, None, device)
     group.backend, control = make_backends(env_store(rank, world_size), rank, world_size, device, loopback=False)
     channel = CallChannel(control, rank)
-    method, (model_path, max_model_len, num_blocks) = channel.receive(torch.device("cpu"))
+    method, (max_model_len, num_blocks) = channel.receive(torch.device("cpu"))
     if method != "setup":
         raise RuntimeError(f"tensor-parallel worker rank {rank}: expected rank 0's 'setup' call, got {method!r}")
-    runner = worker_runner(config, model_path, group, device, dtype, max_model_len, num_blocks)
-    worker_loop(runner, channel, device)
+    # this machine's copy of the model: the same directory, hub id or default model as rank 0's
+    runner = worker_runner(config, resolve_model_path(config.model), group, device, dtype, max_model_len, num_blocks)
+    try:
+        worker_loop(runner, channel, device)
+    except RuntimeError as exc:   # rank 0 is gone
+        print(f"minillm tensor-parallel rank {rank}: stopping, a collective failed: {str(exc).splitlines()[0][:200]}",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -340,7 +346,7 @@ class TensorParallel:
         except Exception as exc:
             self.fail(exc)
 
-    def join_torchrun(self, model_path: str, max_model_len: int, num_blocks: int) -> None:
+    def join_torchrun(self, max_model_len: int, num_blocks: int) -> None:
         """torchrun mode (this process is RANK 0): form the group with the other ranks and tell them what to load."""
         rank, world_size, _ = torchrun_env()
         if rank != 0 or world_size != self.world_size:
@@ -349,7 +355,7 @@ class TensorParallel:
                              "minillm.engine.parallel.run_torchrun_worker (minillm serve does)")
         self.group.backend, self.channel.backend = make_backends(env_store(0, world_size), 0, world_size, self.device,
                                                                  loopback=False)
-        self.call("setup", model_path, max_model_len, num_blocks)
+        self.call("setup", max_model_len, num_blocks)
 
     # ---------------------------------------------------------- failure
     def dead_ranks(self) -> list[tuple[int, int]]:
@@ -432,7 +438,7 @@ def tensor_parallel_weights(tp: TensorParallel, config, model_path: str, device:
     The shard's head tells the workers which rows to compute before its all-gather."""
     try:
         if torchrun_env() is not None:
-            tp.join_torchrun(model_path, max_model_len, num_blocks)
+            tp.join_torchrun(max_model_len, num_blocks)
             model = load_shard(config, model_path, tp.group, device, dtype, max_model_len)
         else:
             tp.launch(config, model_path, dtype, max_model_len, num_blocks)

@@ -412,6 +412,13 @@ def main(argv: list[str] | None = None) -> int:
             print("minillm serve: --lora-modules needs --enable-lora (got --no-enable-lora)", file=sys.stderr)
             return 2
         kwargs["enable_lora"] = True
+    from ..engine.parallel import torchrun_env
+    if torchrun_env() is not None and torchrun_env()[0] > 0 and kwargs.get("tensor_parallel_size", 1) > 1:
+        from ..config import EngineConfig
+        from ..engine.parallel import run_torchrun_worker
+
+        # torchrun ... -m minillm serve --tensor-parallel-size N: rank 0 serves HTTP, this rank replays its steps
+        return run_torchrun_worker(EngineConfig.from_kwargs(**kwargs))
     try:
         import uvicorn
 
@@ -443,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.Server(config).run()
     finally:
         async_engine.shutdown()
+        llm.shutdown()   # tensor_parallel_size > 1: the workers (or the other torchrun ranks) exit too
     return 0
 
 
