@@ -489,15 +489,13 @@ def _policy_cases() -> list[tuple]:
 
 
 def _policy_hint(state, kwargs, got: int) -> str:
-    import dataclasses
-
     def ref(s=state, **over):
         return reference_policy(s, **{**kwargs, **over})
 
     target = kwargs.get("target_ongoing", 2.0)
     if not state.min_replicas <= got <= state.max_replicas:
         return f"clamp the answer to [state.min_replicas, state.max_replicas] = [{state.min_replicas}, {state.max_replicas}]"
-    if state.starting_replicas and got == ref(dataclasses.replace(state, target_replicas=state.running_replicas)):
+    if state.starting_replicas and got == ref(state._replace(target_replicas=state.running_replicas)):
         return ("compare with state.target_replicas (running + starting), not running_replicas: replicas already "
                 "starting will serve soon; asking for fewer cancels them, asking again would double them")
     if state.queue_length and got == min(max(math.ceil(sum(state.ongoing_per_replica) / target), state.min_replicas),
