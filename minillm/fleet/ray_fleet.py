@@ -280,7 +280,8 @@ def _deployments() -> dict[str, Any]:
                     async for _, data in chunks:
                         rest.append(data)
                     return Response(b"".join(rest), status_code=status, headers=_without_length(out_headers))
-                return StreamingResponse(self._relay(chunks, first[1], path), status_code=status,
+                replica = dict(out_headers).get(REPLICA_HEADER, "?")
+                return StreamingResponse(self._relay(chunks, first[1], path, replica), status_code=status,
                                          headers=_without_length(out_headers))
             message = (f"every replica tried ({MAX_ATTEMPTS}) died before answering {request.method} {path}: "
                        + "; ".join(died))
@@ -289,15 +290,15 @@ def _deployments() -> dict[str, Any]:
                                                   "code": "replica_died"}}),
                             status_code=503, media_type="application/json")
 
-        async def _relay(self, chunks, first: bytes, path: str):
+        async def _relay(self, chunks, first: bytes, path: str, replica: str):
             yield first
             try:
                 async for _, data in chunks:
                     yield data
             except actor_died as exc:
-                message = (f"the replica serving this stream died mid-stream ({_short(exc)}); the tokens above are "
-                           "all it produced: send the request again")
-                self._note(f"POST {path}: a stream lost its replica mid-stream, ended with an error event")
+                message = (f"replica {replica}, which served this stream, died mid-stream ({_short(exc)}); the "
+                           "tokens above are all it produced: send the request again")
+                self._note(f"POST {path}: a stream lost replica {replica} mid-stream, ended with an error event")
                 error = {"message": message, "type": "server_error", "param": None, "code": "replica_died"}
                 yield f"data: {json.dumps({'error': error})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
