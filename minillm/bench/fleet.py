@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -169,6 +170,32 @@ def drift(a, b) -> float:
     return max(abs(ya - yb) / min(ya, yb) for (_, ya), (_, yb) in pairs)
 
 
+class LoadSampler:
+    """The machine's 1-minute load average every 5 s while the ramp runs (os.getloadavg): the fleet itself
+    makes about 2-3 on 2 cores; much more means other jobs shared the machine and slowed the real fleet."""
+
+    def __init__(self, interval_s: float = 5.0):
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+
+    def _run(self, interval_s: float) -> None:
+        import os
+
+        while not self._stop.wait(interval_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, max_ongoing_requests: int = 16,
              duration_s: float | None = None, load_from: float = 0.2, load_to: float = 0.65, seed: int = 0,
              progress: bool = True) -> dict:
@@ -203,8 +230,9 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
               f"{load_from * capacity:.2f} -> {load_to * capacity:.2f} req/s", flush=True)
         from ..bench.serve import discover_model
         model = discover_model(fleet.base_url)
-        timings = run_async(send_requests, fleet.base_url, model,
-                            [(at, prompt_ids(p, seed=i), o) for i, (at, p, o) in enumerate(plan)], progress=progress)
+        with LoadSampler() as load:
+            timings = run_async(send_requests, fleet.base_url, model,
+                                [(at, prompt_ids(p, seed=i), o) for i, (at, p, o) in enumerate(plan)], progress=progress)
         after = calibrate()
         print("calibrated after the ramp:  " + describe_profile(after, max_num_seqs), flush=True)
     profile = mean_profile(before, after)
@@ -233,7 +261,17 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
               "rate_from": load_from * capacity, "rate_to": load_to * capacity, "num_replicas": num_replicas,
               "max_num_seqs": max_num_seqs, "profile": profile.to_dict(), "profile_before": before.to_dict(),
               "profile_after": after.to_dict(), "calibration_drift": drift(before, after),
-              "tolerance": {"rel": TOLERANCE_REL, "abs_s": TOLERANCE_ABS_S}, "wall_s": time.perf_counter() - t_start}
+              "tolerance": {"rel": TOLERANCE_REL, "abs_s": TOLERANCE_ABS_S}, "wall_s": time.perf_counter() - t_start,
+              "load_average": {"mean": statistics.mean(load.samples) if load.samples else float("nan"),
+                               "max": max(load.samples, default=float("nan")), "cores": os.cpu_count()}}
+    thirds = []
+    for k in range(3):
+        lo, hi = duration_s * k / 3, duration_s * (k + 1) / 3
+        rows = [r for r in report["requests"] if lo <= r["start_s"] < hi]
+        thirds.append({"from_s": lo, "to_s": hi, "num_requests": len(rows),
+                       "measured_p50_s": percentile([r["ttft_s"] for r in rows], 50),
+                       "predicted_p50_s": percentile([r["predicted_ttft_s"] for r in rows], 50)})
+    report["thirds"] = thirds
     alone = {}
     for name, one in (("before", before), ("after", after)):
         result = simulate(requests, one, FleetConfig(max_num_seqs=max_num_seqs, max_ongoing_requests=max_ongoing_requests,
@@ -261,6 +299,12 @@ def format_validation(report: dict) -> str:
         lines.append(f"{'p' + str(q):>6} {row['measured_s']:>8.3f}s {row['predicted_s']:>9.3f}s "
                      f"{row['rel_error']:>+7.0%}  {'within ' if row['within'] else 'OUTSIDE'}   "
                      f"{row['predicted_before_only_s']:.3f} s / {row['predicted_after_only_s']:.3f} s")
+    lines.append("TTFT p50 by third of the ramp, measured / predicted: " + ", ".join(
+        f"{t['from_s']:.0f}-{t['to_s']:.0f} s: {t['measured_p50_s']:.2f} / {t['predicted_p50_s']:.2f} s"
+        for t in report["thirds"]))
+    load = report["load_average"]
+    lines.append(f"machine load during the ramp: 1-min load average {load['mean']:.1f} mean, {load['max']:.1f} max "
+                 f"on {load['cores']} cores (the fleet alone makes about 2-3; more: other jobs slowed the real fleet)")
     lines.append(f"(the profile: the mean of calibrations before and after the ramp, which differ by up to "
                  f"{report['calibration_drift']:.0%}; whole run {report['wall_s']:.0f} s wall, "
                  f"{report['num_replicas']} replicas x 1 thread)")
