@@ -31,13 +31,12 @@ QUICK_MODEL = "random:tiny-llama-tp"
 
 
 def _prompts(llm, num_requests: int, prompt_tokens: int) -> list[dict]:
-    """num_requests prompts of prompt_tokens ids (the text of minillm's prompt list when there is a tokenizer)."""
+    """num_requests prompts of prompt_tokens ids (minillm's chat prompts, cut or repeated, when there is a tokenizer)."""
     vocab = llm.model_config.vocab_size
     if llm.tokenizer is not None:
         from ..bench.workloads import chat_workload
 
-        texts = [r.prompt for r in chat_workload(num_requests, 1, llm.tokenizer)]
-        ids = [llm.tokenizer.encode(t) for t in texts]
+        ids = [r.prompt["prompt_token_ids"] for r in chat_workload(num_requests, 1, llm.tokenizer)]   # chat template
         ids = [(x * (-(-prompt_tokens // len(x))))[:prompt_tokens] for x in ids]
     else:
         ids = [[(7 * i + 13 * j + 3) % vocab for j in range(prompt_tokens)] for i in range(num_requests)]

@@ -1,7 +1,7 @@
 """Tensor parallelism's processes: rank 0 schedules and samples, the other ranks replay its model calls.
 
-    LLM(tensor_parallel_size=N)       rank 0 is this process; it spawns ranks 1..N-1 (multiprocessing
-                                      "spawn", daemon) on this machine: gloo on the CPU, NCCL on CUDA
+    LLM(tensor_parallel_size=N)       rank 0 is this process; it starts ranks 1..N-1 on this machine as
+                                      fresh interpreters (WorkerProcess): gloo on the CPU, NCCL on CUDA
     torchrun ... minillm serve        every rank is a torchrun process (RANK, WORLD_SIZE, MASTER_ADDR,
       --tensor-parallel-size N        MASTER_PORT in the environment); rank 0 serves HTTP, the others
                                       run `worker_loop` (minillm/serve/cli.py)
@@ -75,7 +75,12 @@ def make_backends(store, rank: int, world_size: int, device: torch.device, loopb
     control = _gloo(dist.PrefixStore("control", store), rank, world_size, loopback)
     compute = control
     if device.type == "cuda":
-        compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, world_size)
+        opts = dist.ProcessGroupNCCL.Options()   # as torch.distributed.new_group builds it
+        opts.is_high_priority_stream = False
+        opts._timeout = COLLECTIVE_TIMEOUT
+        opts.global_ranks_in_group = list(range(world_size))
+        opts.group_name = "minillm_tp"
+        compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, world_size, opts)
     return compute, control
 
 
@@ -425,7 +430,13 @@ class TPKVCache(KVCache):
 class TPModelRunner(ModelRunner):
     """Rank 0's runner: each forward is broadcast to the workers first; the head's rows too (ShardedLlama)."""
 
-    tensor_parallel: TensorParallel
+    tensor_parallel: TensorParallel | None = None
+
+    def set_attention_backend(self, backend) -> None:
+        if self.tensor_parallel is not None:   # the workers built theirs by name at start-up
+            raise ValueError(f"set_attention_backend({backend!r}) on a tensor-parallel engine would change rank 0's "
+                             "backend only; build a new LLM(..., attention_backend=...) instead")
+        super().set_attention_backend(backend)
 
     def forward(self, input_ids, positions, meta, lora=None):
         self.tensor_parallel.call("forward", input_ids, positions, meta)
