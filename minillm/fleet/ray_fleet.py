@@ -543,9 +543,10 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
     started_at = time.time()
     started_ray, temp_dir = False, None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # nothing leaves this machine unasked
+    # Each replica's own worker processes get these (an actor-level runtime_env: also on a cluster we only joined).
+    env = {"OMP_NUM_THREADS": str(threads_per_replica), "MKL_NUM_THREADS": str(threads_per_replica),
+           "TOKENIZERS_PARALLELISM": "false"}
     if not ray.is_initialized():
-        env = {"OMP_NUM_THREADS": str(threads_per_replica), "MKL_NUM_THREADS": str(threads_per_replica),
-               "TOKENIZERS_PARALLELISM": "false"}
         if address is None:
             temp_dir = tempfile.mkdtemp(prefix="minillm-ray-")
             most = autoscaling.max_replicas if autoscaling is not None else num_replicas
@@ -570,7 +571,7 @@ def start_fleet(levers: dict | None = None, *, num_replicas: int | None = 2,
                     logging_config={"log_level": "ERROR"})
         fleet._monitor.start()
         options = {"max_ongoing_requests": max_ongoing_requests,
-                   "ray_actor_options": {"num_cpus": threads_per_replica},
+                   "ray_actor_options": {"num_cpus": threads_per_replica, "runtime_env": {"env_vars": env}},
                    "health_check_period_s": 2.0, "health_check_timeout_s": 30.0,
                    "graceful_shutdown_timeout_s": 5.0}
         if autoscaling is not None:
