@@ -550,13 +550,16 @@ def build_app(async_engine: AsyncEngine, model_name: str, lora_modules: dict | N
         offsets = [0] * n   # where each choice's next token's text starts (completions' text_offset)
         finals: list[StreamEvent] = []
         try:  # Starlette cancels this generator when the client disconnects; the watcher catches it too
-            if req.kind == "chat":  # OpenAI opens each choice of a chat stream with the role
-                for i in range(n):
-                    yield _sse(chunk(i, "", [], None, first=True))
+            # A chat stream opens each choice with the role, sent (as vLLM does) with the choice's first output:
+            # until then nothing has gone out, so a fleet's router may still retry the request elsewhere.
+            opened = [req.kind != "chat"] * n
             failed = False
             while not stream.finished:
                 event = await stream.get()
                 i = event.index
+                if not opened[i] and event.finish_reason not in ("error", "abort"):
+                    opened[i] = True
+                    yield _sse(chunk(i, "", [], None, first=True))
                 if event.prompt_token_ids is not None and req.echo:
                     text, entries = echoed(req, event)
                     yield _sse(chunk(i, text, event.prompt_token_ids, None, entries))
