@@ -213,6 +213,19 @@ def test_benchmark_quick_counts_bytes_and_matches(capsys):
     assert "equal N=1's: True" in out
 
 
+
+def test_minillm_bench_tensor_parallel_flag(capsys):
+    from minillm.cli import main
+
+    assert main(["bench", "--tensor-parallel", "4", "--model", TINY, "--num-requests", "3", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["4"])}
+    assert set(rows) >= {("1", "prefill"), ("1", "decode"), ("4", "prefill"), ("4", "decode")}, out
+    assert float(rows[("1", "decode")][6]) == 0 and float(rows[("4", "decode")][6]) == 5   # all-reduces per step
+    # printed to 0.1 KiB: 3 tokens of 64 fp32 values, 5 times; the all-gather, 3 rows of ceil(510 / 4) logits
+    assert float(rows[("4", "decode")][7]) == pytest.approx(5 * 3 * 64 * 4 / 1024, abs=0.05)
+    assert float(rows[("4", "decode")][9]) == pytest.approx(3 * 128 * 4 / 1024, abs=0.05)
+
 # ------------------------------------------------------------------ failure and shutdown
 def test_killed_worker_is_named_and_nothing_is_left(tiny4):
     _, four = tiny4

@@ -37,7 +37,7 @@ def _prompts(llm, num_requests: int, prompt_tokens: int) -> list[dict]:
         from ..bench.workloads import chat_workload
 
         ids = [r.prompt["prompt_token_ids"] for r in chat_workload(num_requests, 1, llm.tokenizer)]   # chat template
-        ids = [(x * (-(-prompt_tokens // len(x))))[:prompt_tokens] for x in ids]
+        ids = [(x * (-(-prompt_tokens // len(x))))[-prompt_tokens:] for x in ids]   # the end: each question
     else:
         ids = [[(7 * i + 13 * j + 3) % vocab for j in range(prompt_tokens)] for i in range(num_requests)]
     return [{"prompt_token_ids": x} for x in ids]
