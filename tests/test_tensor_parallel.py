@@ -177,6 +177,30 @@ def test_quantized_shards_hold_the_unsharded_values(weight_dtype):
         assert torch.equal(head[:real], full_head[r * sv:r * sv + real])
 
 
+
+def test_tiny_n2_int4_logprobs_within_bf16_rounding_of_n1():
+    """int4 shards hold the unsharded values exactly (above), but the CPU int4 kernel multiplies in bf16 and returns
+    bf16: each rank's partial o_proj / down_proj product is rounded before the fp32 all-reduce (N = 1 rounds the whole
+    sum once). So N = 2's prompt logprobs sit within bf16 rounding of N = 1's, far inside int4's own error (N = 1
+    int4 vs float), and greedy tokens can part at a near-tie (one of four prompts of the default model at N = 3)."""
+    prompt = [{"prompt_token_ids": list(range(3, 40, 2))}]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    kw = dict(max_model_len=64, weight_dtype="int4", weight_group_size=32)
+
+    def logprobs(llm):
+        return torch.tensor([next(iter(d.values())).logprob for d in llm.generate(prompt, params)[0].prompt_logprobs[1:]])
+
+    one = LLM(TINY, **kw)
+    two = LLM(TINY, tensor_parallel_size=2, **kw)
+    try:
+        n1, n2 = logprobs(one), logprobs(two)
+    finally:
+        two.shutdown()
+    float_n1 = logprobs(LLM(TINY, max_model_len=64))
+    parallel_error = (n2 - n1).abs().max().item()
+    assert parallel_error < 0.02
+    assert parallel_error < 0.25 * (n1 - float_n1).abs().max().item()
+
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("levers, words", [
     (dict(tensor_parallel_size=2), ["tensor_parallel_size=2", "9 query heads", "3 KV heads", "allowed: [1, 3]"]),
