@@ -85,6 +85,17 @@ def assert_master_structure(master: Path, exercises: set[str], graded: dict[str,
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
 
 
+def student_stubs(student: Path, exercises: set[str]) -> dict[str, str]:
+    """The student copy's solution cells by grade_id: exactly `exercises`, each a stub (code that raises
+    NotImplementedError, or an answer_* cell left to fill in), for the test to check that no solution leaked."""
+    stubs = {gid: cell.source for gid, (cell, m) in nbgrader_cells(nbformat.read(student, as_version=4)).items()
+             if m.get("solution")}
+    assert set(stubs) == set(exercises)
+    for gid, source in stubs.items():
+        assert "raise NotImplementedError()" in source or gid.startswith("answer_"), gid
+    return stubs
+
+
 def graded_test_ids(master: Path) -> list[str]:
     """grade_id of every autograded test cell of the master, in order."""
     nb = nbformat.read(master, as_version=4)

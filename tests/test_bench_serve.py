@@ -9,18 +9,18 @@ import json
 import math
 import socket
 import statistics
-import threading
 import time
 
 import pytest
 
+from app_thread import AppInThread
 from minillm.bench import serve as bs
 
 FIRST_DELAY_S = 0.08   # server: request -> first text chunk
 GAP_S = 0.03           # server: between text chunks
 
 
-class FakeServer:
+class FakeServer(AppInThread):
     """Streams `max_tokens` text chunks (default 4): the first after first_delay_s (or slow_delay_s
     for odd-numbered requests when set), the rest gap_s apart; usage counts tokens_per_chunk per
     chunk. Returns HTTP 500 for every fail_every-th request. Records payloads and peak concurrency."""
@@ -84,25 +84,6 @@ class FakeServer:
         app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", complete, methods=["POST"]),
                                 Route("/v1/chat/completions", complete, methods=["POST"])])
         self._app = app
-
-    def __enter__(self):
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self._app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "the fake server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
     @property
     def base_url(self):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lab_utils import (assert_check_fails, assert_master_structure, nbgrader_cells, notebook_functions,
-                       run_solution_cells, solution_fixture)
+                       run_solution_cells, solution_fixture, student_stubs)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab09
@@ -57,12 +57,7 @@ def test_master_has_every_graded_piece_with_hidden_tests():
 
 
 def test_student_copy_has_stubs_and_no_solution():
-    student = nbformat.read(REPO_ROOT / "labs" / "09_decoding_settings.ipynb", as_version=4)
-    stubs = {c.metadata["nbgrader"]["grade_id"]: c.source for c in student.cells
-             if c.metadata.get("nbgrader", {}).get("solution")}
-    assert set(stubs) == EXERCISES
-    for gid, source in stubs.items():
-        assert "raise NotImplementedError()" in source or gid.startswith("answer_"), gid
+    stubs = student_stubs(REPO_ROOT / "labs" / "09_decoding_settings.ipynb", EXERCISES)
     assert "cumsum" not in stubs["process_logits"] and "isinstance" not in stubs["valid_person"]
 
 

@@ -9,11 +9,11 @@ import asyncio
 import dataclasses
 import json
 import socket
-import threading
 import time
 
 import pytest
 
+from app_thread import AppInThread
 from minillm.bench import serve as bs
 from minillm.config import EngineConfig
 from minillm.serve import cli
@@ -181,7 +181,7 @@ SLACK_S = 0.15          # what a busy 2-core machine may add to a delivery
 EARLY_S = 0.005         # asyncio.sleep may wake this much before its time on time.perf_counter's clock
 
 
-class FakeVLLM:
+class FakeVLLM(AppInThread):
     """An OpenAI server that streams exactly as vLLM 0.11's serving_completion.py / serving_chat.py do, at known
     times. Every request gets max_tokens tokens (ignore_eos), token i's text is " t{i}", FIRST_DELAY_S after
     arrival for token 0 then one token every GAP_S. Options, each a detail of vLLM's streams:
@@ -193,6 +193,8 @@ class FakeVLLM:
     error_every:   every k-th request (1st, k+1-th, ...) fails after 2 tokens: {"error": {...}} then [DONE]
 
     `sent[n]` is request n's (arrival, [(time, text, num_tokens) per chunk]) on time.perf_counter's clock."""
+
+    name = "the fake vLLM server"
 
     def __init__(self, first_delay_s=FIRST_DELAY_S, gap_s=GAP_S, empty_at=None, merged_at=None, continuous=False,
                  reasoning=0, error_every=0):
@@ -290,25 +292,6 @@ class FakeVLLM:
         if include_usage:   # exclude_none: the usage chunk has an empty choices list
             yield event({**head, "choices": [], "usage": usage(done)})
         yield "data: [DONE]\n\n"
-
-    def __enter__(self):
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self._app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "the fake vLLM server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
     @property
     def base_url(self) -> str:
