@@ -346,7 +346,8 @@ def test_measure_profile_times_the_engine_steps(tiny_llm):
 
 
 def test_calibrate_on_server_times_a_server_through_http(tiny_llm):
-    from minillm.fleet.profile import calibrate_on_server, prompt_ids, run_async, send_requests
+    from minillm.bench.serve import run_in_thread
+    from minillm.fleet.profile import calibrate_on_server, prompt_ids, send_requests
     from minillm.serve import serve_in_thread
 
     llm = tiny_llm.with_levers(max_num_seqs=4)
@@ -354,7 +355,7 @@ def test_calibrate_on_server_times_a_server_through_http(tiny_llm):
         profile = calibrate_on_server(server.base_url, num_replicas=1, batch_sizes=(1, 2), prompt_tokens=(8, 24),
                                       decode_tokens=6, decode_prompt_tokens=8, repeats=1, startup_s=3.0,
                                       vocab_size=512, progress=False)
-        timings = run_async(send_requests, server.base_url, server.model_name,
+        timings = run_in_thread(send_requests, server.base_url, server.model_name,
                             [(0.0, prompt_ids(8, vocab_size=512), 5), (0.2, prompt_ids(9, vocab_size=512), 3)])
     assert [b for b, _ in profile.decode_points] == [1, 2] and profile.startup_s == 3.0
     assert all(0 < s < 5.0 for _, s in profile.decode_points + profile.prefill_points)

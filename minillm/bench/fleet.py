@@ -200,7 +200,8 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
              duration_s: float | None = None, load_from: float = 0.2, load_to: float = 0.65, seed: int = 0,
              progress: bool = True) -> dict:
     """Run the validation (see the module docstring); returns measured and predicted TTFTs and the verdicts."""
-    from ..fleet.profile import calibrate_on_server, prompt_ids, run_async, send_requests
+    from ..fleet.profile import calibrate_on_server, prompt_ids, send_requests
+    from .serve import run_in_thread
     from ..fleet.ray_fleet import start_fleet
     from ..fleet.simulate import FixedReplicas, FleetConfig, SimRequest, simulate
 
@@ -231,7 +232,7 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
         from ..bench.serve import discover_model
         model = discover_model(fleet.base_url)
         with LoadSampler() as load:
-            timings = run_async(send_requests, fleet.base_url, model,
+            timings = run_in_thread(send_requests, fleet.base_url, model,
                                 [(at, prompt_ids(p, seed=i), o) for i, (at, p, o) in enumerate(plan)], progress=progress)
         after = calibrate()
         print("calibrated after the ramp:  " + describe_profile(after, max_num_seqs), flush=True)

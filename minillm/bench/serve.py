@@ -468,13 +468,14 @@ async def _benchmark(base_url: str, model: str, endpoint: str, prompts: list[tup
     return records, duration, peak
 
 
-def _in_thread(coro_fn, *args):
-    """asyncio.run(coro_fn(*args)) on a worker thread: callers inside a running loop (Jupyter) can wait on it."""
+def run_in_thread(coro_fn, *args, **kwargs):
+    """asyncio.run(coro_fn(*args, **kwargs)) on a worker thread: callers inside a running loop (Jupyter) can wait
+    on it."""
     box: dict = {}
 
     def target():
         try:
-            box["value"] = asyncio.run(coro_fn(*args))
+            box["value"] = asyncio.run(coro_fn(*args, **kwargs))
         except BaseException as exc:   # re-raised on the caller's thread
             box["error"] = exc
 
@@ -519,7 +520,7 @@ def run_benchmark(base_url: str, model: str | None = None, *, endpoint: str = "/
     prompts = [(r["prompt"], max_tokens if max_tokens is not None else r.get("output_tokens")) for r in chosen]
     model = model or discover_model(base)
 
-    results, duration, peak = _in_thread(_benchmark, base, model, endpoint, prompts, gaps, max_concurrency,
+    results, duration, peak = run_in_thread(_benchmark, base, model, endpoint, prompts, gaps, max_concurrency,
                                          ignore_eos, progress, timeout_s)
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_tokens or 0 for r in ok)

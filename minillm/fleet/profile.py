@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..bench.serve import run_in_thread
 from .simulate import ReplicaProfile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -222,30 +223,9 @@ async def send_requests(base_url: str, model: str, requests: list[tuple[float, l
     return list(timings)
 
 
-def run_async(coro_fn, *args, **kwargs):
-    """asyncio.run on a worker thread (works inside Jupyter's running loop too)."""
-    import asyncio
-    import threading
-
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro_fn(*args, **kwargs))
-        except BaseException as exc:   # noqa: BLE001 - re-raised on the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="minillm-fleet-client", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def _burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[StreamTiming]:
     """All prompts at once; raises if any failed."""
-    timings = run_async(send_requests, base_url, model, [(0.0, p, max_tokens) for p in prompts], timeout_s)
+    timings = run_in_thread(send_requests, base_url, model, [(0.0, p, max_tokens) for p in prompts], timeout_s)
     failed = [t.error for t in timings if t.error]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(prompts)} calibration requests failed: {failed[0]}")
