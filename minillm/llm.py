@@ -217,6 +217,10 @@ class LLM:
         quantized model (with_levers) see it too. Returns the number of layers hooked."""
         from .models.quantize import set_quantized_matmul
 
+        if self.engine.tensor_parallel is not None:
+            raise ValueError(f"set_quantized_matmul on a tensor_parallel_size={self.engine.config.tensor_parallel_size} "
+                             "engine: the worker processes keep their built-in matmuls; plug it into a "
+                             "tensor_parallel_size=1 engine")
         layers = len(self.engine.model.layers)
         if num_layers is not None and not (isinstance(num_layers, int) and 1 <= num_layers <= layers):
             raise ValueError(f"num_layers={num_layers!r} must be None or an integer in [1, {layers}]")

@@ -354,7 +354,8 @@ class Engine:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights as stored (quantized matrices with their scales and zeros)."""
+        """Bytes of the weights as stored (quantized matrices with their scales and zeros); with
+        tensor_parallel_size N, rank 0's shard (each rank holds about 1/N, the norms whole)."""
         return weight_bytes(self.model)
 
     @property
