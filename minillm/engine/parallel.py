@@ -102,7 +102,7 @@ def _to(obj, device: torch.device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to(x, device) for x in obj)
     if is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: _to(getattr(obj, f.name), device) for f in fields(obj)})
+        return type(obj)(**{f.name: _to(vars(obj)[f.name], device) for f in fields(obj)})
     return obj
 
 
