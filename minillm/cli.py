@@ -262,6 +262,12 @@ def run_doctor(load_model: bool = True, capability=None) -> list[tuple[str, bool
     dev = resolve_device()
     checks.append(("device", True, device_name(dev) + ("" if dev.type == "cuda" else
                   " — no CUDA GPU seen: the engine runs the torch backend on the CPU, Triton kernels run in the interpreter")))
+    from .threads import cpu_load_report, format_cpu_load
+
+    # Information, never a failure: a busy machine is a reason decode is slow, not a broken install.
+    threads_line, load_line = format_cpu_load(cpu_load_report(interval_s=0.5))
+    checks.append(("threads", True, threads_line))
+    checks.append(("cpu load", True, load_line))
     if dev.type == "cuda" or capability is not None:
         checks.append(("gpu formats", True, describe_gpu_formats(capability or gpu_capability(dev))
                        + ("" if dev.type == "cuda" else " (asked with --capability; this machine has no GPU)")))
@@ -304,9 +310,11 @@ def cmd_doctor(args) -> int:
     checks = run_doctor(load_model=not args.no_model, capability=args.capability)
     width = max(len(name) for name, _, _ in checks)
     for name, ok, msg in checks:
-        print(f"{'ok ' if ok else 'BAD'}  {name:<{width}}  {msg}")
+        print(f"{('!! ' if msg.startswith('WARNING') else 'ok ') if ok else 'BAD'}  {name:<{width}}  {msg}")
     bad = [name for name, ok, _ in checks if not ok]
-    print("\nall good" if not bad else f"\n{len(bad)} problem(s): {', '.join(bad)}")
+    warned = [name for name, ok, msg in checks if ok and msg.startswith("WARNING")]
+    print(("\nall good" if not bad else f"\n{len(bad)} problem(s): {', '.join(bad)}")
+          + (f" (warning: {', '.join(warned)})" if warned else ""))
     return 1 if bad else 0
 
 
