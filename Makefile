@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model adapters lab test test-all test-slow labs labs-check labs-report bench bench-batching bench-serve cost doctor browser-deps clean
+.PHONY: setup model adapters lab test test-all test-slow labs labs-check labs-report bench bench-peers bench-batching bench-serve cost doctor browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ labs-report: setup  ## per lab: cells the learner writes and only runs, predicti
 
 bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache
+
+bench-peers: model      ## batch-1 decode: minillm fp32/int8/int4 vs transformers, CTranslate2 float32/int8 (llama.cpp with GGUF=default)
+	$(BIN)/minillm bench --compare-peers $(if $(GGUF),--gguf $(GGUF)) --json artifacts/peers.json
 
 bench-batching: model   ## issue 3's comparison: transformers static batches, static vs continuous, contiguous vs paged
 	$(BIN)/minillm bench --workload mixed --num-requests 32 --scale 0.125 --set max_num_seqs=16 --compare-transformers

@@ -78,6 +78,12 @@ def cmd_bench(args) -> int:
     from .bench.workloads import chat_workload
 
     levers = _parse_levers(args.set)
+    if args.compare_peers:   # minillm's formats vs transformers, CTranslate2 (and llama.cpp), batch-1 decode
+        from .bench.peers import run as run_peers
+
+        run_peers(args.model, args.compare_prompts, args.max_tokens or 64, args.rounds, args.gguf, args.json,
+                  levers=levers)
+        return 0
     if args.tensor_parallel is not None:   # N ranks vs N = 1: all-reduce bytes and time per step
         from .bench.tensor_parallel import run as run_tensor_parallel
 
@@ -407,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="chat: single-request decode tokens/s beside transformers' generate, same prompts; "
                         "mixed: transformers' generate with static padded batches of the same size")
     b.add_argument("--compare-prompts", type=int, default=4)
+    b.add_argument("--compare-peers", action="store_true",
+                   help="batch-1 decode of minillm fp32/int8/int4 vs transformers, CTranslate2 float32/int8 and "
+                        "llama.cpp (with --gguf) on the same prompts (python -m minillm.bench.peers)")
+    b.add_argument("--gguf", default=None, metavar="PATH",
+                   help="--compare-peers: a GGUF of the same model for llama.cpp ('default': the shipped Q4_1)")
+    b.add_argument("--rounds", type=int, default=3, help="--compare-peers: interleaved rounds (median reported)")
     b.add_argument("--json", default=None, help="also write the results to this file")
     b.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="tensor parallelism: N ranks vs N=1, per step all-reduce bytes and time beside the compute "

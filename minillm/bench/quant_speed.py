@@ -24,14 +24,20 @@ SETTINGS: dict[str, dict] = {
 }
 
 
-def decode_tokens_per_s(llm, prompt: str = "Write a short story about a lighthouse keeper.", tokens: int = 32) -> float:
-    """One greedy request at batch 1; decode tokens/s from the token timestamps (prefill excluded)."""
+def greedy_request(llm, prompt_ids: list[int], tokens: int):
+    """One greedy request alone (batch 1, EOS ignored), stepped to the end; its Sequence carries the timings
+    (arrival_s, token_times_s) and output_token_ids."""
     engine = llm.engine
-    ids = llm.tokenizer.encode(prompt) if llm.tokenizer is not None else list(range(1, 17))
-    seq = engine.add_request(ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    seq = engine.add_request(prompt_ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    times = seq.token_times_s
+    return seq
+
+
+def decode_tokens_per_s(llm, prompt: str = "Write a short story about a lighthouse keeper.", tokens: int = 32) -> float:
+    """One greedy request at batch 1; decode tokens/s from the token timestamps (prefill excluded)."""
+    ids = llm.tokenizer.encode(prompt) if llm.tokenizer is not None else list(range(1, 17))
+    times = greedy_request(llm, ids, tokens).token_times_s
     return (len(times) - 1) / (times[-1] - times[0])
 
 
