@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .seams import check_attention_backend
+
+
+def cache_root() -> Path:
+    """`$MINILLM_CACHE`, else `~/.cache/minillm` (XDG_CACHE_HOME respected)."""
+    env = os.environ.get("MINILLM_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "minillm"
+
 
 # Example on-demand price of one H100 80GB hour in USD (late 2025 cloud list prices
 # cluster around 2-4 USD). Learners change it to their own hardware's price.
@@ -15,7 +28,7 @@ DEFAULT_GPU_HOURLY_USD = 2.50
 DEFAULT_CPU_HOURLY_USD = 0.08
 
 BATCHING_MODES = ("continuous", "static")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("int8", "int4", "fp8")   # or None / "auto": the model dtype
 WEIGHT_GROUP_SIZES = (32, 64, 128)        # int4 group size, in input channels
@@ -52,7 +65,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
 
     # Kernels.
-    attention_backend: Any = "torch"    # "torch" | "triton" | an object of an attention protocol (minillm/seams.py)
+    attention_backend: Any = "auto"     # "auto" | "torch" | "triton" | "cpu" | an object of an attention protocol
+                                        # (minillm/seams.py); "auto": "cpu" for fp32 on the CPU with the kernels built
 
     # Cost model.
     gpu_hourly_usd: float | None = None  # None -> DEFAULT_GPU_HOURLY_USD on GPU, DEFAULT_CPU_HOURLY_USD on CPU
@@ -121,8 +135,9 @@ class EngineConfig:
                  "(or an object of an attention protocol, minillm/seams.py)")
         else:
             check_attention_backend(self.attention_backend)
-        if self.attention_backend == "triton" and not self.kv_cache:
-            raise ValueError("attention_backend='triton' needs kv_cache=True: its kernels read the paged KV pool")
+        if self.attention_backend in ("triton", "cpu") and not self.kv_cache:
+            raise ValueError(f"attention_backend={self.attention_backend!r} needs kv_cache=True: its kernels read "
+                             "the paged KV pool")
         if self.chunked_prefill and not self.kv_cache:
             raise ValueError("chunked_prefill=True needs kv_cache=True: a chunk attends to the cached earlier chunks")
         # CUDA graphs replay captured decode steps (the CUDA-device check happens when the engine

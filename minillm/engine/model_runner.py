@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.attention import AttentionMetadata, resolve_backend
+from ..layers.attention import AttentionMetadata, CPUAttentionBackend, resolve_backend
 from ..layers.lora import LoRABatch, LoRAWeights, build_batch, install_lora
 from ..layers.sampler import SamplingBatch, TorchSampler, token_logprobs
 from ..seams import Sampler
 from .block_manager import BlockManager
 from .cuda_graph import DecodeGraphs
 from .sequence import Sequence
+
+
+def _float_dtype(model) -> torch.dtype | None:
+    """The model's activation dtype: its first floating-point parameter's."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _sequence_reads(meta: AttentionMetadata, kv_read: list, device) -> None:
@@ -71,12 +76,16 @@ class ModelRunner:
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend) -> None:
-        """"torch", "triton" or an object of one of the attention protocols (checked here)."""
+        """"auto", "torch", "triton", "cpu" or an object of one of the attention protocols (checked here)."""
         kv_dtype = self.kv_cache.kv_dtype if self.kv_cache is not None else None
-        self.backend = resolve_backend(backend, kv_dtype, self.device)
+        if backend == "auto" and self.kv_cache is None:   # the kernels' backends read a KV pool
+            backend = "torch"
+        self.backend = resolve_backend(backend, kv_dtype, self.device, _float_dtype(self.model))
         # The Triton backend brings the model's other Triton ops along (RMSNorm, rotary, SiLU-and-mul);
-        # only its captured decode steps are replayed as CUDA graphs.
+        # only its captured decode steps are replayed as CUDA graphs. The CPU backend brings the CPU
+        # kernels' versions of the same ops.
         self.triton_ops = backend == "triton"
+        self.native_ops = isinstance(self.backend, CPUAttentionBackend)
         self.model.bound_runner = None
         if self.graphs is not None:  # captured graphs hold the old backend's launches
             self.graphs.reset()
@@ -123,6 +132,7 @@ class ModelRunner:
             layer.k_scale = self.kv_cache.k_scale[i] if self.kv_cache is not None else None
             layer.v_scale = self.kv_cache.v_scale[i] if self.kv_cache is not None else None
         self.model.use_triton_ops = self.triton_ops
+        self.model.use_native_ops = self.native_ops
         self.model.bound_runner = self
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

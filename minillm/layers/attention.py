@@ -12,7 +12,11 @@ protocols are in minillm/seams.py; labs plug a learner's version in here):
     layout "padded_decode"  the same, plus decode_padded(q, k_cache, v_cache, read, mask, scale) for a
                             decode step of several sequences (the torch reference)
     layout "block_tables"   store_kv, then decode(q, k_cache, v_cache, meta, scale) or extend(...) over the
-                            whole batch, walking block tables in place (the Triton kernels)
+                            whole batch, walking block tables in place (the Triton kernels, the CPU kernels)
+
+Named backends: "torch" (the reference), "triton", "cpu" (minillm's CPU kernels, kernels/cpu.py: the
+KV store and one-query decode attention in C; prefill and quantized pools through torch) and "auto"
+(the default: "cpu" for an fp32 model on the CPU when the kernels are built, else "torch").
 
 Quantized KV (kv_dtype="int8" / "fp8", see engine/kv_cache.py): the pools hold int8 / fp8 and
 each layer also has k_scale, v_scale [num_kv_heads, num_slots] fp32. The layer then calls
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu
 from ..quant.kv import dequantize_kv, quantize_kv
 from ..seams import check_attention_backend
 
@@ -173,13 +178,63 @@ class TritonAttentionBackend:
                             meta.block_size, max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
 
 
-def resolve_backend(backend, kv_dtype: str | None = None, device: torch.device | None = None):
-    """A backend object for "torch" / "triton" (the Triton one refuses fp8 KV on cards without fp8);
-    any other object is checked against its layout's protocol (minillm/seams.py)."""
+class CPUAttentionBackend:
+    """minillm's CPU kernels over the whole batch (kernels/cpu.py): the KV store and decode attention
+    (one query per sequence, walking its block table) in C, one call per layer each. Prefill chunks
+    (extend) and int8 / fp8 pools go through the torch reference, one sequence at a time."""
+
+    name = "cpu"
+    layout = "block_tables"
+
+    def __init__(self):
+        self.torch = TorchAttentionBackend()
+
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
+        if k_scale is not None or k_cache.dtype != torch.float32:
+            return self.torch.store_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+        cpu.store_kv(k_cache, v_cache, k, v, slot_mapping, check_ranges=False)   # the engine's slots
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
+        if k_scale is not None or k_cache.dtype != torch.float32:
+            return self.extend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        max_len = max(c + n for c, n in zip(meta.num_cached, meta.query_lens))
+        return cpu.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.block_size, scale,
+                                    max_len=max_len)
+
+    def extend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
+        outs, start = [], 0
+        offsets = torch.arange(meta.block_size)
+        for i, (num_q, cached) in enumerate(zip(meta.query_lens, meta.num_cached)):
+            keys = cached + num_q
+            blocks = -(-keys // meta.block_size)
+            slots = (meta.block_tables[i, :blocks, None].long() * meta.block_size + offsets).flatten()[:keys]
+            k, v = gather_kv(k_cache, v_cache, slots, k_scale, v_scale, q.dtype)
+            outs.append(self.torch.attend(q[start:start + num_q], k, v, scale, cached))
+            start += num_q
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def cpu_kernels_fit(device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether attention_backend="auto" picks "cpu": an fp32 model on the CPU, with the kernels built."""
+    return (device is None or device.type == "cpu") and dtype in (None, torch.float32) and cpu.available()
+
+
+def resolve_backend(backend, kv_dtype: str | None = None, device: torch.device | None = None,
+                    dtype: torch.dtype | None = None):
+    """A backend object for "torch" / "triton" / "cpu" / "auto" (the Triton one refuses fp8 KV on cards
+    without fp8; "cpu" needs an fp32 model on the CPU and the kernels built); any other object is
+    checked against its layout's protocol (minillm/seams.py)."""
+    if backend == "auto":
+        backend = "cpu" if cpu_kernels_fit(device, dtype) else "torch"
     if backend == "torch":
         return TorchAttentionBackend()
     if backend == "triton":
         return TritonAttentionBackend(kv_dtype, device)
+    if backend == "cpu":
+        if not cpu_kernels_fit(device, dtype):
+            reason = cpu.unavailable_reason() or f"they take fp32 models on the CPU, not {dtype} on {device}"
+            raise ValueError(f"attention_backend='cpu' cannot run here: {reason}. Use 'torch' (or 'auto').")
+        return CPUAttentionBackend()
     return check_attention_backend(backend)
 
 

@@ -15,6 +15,10 @@ step's matmuls; `scripts/cpu_linear_sweep.py` prints this table):
 Above MAX_ROWS rows (prefill) the gain shrinks (256 rows: 468 vs 416 ms before the copy back
 to row-major is counted), so those keep F.linear.
 
+With minillm's CPU kernels built (kernels/cpu.py), up to cpu.KERNEL_ROWS rows go to `cpu.mm_f32`
+instead, which streams each weight row once at nearly the machine's read bandwidth, where MKL's
+GEMV reaches about half of it on AMD CPUs (`scripts/cpu_linear_sweep.py` has a column for it).
+
 Same arithmetic (each output is one row of W dotted with one row of x); only the summation
 order inside MKL may differ, so results agree to float rounding. GPUs and other dtypes keep
 F.linear.
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu
 
 MAX_ROWS = 64   # above this F.linear is as fast (prefill), and the transposing copy would cost
 
@@ -46,6 +51,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
+    if m <= cpu.KERNEL_ROWS and cpu.available():
+        return cpu.mm_f32(x2 if x2.is_contiguous() else x2.contiguous(), weight, bias).view(*lead, weight.shape[0])
     rows = padded_rows(m)
     if rows != m:
         x2 = torch.cat([x2, x2.new_zeros(rows - m, x2.shape[1])])

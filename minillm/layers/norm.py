@@ -2,6 +2,7 @@
 
 With `use_triton` set (the model sets it for attention_backend="triton"), the fused Triton
 kernel runs instead (kernels/rmsnorm.py), and `add_and_norm` fuses the residual add into it.
+`use_native` (attention_backend="cpu") does the same with minillm's CPU kernel (kernels/cpu.py).
 
 With `rotation` set (a b x b orthonormal matrix; models/calibrate/rotate.py's rotate_norm_outputs sets it
 for weight_calibration="gptq"), the normed output leaves rotated block by block
@@ -11,6 +12,7 @@ for weight_calibration="gptq"), the normed output leaves rotated block by block
 import torch
 from torch import nn
 
+from ..kernels import cpu
 from ..quant.rotate import rotate_blocks
 
 
@@ -20,6 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_triton = False
+        self.use_native = False   # fp32 CPU models only (the model sets it)
         self.register_buffer("rotation", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +30,8 @@ class RMSNorm(nn.Module):
             from ..kernels import rmsnorm  # imported late: the interpreter is chosen before triton is imported
 
             return self.rotated(rmsnorm.rmsnorm(x, self.weight, self.eps))
+        if self.use_native:
+            return self.rotated(cpu.rmsnorm(x, self.weight, self.eps))
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -39,7 +44,7 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); x None: (norm(residual), residual).
 
-        The Triton path writes residual + x into `residual` in place (one pass over memory).
+        The Triton and native paths write residual + x into `residual` in place (one pass over memory).
         """
         if x is None:
             return self(residual), residual
@@ -47,5 +52,7 @@ class RMSNorm(nn.Module):
             from ..kernels import rmsnorm
 
             return self.rotated(rmsnorm.rmsnorm(x, self.weight, self.eps, residual=residual)), residual
+        if self.use_native:
+            return self.rotated(cpu.rmsnorm(x, self.weight, self.eps, residual=residual)), residual
         residual = residual + x
         return self(residual), residual

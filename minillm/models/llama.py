@@ -38,6 +38,7 @@ class DecoderLayer(nn.Module):
             self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
         self.use_triton = False  # Triton SiLU-and-mul (set with the model's use_triton_ops)
+        self.use_native = False  # the CPU kernel's SiLU-and-mul (set with the model's use_native_ops)
         # [b, b] Hadamard when down_proj's input is rotated within blocks of b channels (rotate_down_proj
         # in models/calibrate/rotate.py, weight_calibration="autoround"); None: not rotated
         self.register_buffer("down_rotation", None, persistent=False)
@@ -71,7 +72,8 @@ class DecoderLayer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
             return self.moe(x, use_triton=self.use_triton)
-        return self.down_proj(self.down_input(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton)))
+        return self.down_proj(self.down_input(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton,
+                                                           use_native=self.use_native)))
 
     def lora_slices(self) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
         """The fused linear layers LoRA adapters act on (layers/lora.py): attribute -> (in_features,
@@ -124,6 +126,18 @@ class LlamaForCausalLM(nn.Module):
                 module.use_triton = bool(value)
 
     @property
+    def use_native_ops(self) -> bool:
+        """RMSNorm (residual fused), rotary and SiLU-and-mul as minillm's CPU kernels (kernels/cpu.py; set by
+        the model runner for attention_backend="cpu", fp32 models on the CPU); False: plain torch ops."""
+        return self.rotary.use_native
+
+    @use_native_ops.setter
+    def use_native_ops(self, value: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, DecoderLayer)):
+                module.use_native = bool(value)
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.quantized_head is not None:  # a dequantized copy: what the quantized head multiplies by
             return self.quantized_head.dequantized_weight()
@@ -137,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         speculative proposer drafts with it; their K/V are the full model's for those layers)."""
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         hidden = self.embed(input_ids)
-        if self.use_triton_ops:  # the residual stream is carried apart and added inside each norm
+        if self.use_triton_ops or self.use_native_ops:  # the residual stream is carried apart, added inside each norm
             delta = None
             for layer in layers:
                 delta, hidden = layer.forward_fused(positions, delta, hidden, meta)

@@ -6,8 +6,10 @@ weight_dtype, ...)`: Int8Linear (quant/linear_int8.py, per output channel), Int4
 (quant/linear_int4.py, group-wise) and Fp8Linear (quant/linear_fp8.py, per output channel). Each
 picks its path at construction and names it in `.path`:
 
-- a CPU kernel: "int8pack" (`aten._weight_int8pack_mm`) or "int4pack"
-  (`aten._weight_int4pack_mm_for_cpu`, quant/int4pack.py), bf16 activations, weight-only;
+- "cpu": minillm's own CPU kernels (kernels/cpu.py, compiled on first use) for fp32 models: int8
+  weights times fp32 activations; int4 weights times activations rounded to int8 per block of 32;
+- a torch CPU kernel where minillm's are not built: "int8pack" (`aten._weight_int8pack_mm`) or
+  "int4pack" (`aten._weight_int4pack_mm_for_cpu`, quant/int4pack.py), bf16 activations, weight-only;
 - "triton" on CUDA GPUs (minillm/kernels/quant_matmul.py; fp8 on the cards that have the fp8 kernels):
   the weights stay in their stored format and each kernel dequantizes its tile in registers. It stores
   the same buffers as "dequant" (tests flip `.path` to run it under the interpreter);
@@ -64,7 +66,7 @@ class QuantizedLinear(nn.Module):
     weight_dtype: str               # each format's name, one of WEIGHT_DTYPES
     group_size: int | None = None   # int4's group of input channels (None: one scale per output channel)
     pad = 0                         # zero input columns appended (int4: up to a multiple of group_size)
-    path: str                       # "int8pack" / "int4pack" / "triton" / "dequant", set at construction
+    path: str                       # "cpu" / "int8pack" / "int4pack" / "triton" / "dequant", set at construction
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -3,11 +3,15 @@
 in_features is padded with zero columns to a multiple of the group size (they meet zero
 activations). Scales and zeros are stored in bfloat16, what the kernels take.
 
-Paths: "int4pack" on the CPU (`aten._weight_int4pack_mm_for_cpu` on torch's own packed layout,
+Paths: "cpu" on the CPU when minillm's CPU kernels are built (kernels/cpu.py `mm_i4` on its own
+packed layout, cpu.pack_i4: activations rounded to int8 in blocks of 32 and multiplied in integers,
+for fp32 models whose padded in_features is a multiple of 32; more than KERNEL_ROWS rows (prefill)
+multiply the dequantized matrix with F.linear); "int4pack" on the CPU otherwise (`aten._weight_int4pack_mm_for_cpu` on torch's own packed layout,
 quant/int4pack.py: bf16 activations, out_features a multiple of 16; the weights stay 4-bit in
 memory); "triton" on CUDA GPUs (kernels/quant_matmul.py int4_matmul on the plain layout);
 "dequant" otherwise (the plain layout too). The plain layout is canonical: int4_parts() returns
-it on every path ("int4pack" recovers it from the kernel's layout once, and caches it).
+it on every path ("int4pack" recovers it from the kernel's layout once, and caches it; "cpu" unpacks
+its layout on each call).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu
 from . import int4pack
 from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from .linear import GROUP_SIZES, QuantizedLinear
@@ -42,7 +47,13 @@ class Int4Linear(QuantizedLinear):
         else:
             q, scale, zero = quantize_int4(F.pad(w, (0, self.pad)) if self.pad else w, group_size)
         scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-        if fast and weight.device.type == "cpu" and int4pack.available() and self.out_features % 16 == 0:
+        on_cpu = fast and weight.device.type == "cpu"
+        if on_cpu and weight.dtype == torch.float32 and q.shape[1] % cpu.INT4_BLOCK == 0 and cpu.available():
+            self.path = "cpu"
+            self.register_buffer("packed", cpu.pack_i4(q))
+            self.register_buffer("scale", scale.float())   # the bf16-rounded values, as every path multiplies by
+            self.register_buffer("zero", zero.float())
+        elif on_cpu and int4pack.available() and self.out_features % 16 == 0:
             self.path = "int4pack"
             packed, scales_and_zeros = int4pack.pack(q, scale, zero)
             self.register_buffer("packed", packed)
@@ -71,6 +82,8 @@ class Int4Linear(QuantizedLinear):
         """(packed uint8 [N, Kp/2], scale fp32 [N, Kp/g], zero fp32 [N, Kp/g]), pack_int4's format
         (Kp = in_features + pad, a multiple of group_size g): W = dequantize_int4(unpack_int4(packed),
         scale, zero)[:, :in_features], exactly the matrix dequantized_weight() returns."""
+        if self.path == "cpu":
+            return pack_int4(cpu.unpack_i4(self.packed)), self.scale, self.zero
         if self.path != "int4pack":
             return self.packed, self.scale.float(), self.zero.float()
         if self._int4_cache is None:
@@ -88,7 +101,9 @@ class Int4Linear(QuantizedLinear):
     def _rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gathered from the plain layout, or straight from the "int4pack" layout when this torch
         build's is known (else from the recovered plain layout)."""
-        if self.path != "int4pack":
+        if self.path == "cpu":
+            q, scale, zero = cpu.unpack_i4(self.packed[ids]), self.scale[ids], self.zero[ids]
+        elif self.path != "int4pack":
             q, scale, zero = unpack_int4(self.packed[ids]), self.scale[ids].float(), self.zero[ids].float()
         else:
             got = None if self._int4_cache is not None else \
@@ -100,6 +115,12 @@ class Int4Linear(QuantizedLinear):
         return dequantize_int4(q, scale, zero)[:, : self.in_features].to(dtype)
 
     def _cpu_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.path == "cpu":
+            if x2d.shape[0] > cpu.KERNEL_ROWS:
+                return F.linear(x2d.float(), self.dequantized_weight(torch.float32))
+            x = F.pad(x2d.float(), (0, self.pad)) if self.pad else x2d.float()
+            return cpu.mm_i4(x if x.is_contiguous() else x.contiguous(), self.packed, self.scale, self.zero,
+                             self.group_size)
         xb = x2d.to(torch.bfloat16)
         return int4pack.matmul(F.pad(xb, (0, self.pad)) if self.pad else xb, self.packed, self.group_size,
                                self.scales_and_zeros)

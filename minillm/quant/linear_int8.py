@@ -1,14 +1,19 @@
 """Int8Linear: int8 weights, one scale per output channel (minillm/quant/int8.py).
 
-Paths: "int8pack" on the CPU (`aten._weight_int8pack_mm`: bf16 activations and bf16 scales,
-weight-only, for in_features a multiple of 16; the op streams the int8 matrix only with bf16
-activations); "triton" on CUDA GPUs (kernels/quant_matmul.py int8_matmul); "dequant" otherwise.
+Paths: "cpu" on the CPU when minillm's CPU kernels are built (kernels/cpu.py `mm_i8`: fp32 activations
+times int8 weights converted in registers, for fp32 models; more than KERNEL_ROWS rows (prefill)
+multiply the dequantized matrix with F.linear); "int8pack" on the CPU otherwise
+(`aten._weight_int8pack_mm`: bf16 activations and bf16 scales, weight-only, for in_features a
+multiple of 16; the op streams the int8 matrix only with bf16 activations); "triton" on CUDA GPUs
+(kernels/quant_matmul.py int8_matmul); "dequant" otherwise.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from ..kernels import cpu
 from .int8 import dequantize_int8, quantize_int8
 from .linear import ChannelLinear
 
@@ -22,6 +27,8 @@ class Int8Linear(ChannelLinear):
     dequantize = staticmethod(dequantize_int8)
 
     def choose_path(self, fast: bool, weight: torch.Tensor) -> str:
+        if fast and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu.available():
+            return "cpu"
         if fast and weight.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and self.in_features % 16 == 0:
             return "int8pack"
         return self.gpu_path(fast, weight)
@@ -32,7 +39,12 @@ class Int8Linear(ChannelLinear):
         return self.q, self.scale.float()
 
     def _cpu_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x2d.to(torch.bfloat16), self.q, self.scale)
+        if self.path == "int8pack":
+            return torch._weight_int8pack_mm(x2d.to(torch.bfloat16), self.q, self.scale)
+        x2d = x2d.float()
+        if x2d.shape[0] > cpu.KERNEL_ROWS:
+            return F.linear(x2d, self.dequantized_weight(torch.float32))
+        return cpu.mm_i8(x2d if x2d.is_contiguous() else x2d.contiguous(), self.q, self.scale)
 
     def _triton_matmul(self, quant_matmul, x2d: torch.Tensor) -> torch.Tensor:
         return quant_matmul.int8_matmul(x2d, self.q, self.scale)

@@ -37,17 +37,17 @@ def shallow_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
 @contextmanager
 def torch_attention(model: LlamaForCausalLM):
     """Run the model's attention through the torch backend without a KV cache (calibration passes
-    over whole sequences), and give each layer back its backend, cache and Triton ops afterwards."""
+    over whole sequences), and give each layer back its backend, cache and Triton / CPU-kernel ops afterwards."""
     attention = model.attention_layers()
     saved = [(layer.backend, layer.k_cache, layer.v_cache) for layer in attention]
-    saved_triton = model.use_triton_ops
+    saved_triton, saved_native = model.use_triton_ops, model.use_native_ops
     try:
-        model.use_triton_ops = False
+        model.use_triton_ops = model.use_native_ops = False
         for layer in attention:
             layer.backend = TorchAttentionBackend()
         yield
     finally:
-        model.use_triton_ops = saved_triton
+        model.use_triton_ops, model.use_native_ops = saved_triton, saved_native
         for layer, (backend, k, v) in zip(attention, saved):
             layer.backend, layer.k_cache, layer.v_cache = backend, k, v
 

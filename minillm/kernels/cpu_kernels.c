@@ -1,0 +1,402 @@
+/* minillm's CPU kernels: what one decode step of a small batch does besides Python.
+ *
+ * Built and loaded by minillm/kernels/cpu.py (cc -O3 -march=native -fopenmp, once per source and
+ * machine, into the cache). Plain C: every function takes raw pointers and sizes that cpu.py checks
+ * first. Threads come from OpenMP: the library links libgomp, the same runtime torch's CPU build
+ * loaded, so torch.set_num_threads sets the threads of both.
+ *
+ * Decode at batch 1 reads every weight once per token and does two flops per weight, so a matmul
+ * with a few rows is bound by memory bandwidth: the kernels below stream each weight row once and
+ * keep the few activation rows in L1. AVX2 + FMA when the compiler targets them (every x86-64 CPU
+ * since 2013; AVX-512 CPUs run them too), plain C loops otherwise.
+ *
+ *   mm_f32      y[m, N] = x[m, K] W[N, K]^T (+ bias)                       fp32 weights
+ *   mm_i8       y = x (q * scale[:, None])^T (+ bias)                      int8 weights, one scale per row
+ *   mm_i4       y = x (q * scale + zero)^T per group of g input channels   int4 weights, x rounded to int8 blocks
+ *   rmsnorm     y = w * x / sqrt(mean(x^2) + eps), residual += x first when given
+ *   rotary      q, k rotated in place (rotate-half, the Llama / NeoX form)
+ *   silu_mul    y = silu(gate) * up
+ *   decode_attn one query per sequence over its paged keys and values
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+int minillm_avx2(void) { return HAVE_AVX2; }
+
+int minillm_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Output rows are handed to threads in blocks of ROWS_PER_TASK (a multiple of every kernel's row tile). */
+#define ROWS_PER_TASK 16
+
+#if HAVE_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int8 -> 8 floats */
+static inline __m256 load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+/* ------------------------------------------------------------------ fp32 weights
+ * One activation row (batch-1 decode): one weight row at a time, four independent accumulators
+ * (measured: the fastest way to stream the rows on one core, as fast as a plain sum of the matrix).
+ * More activation rows: two weight rows at a time against up to four activation rows: 8 accumulators, each weight
+ * vector loaded once and used MR times. */
+static inline float f32_dot(const float *x, const float *w, int64_t K) {
+    int64_t k = 0;
+    float d = 0.f;
+#if HAVE_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    d = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; k < K; k++) d += w[k] * x[k];
+    return d;
+}
+
+static inline float i8_dot(const float *x, const int8_t *w, int64_t K) {
+    int64_t k = 0;
+    float d = 0.f;
+#if HAVE_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(load_i8(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(load_i8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(load_i8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(load_i8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load_i8(w + k), _mm256_loadu_ps(x + k), a0);
+    d = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; k < K; k++) d += w[k] * x[k];
+    return d;
+}
+
+static inline void f32_tile(const float *x, int64_t mr, int64_t K, const float *w0, const float *w1,
+                            float out[4][2]) {
+    int64_t k = 0;
+#if HAVE_AVX2
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (; k + 8 <= K; k += 8) {
+        __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a00 = _mm256_fmadd_ps(v0, xv, a00); a01 = _mm256_fmadd_ps(v1, xv, a01);
+        if (mr > 1) { xv = _mm256_loadu_ps(x + K + k); a10 = _mm256_fmadd_ps(v0, xv, a10); a11 = _mm256_fmadd_ps(v1, xv, a11); }
+        if (mr > 2) { xv = _mm256_loadu_ps(x + 2 * K + k); a20 = _mm256_fmadd_ps(v0, xv, a20); a21 = _mm256_fmadd_ps(v1, xv, a21); }
+        if (mr > 3) { xv = _mm256_loadu_ps(x + 3 * K + k); a30 = _mm256_fmadd_ps(v0, xv, a30); a31 = _mm256_fmadd_ps(v1, xv, a31); }
+    }
+    out[0][0] = hsum(a00); out[0][1] = hsum(a01); out[1][0] = hsum(a10); out[1][1] = hsum(a11);
+    out[2][0] = hsum(a20); out[2][1] = hsum(a21); out[3][0] = hsum(a30); out[3][1] = hsum(a31);
+#else
+    for (int i = 0; i < 4; i++) out[i][0] = out[i][1] = 0.f;
+#endif
+    for (; k < K; k++)
+        for (int64_t i = 0; i < mr; i++) { out[i][0] += w0[k] * x[i * K + k]; out[i][1] += w1[k] * x[i * K + k]; }
+}
+
+void minillm_mm_f32(const float *x, int64_t m, int64_t K, const float *W, int64_t N, float *y, const float *bias, int nt) {
+    int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
+        if (m == 1) {
+            for (int64_t n = t * ROWS_PER_TASK; n < n1; n++) y[n] = f32_dot(x, W + n * K, K) + (bias ? bias[n] : 0.f);
+            continue;
+        }
+        for (int64_t n = t * ROWS_PER_TASK; n < n1; n += 2) {
+            const float *w0 = W + n * K, *w1 = n + 1 < n1 ? w0 + K : w0;
+            for (int64_t i0 = 0; i0 < m; i0 += 4) {
+                int64_t mr = m - i0 < 4 ? m - i0 : 4;
+                float out[4][2];
+                f32_tile(x + i0 * K, mr, K, w0, w1, out);
+                for (int64_t i = 0; i < mr; i++) {
+                    y[(i0 + i) * N + n] = out[i][0] + (bias ? bias[n] : 0.f);
+                    if (n + 1 < n1) y[(i0 + i) * N + n + 1] = out[i][1] + (bias ? bias[n + 1] : 0.f);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ int8 weights, fp32 activations */
+static inline void i8_tile(const float *x, int64_t mr, int64_t K, const int8_t *w0, const int8_t *w1,
+                           float out[4][2]) {
+    int64_t k = 0;
+#if HAVE_AVX2
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (; k + 8 <= K; k += 8) {
+        __m256 v0 = load_i8(w0 + k), v1 = load_i8(w1 + k);
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a00 = _mm256_fmadd_ps(v0, xv, a00); a01 = _mm256_fmadd_ps(v1, xv, a01);
+        if (mr > 1) { xv = _mm256_loadu_ps(x + K + k); a10 = _mm256_fmadd_ps(v0, xv, a10); a11 = _mm256_fmadd_ps(v1, xv, a11); }
+        if (mr > 2) { xv = _mm256_loadu_ps(x + 2 * K + k); a20 = _mm256_fmadd_ps(v0, xv, a20); a21 = _mm256_fmadd_ps(v1, xv, a21); }
+        if (mr > 3) { xv = _mm256_loadu_ps(x + 3 * K + k); a30 = _mm256_fmadd_ps(v0, xv, a30); a31 = _mm256_fmadd_ps(v1, xv, a31); }
+    }
+    out[0][0] = hsum(a00); out[0][1] = hsum(a01); out[1][0] = hsum(a10); out[1][1] = hsum(a11);
+    out[2][0] = hsum(a20); out[2][1] = hsum(a21); out[3][0] = hsum(a30); out[3][1] = hsum(a31);
+#else
+    for (int i = 0; i < 4; i++) out[i][0] = out[i][1] = 0.f;
+#endif
+    for (; k < K; k++)
+        for (int64_t i = 0; i < mr; i++) { out[i][0] += w0[k] * x[i * K + k]; out[i][1] += w1[k] * x[i * K + k]; }
+}
+
+void minillm_mm_i8(const float *x, int64_t m, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                   float *y, const float *bias, int nt) {
+    int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
+        if (m == 1) {
+            for (int64_t n = t * ROWS_PER_TASK; n < n1; n++)
+                y[n] = i8_dot(x, q + n * K, K) * scale[n] + (bias ? bias[n] : 0.f);
+            continue;
+        }
+        for (int64_t n = t * ROWS_PER_TASK; n < n1; n += 2) {
+            const int8_t *w0 = q + n * K, *w1 = n + 1 < n1 ? w0 + K : w0;
+            for (int64_t i0 = 0; i0 < m; i0 += 4) {
+                int64_t mr = m - i0 < 4 ? m - i0 : 4;
+                float out[4][2];
+                i8_tile(x + i0 * K, mr, K, w0, w1, out);
+                for (int64_t i = 0; i < mr; i++) {
+                    y[(i0 + i) * N + n] = out[i][0] * scale[n] + (bias ? bias[n] : 0.f);
+                    if (n + 1 < n1) y[(i0 + i) * N + n + 1] = out[i][1] * scale[n + 1] + (bias ? bias[n + 1] : 0.f);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ int4 weights, int8 activations
+ * Layout (cpu.py's pack_i4): each row's K levels (0..15, K a multiple of 32) in blocks of 32; a block's
+ * 16 bytes hold level j in the low nibble of byte j and level 16 + j in the high nibble, so one
+ * mask and one shift give the block's 32 levels in order. scale, zero: fp32 [N, K / g].
+ *
+ * Converting every level to a float costs more than reading it (int4 would be compute-bound), so the
+ * activations are quantized instead, as llama.cpp does: each block of 32 values of x becomes int8
+ * levels xq and one fp32 scale d = max|x| / 127 (x ~= d * xq, rounded to nearest even). Then a block's
+ * dot product is d * (q . xq), 32 products summed in integers by two instructions (maddubs, madd),
+ * and a group's is scale * sum_blocks(d * (q . xq)) + zero * sum(d * xq). */
+#define QBLOCK 32
+
+void minillm_quantize_x(const float *x, int64_t m, int64_t K, int8_t *xq, float *xd) {
+    for (int64_t b = 0; b < m * K / QBLOCK; b++) {
+        const float *v = x + b * QBLOCK;
+        float amax = 0.f;
+        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < QBLOCK; j++) xq[b * QBLOCK + j] = (int8_t)nearbyintf(v[j] * inv);
+        xd[b] = d;
+    }
+}
+
+static void i4_row(const int8_t *xq, const float *xd, const float *xsum, int64_t mr, int64_t K, int64_t g,
+                   const uint8_t *p, const float *scale, const float *zero, float *out) {
+    int64_t groups = K / g, nb = K / QBLOCK;
+    for (int64_t i = 0; i < mr; i++) out[i] = 0.f;
+#if HAVE_AVX2
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t gi = 0; gi < groups; gi++) {
+        __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t k = gi * g; k < (gi + 1) * g; k += QBLOCK) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(p + k / 2));
+            __m256i qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+            for (int64_t i = 0; i < mr; i++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + k));
+                __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
+                dot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(xd[i * nb + k / QBLOCK]), dot[i]);
+            }
+        }
+        __m256 s = _mm256_set1_ps(scale[gi]);
+        for (int64_t i = 0; i < mr; i++) {
+            acc[i] = _mm256_fmadd_ps(dot[i], s, acc[i]);
+            out[i] += zero[gi] * xsum[i * groups + gi];
+        }
+    }
+    for (int64_t i = 0; i < mr; i++) out[i] += hsum(acc[i]);
+#else
+    for (int64_t gi = 0; gi < groups; gi++)
+        for (int64_t i = 0; i < mr; i++) {
+            float d = 0.f;
+            for (int64_t k = gi * g; k < (gi + 1) * g; k += QBLOCK) {
+                int32_t s = 0;
+                for (int j = 0; j < 16; j++) {
+                    uint8_t byte = p[k / 2 + j];
+                    s += (byte & 15) * xq[i * K + k + j] + (byte >> 4) * xq[i * K + k + 16 + j];
+                }
+                d += xd[i * nb + k / QBLOCK] * (float)s;
+            }
+            out[i] += scale[gi] * d + zero[gi] * xsum[i * groups + gi];
+        }
+#endif
+}
+
+/* xq, xd, xsum: scratch of m * K int8, m * K / 32 and m * K / g floats */
+void minillm_mm_i4(const float *x, int64_t m, int64_t K, const uint8_t *packed, const float *scale,
+                   const float *zero, int64_t g, int64_t N, float *y, const float *bias, int8_t *xq, float *xd,
+                   float *xsum, int nt) {
+    int64_t groups = K / g, nb = K / QBLOCK;
+    minillm_quantize_x(x, m, K, xq, xd);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t gi = 0; gi < groups; gi++) {
+            float s = 0.f;
+            for (int64_t b = gi * g / QBLOCK; b < (gi + 1) * g / QBLOCK; b++) {
+                int32_t bs = 0;
+                for (int j = 0; j < QBLOCK; j++) bs += xq[(i * nb + b) * QBLOCK + j];
+                s += xd[i * nb + b] * (float)bs;
+            }
+            xsum[i * groups + gi] = s;
+        }
+    int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
+        for (int64_t n = t * ROWS_PER_TASK; n < n1; n++)
+            for (int64_t i0 = 0; i0 < m; i0 += 4) {
+                int64_t mr = m - i0 < 4 ? m - i0 : 4;
+                float out[4];
+                i4_row(xq + i0 * K, xd + i0 * nb, xsum + i0 * groups, mr, K, g, packed + n * (K / 2),
+                       scale + n * groups, zero + n * groups, out);
+                for (int64_t i = 0; i < mr; i++) y[(i0 + i) * N + n] = out[i] + (bias ? bias[n] : 0.f);
+            }
+    }
+}
+
+/* ------------------------------------------------------------------ small ops of a decoder layer */
+
+/* y[t] = w * r / sqrt(mean(r^2) + eps) with r = x[t], or, when residual is given, r = residual[t] + x[t]
+ * written back into residual[t] (the add fused into the norm). */
+void minillm_rmsnorm(const float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        float *r = residual ? residual + t * H : (float *)xt;
+        if (residual)
+            for (int64_t h = 0; h < H; h++) r[h] += xt[h];
+        float ss = 0.f;
+        int64_t h = 0;
+#if HAVE_AVX2
+        __m256 a = _mm256_setzero_ps();
+        for (; h + 8 <= H; h += 8) { __m256 v = _mm256_loadu_ps(r + h); a = _mm256_fmadd_ps(v, v, a); }
+        ss = hsum(a);
+#endif
+        for (; h < H; h++) ss += r[h] * r[h];
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (h = 0; h < H; h++) y[t * H + h] = w[h] * (r[h] * inv);
+    }
+}
+
+/* x [T, heads, D] (row stride ld floats between tokens) rotated in place with cos, sin [*, D] at positions pos[T]:
+ * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin on the two halves. */
+static void rotate(float *x, int64_t ld, int64_t T, int64_t heads, int64_t D, const int64_t *pos,
+                   const float *cos_t, const float *sin_t) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + pos[t] * D, *s = sin_t + pos[t] * D;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *v = x + t * ld + hd * D;
+            for (int64_t j = 0; j < half; j++) {
+                float a = v[j], b = v[j + half];
+                v[j] = a * c[j] - b * s[j];
+                v[j + half] = b * c[j + half] + a * s[j + half];
+            }
+        }
+    }
+}
+
+void minillm_rotary(float *q, int64_t q_ld, int64_t hq, float *k, int64_t k_ld, int64_t hk, int64_t T, int64_t D,
+                    const int64_t *pos, const float *cos_t, const float *sin_t) {
+    rotate(q, q_ld, T, hq, D, pos, cos_t, sin_t);
+    rotate(k, k_ld, T, hk, D, pos, cos_t, sin_t);
+}
+
+/* gate_up [T, 2I] -> y [T, I] = silu(gate) * up */
+void minillm_silu_mul(const float *gate_up, int64_t T, int64_t I, float *y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        for (int64_t j = 0; j < I; j++) y[t * I + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* k, v [T, Hkv, D] (token stride ld) -> caches [Hkv, slots, D] at slot[t] */
+void minillm_store_kv(const float *k, const float *v, int64_t ld, int64_t T, int64_t hk, int64_t D,
+                      const int64_t *slot, float *k_cache, float *v_cache, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < hk; h++) {
+            memcpy(k_cache + (h * num_slots + slot[t]) * D, k + t * ld + h * D, D * sizeof(float));
+            memcpy(v_cache + (h * num_slots + slot[t]) * D, v + t * ld + h * D, D * sizeof(float));
+        }
+}
+
+/* One query per sequence: q [B, Hq, D] (token stride q_ld) -> out [B, Hq, D], over keys 0..seq_lens[b]-1 of sequence b, key j in
+ * slot block_tables[b, j / bs] * bs + j % bs of the caches [Hkv, slots, D]. Query head h reads KV head
+ * h / (Hq / Hkv). Softmax in fp32 with the running maximum subtracted. scores: scratch [threads, max_len]. */
+void minillm_decode_attn(const float *q, int64_t q_ld, int64_t B, int64_t hq, int64_t hk, int64_t D, const float *k_cache,
+                         const float *v_cache, int64_t num_slots, const int32_t *block_tables, int64_t max_blocks,
+                         const int32_t *seq_lens, int64_t bs, float scale, float *out, float *scores,
+                         int64_t max_len, int nt) {
+    int64_t group = hq / hk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t task = 0; task < B * hq; task++) {
+        int64_t b = task / hq, h = task % hq, kh = h / group;
+#ifdef _OPENMP
+        float *sc = scores + omp_get_thread_num() * max_len;
+#else
+        float *sc = scores;
+#endif
+        const float *qv = q + b * q_ld + h * D;
+        const int32_t *table = block_tables + b * max_blocks;
+        int64_t L = seq_lens[b];
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; j++) {
+            const float *kv = k_cache + (kh * num_slots + (int64_t)table[j / bs] * bs + j % bs) * D;
+            float d = 0.f;
+            int64_t e = 0;
+#if HAVE_AVX2
+            __m256 a = _mm256_setzero_ps();
+            for (; e + 8 <= D; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + e), _mm256_loadu_ps(kv + e), a);
+            d = hsum(a);
+#endif
+            for (; e < D; e++) d += qv[e] * kv[e];
+            sc[j] = d * scale;
+            if (sc[j] > mx) mx = sc[j];
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j < L; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+        float *o = out + task * D;
+        for (int64_t e = 0; e < D; e++) o[e] = 0.f;
+        for (int64_t j = 0; j < L; j++) {
+            const float *vv = v_cache + (kh * num_slots + (int64_t)table[j / bs] * bs + j % bs) * D;
+            float p = sc[j] / sum;
+            for (int64_t e = 0; e < D; e++) o[e] += p * vv[e];
+        }
+    }
+}
