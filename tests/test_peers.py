@@ -55,6 +55,11 @@ def test_rows_and_ratios_from_fake_timings():
                          best_minillm_vs(rows)})
     assert "best minillm (minillm int8) / CTranslate2 int8: 1.07x" in text
     assert "llama.cpp" in text and "not installed" in text
+    md = peers.format_peers_markdown({"prompts": 2, "new_tokens": n, "rounds": 2, "cpu": "test cpu", "threads": 2,
+                                      "torch": "x", "bandwidth_gb_s": 20.0, "rows": rows,
+                                      "best_minillm_vs_ct2_int8": best_minillm_vs(rows)})
+    assert "| minillm int8 | 100.0 | 40.0 | 200 | 20% | 2.67x | 1/2 |" in md, md
+    assert "| llama.cpp |  | not installed |" in md and "CTranslate2 int8: **1.07x**" in md
     int8_line = next(line for line in text.splitlines() if line.startswith("minillm int8"))
     assert "40.0" in int8_line and "20%" in int8_line and "2.67x" in int8_line and "1/2" in int8_line, int8_line
 

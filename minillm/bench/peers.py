@@ -350,13 +350,34 @@ def format_peers(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_peers_markdown(result: dict) -> str:
+    """The same rows as a Markdown table (for docs/PERFORMANCE.md), with the hardware line under it."""
+    lines = [f"| engine | weights MB | decode tok/s | TTFT ms | % of bound | vs minillm fp32 | first {AGREE_TOKENS} "
+             "tokens = fp32 |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        mb = f"{r.weight_bytes / 1e6:.1f}" if r.weight_bytes else ""
+        if r.skipped:
+            lines.append(f"| {r.engine} | {mb} | {r.skipped} | | | | |")
+            continue
+        lines.append(f"| {r.engine} | {mb} | {r.tok_s:.1f} | {r.ttft_ms:.0f} | "
+                     f"{'' if r.pct_of_bound is None else f'{r.pct_of_bound:.0f}%'} | {r.vs_base:.2f}x | "
+                     f"{r.agree}/{result['prompts']} |")
+    best = result["best_minillm_vs_ct2_int8"]
+    lines.append("")
+    lines.append(f"{result['prompts']} prompts x {result['new_tokens']} new tokens, median of {result['rounds']} "
+                 f"interleaved rounds; {result['cpu']}, {result['threads']} threads, torch {result['torch']}, "
+                 f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s measured"
+                 + (f"; best minillm ({best[0]}) / CTranslate2 int8: **{best[1]:.2f}x**" if best else ""))
+    return "\n".join(lines)
+
+
 def result_json(result: dict) -> dict:
     return {**result, "rows": [asdict(r) for r in result["rows"]]}
 
 
 def run(model: str | None = None, num_prompts: int = 4, new_tokens: int = 64, rounds: int = 3,
         gguf: str | None = None, json_path: str | None = None, engines=None, levers: dict | None = None,
-        threads: int | None = None, progress: bool = True) -> dict:
+        threads: int | None = None, progress: bool = True, markdown: bool = False) -> dict:
     """Load the model, compare, print the table; write the rows to `json_path` when given."""
     import torch
 
@@ -376,6 +397,9 @@ def run(model: str | None = None, num_prompts: int = 4, new_tokens: int = 64, ro
     result = compare_peers(llm, prompt_ids_for(llm, num_prompts), new_tokens, rounds,
                            engines=set(engines or ENGINES), gguf=gguf, progress=progress)
     print(format_peers(result))
+    if markdown:
+        print()
+        print(format_peers_markdown(result))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result_json(result), indent=1))
@@ -393,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=None, help="only these rows")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows to this file")
+    parser.add_argument("--markdown", action="store_true", help="also print the rows as a Markdown table")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -400,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run(args.model, args.prompts, args.tokens, args.rounds, args.gguf, args.json, args.engines,
-        threads=args.threads, progress=not args.no_progress)
+        threads=args.threads, progress=not args.no_progress, markdown=args.markdown)
     return 0
 
 
