@@ -67,6 +67,8 @@ class EngineConfig:
     # Kernels.
     attention_backend: Any = "auto"     # "auto" | "torch" | "triton" | "cpu" | an object of an attention protocol
                                         # (minillm/seams.py); "auto": "cpu" for fp32 on the CPU with the kernels built
+    cpu_threads: Any = "auto"           # CPU threads: "auto" = torch's, one fewer per core other processes keep busy
+                                        # (engine/thread_policy.py, re-decided each second); or a fixed count
 
     # Cost model.
     gpu_hourly_usd: float | None = None  # None -> DEFAULT_GPU_HOURLY_USD on GPU, DEFAULT_CPU_HOURLY_USD on CPU
@@ -109,6 +111,10 @@ class EngineConfig:
                 raise ValueError(msg)
 
         need(self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {DTYPES}")
+        cores = os.cpu_count() or 1
+        need(self.cpu_threads == "auto" or (isinstance(self.cpu_threads, int) and not isinstance(self.cpu_threads, bool)
+                                            and 1 <= self.cpu_threads <= cores),
+             f"cpu_threads={self.cpu_threads!r} must be 'auto' or an integer in [1, {cores}] (this machine's CPUs)")
         need(isinstance(self.kv_cache, bool), f"kv_cache={self.kv_cache!r} must be True or False")
         need(self.batching in BATCHING_MODES, f"batching={self.batching!r} is not one of {BATCHING_MODES}")
         need(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096,

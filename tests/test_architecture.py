@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
 # Floor of each part; a module may import only parts on its own floor or below.
 FLOORS = {
     "config": 0, "seams": 0, "sampling": 0, "structured": 0, "hardware": 0, "kernels": 0, "quant": 0, "spec": 0,
+    "threads": 0,
     "lora": 0,
     "layers": 1,
     "models": 2,

@@ -22,6 +22,7 @@ from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import DraftWorker, Speculator
+from .thread_policy import ThreadPolicy
 
 
 def validate_cache_salt(cache_salt) -> None:
@@ -83,6 +84,14 @@ class Engine:
         self.stats = RunStats(self.device_label, self.hourly_usd)
         self._preemptions_at_reset = 0
         self._prefix_at_reset = (0, 0, 0)
+        # CPU threads: "auto" re-decides them from the other processes' load (engine/thread_policy.py);
+        # a tensor-parallel engine's ranks keep one thread each.
+        self.thread_policy: ThreadPolicy | None = None
+        if device.type == "cpu" and config.tensor_parallel_size == 1:
+            if config.cpu_threads == "auto":
+                self.thread_policy = ThreadPolicy()
+            else:
+                torch.set_num_threads(config.cpu_threads)
 
     # ----------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -232,6 +241,8 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones included)."""
         self._check_owner("step")
+        if self.thread_policy is not None:
+            self.thread_policy.update()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs and self.scheduler.has_unfinished():
             # Preemption may have just emptied the running set; admission gets a second try.

@@ -226,21 +226,17 @@ static void i4_row(const int8_t *xq, const float *xd, const float *xsum, int64_t
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t gi = 0; gi < groups; gi++) {
-        __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t k = gi * g; k < (gi + 1) * g; k += QBLOCK) {
             __m128i b = _mm_loadu_si128((const __m128i *)(p + k / 2));
             __m256i qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-            for (int64_t i = 0; i < mr; i++) {
+            for (int64_t i = 0; i < mr; i++) {   /* one multiplier per block: the group's scale times x's */
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + k));
                 __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
-                dot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(xd[i * nb + k / QBLOCK]), dot[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(scale[gi] * xd[i * nb + k / QBLOCK]),
+                                         acc[i]);
             }
         }
-        __m256 s = _mm256_set1_ps(scale[gi]);
-        for (int64_t i = 0; i < mr; i++) {
-            acc[i] = _mm256_fmadd_ps(dot[i], s, acc[i]);
-            out[i] += zero[gi] * xsum[i * groups + gi];
-        }
+        for (int64_t i = 0; i < mr; i++) out[i] += zero[gi] * xsum[i * groups + gi];
     }
     for (int64_t i = 0; i < mr; i++) out[i] += hsum(acc[i]);
 #else
