@@ -46,6 +46,45 @@ def test_an_arrival_mid_decode_waits_for_the_step_then_prefills():
     assert a.finish_s == pytest.approx(1.95)
 
 
+def test_replicas_sharing_cores_slow_each_others_steps_by_the_measured_factor():
+    # steps take twice as long while both replicas work (slowdown 2.0 at 2 busy, the curves measured with 1 busy).
+    # A (3 tokens) on one replica: prefill alone 0 -> 0.5, decode step alone 0.5 -> 0.6. B arrives at 0.55 on the
+    # idle replica: its prefill runs with both busy, 0.55 -> 1.55; A's second step too, 0.6 -> 0.8 (A done);
+    # B's one decode step runs alone, 1.55 -> 1.65. Independent replicas: B 0.55 -> 1.05 -> 1.15, A done at 0.7.
+    profile = ReplicaProfile(decode_points=[(1, 0.1), (2, 0.1)], prefill_points=[(1, 0.5)],
+                             busy_slowdown_points=[(1, 1.0), (2, 2.0)])
+    requests = [SimRequest(0.0, 4, 3), SimRequest(0.55, 4, 2)]
+    config = dict(max_num_seqs=2, min_replicas=2, max_replicas=2, policy=FixedReplicas(2))
+    a, b = by_arrival(simulate(requests, profile, FleetConfig(**config, replicas_share_cores=True)))
+    assert a.replica != b.replica
+    assert (a.first_token_s, a.finish_s) == pytest.approx((0.5, 0.8))
+    assert (b.first_token_s, b.finish_s) == pytest.approx((1.55, 1.65))
+    a, b = by_arrival(simulate(requests, profile, FleetConfig(**config)))
+    assert (a.finish_s, b.first_token_s, b.finish_s) == pytest.approx((0.7, 1.05, 1.15)), "off by default"
+
+
+def test_busy_scale_is_relative_to_the_replicas_busy_when_the_curves_were_measured():
+    # decode calibrated on a 2-replica fleet with both busy (slowdown 1.5 at 2), prefill with one busy: one busy
+    # replica decodes in 1/1.5 of the decode curve, 3 busy (extrapolated: 2.0) in 2.0/1.5; its prefill is as measured
+    profile = ReplicaProfile(decode_points=[(1, 0.1)], prefill_points=[(1, 0.5)],
+                             busy_slowdown_points=[(2, 1.5), (1, 1.0)], decode_busy_replicas=2)
+    assert [profile.decode_scale(k) for k in (1, 2, 3)] == pytest.approx([1 / 1.5, 1.0, 2.0 / 1.5])
+    assert [profile.prefill_scale(k) for k in (1, 2, 3)] == pytest.approx([1.0, 1.5, 2.0])
+    assert flat_profile().busy_scale(4) == 1.0, "not measured: no slowdown"
+    # one replica alone: prefill 0.5, then two decode steps of 0.1 / 1.5
+    (r,) = simulate([SimRequest(0.0, 4, 3)], profile,
+                    FleetConfig(max_num_seqs=1, policy=FixedReplicas(1), replicas_share_cores=True)).requests
+    assert (r.first_token_s, r.finish_s) == pytest.approx((0.5, 0.5 + 0.2 / 1.5))
+
+
+def test_stream_timing_splits_the_gaps_of_each_choice():
+    from minillm.fleet.profile import StreamTiming
+
+    timing = StreamTiming(choice_times_s=[(0, 0.1), (1, 0.1), (0, 0.3), (1, 0.35), (0, 0.45)])
+    first, second = timing.gaps_by_choice()
+    assert first == pytest.approx([0.2, 0.15]) and second == pytest.approx([0.25])
+
+
 def test_prefill_time_follows_the_tokens_of_the_step_and_the_token_budget():
     # prefill 0.001 s per token (through (100, 0.1) and (1000, 1.0)); three 300-token prompts queued
     # behind a first one: with a 600-token budget two share a step (0.6 s) and the third gets its own.
@@ -219,10 +258,12 @@ def test_warm_replica_search_is_monotone_and_answers_the_first_that_meets_the_ta
 
 def test_profile_round_trips_through_json(tmp_path):
     profile = ReplicaProfile(decode_points=[(4, 0.05), (1, 0.03)], prefill_points=[(64, 0.1)], startup_s=12.5,
-                             request_overhead_s=0.01, conditions={"threads": 1})
+                             request_overhead_s=0.01, busy_slowdown_points=[(1, 1.0), (2, 1.3)],
+                             decode_busy_replicas=2, conditions={"threads": 1})
     path = profile.save(tmp_path / "p.json")
     loaded = ReplicaProfile.load(path)
     assert loaded.decode_points == [(1, 0.03), (4, 0.05)] and loaded.startup_s == 12.5
+    assert loaded.busy_slowdown_points == [(1, 1.0), (2, 1.3)] and (loaded.decode_busy_replicas, loaded.prefill_busy_replicas) == (2, 1)
     assert loaded.decode_step_s(2) == pytest.approx(0.03 + (0.05 - 0.03) / 3)
     assert loaded.prefill_s(1000) == pytest.approx(0.1), "one point: a constant"
     assert json.loads(path.read_text())["conditions"] == {"threads": 1}
@@ -235,6 +276,11 @@ def test_profile_round_trips_through_json(tmp_path):
     (lambda: ReplicaProfile(decode_points=[(1, 0.1), (1, 0.2)], prefill_points=[(1, 0.1)]), "repeat"),
     (lambda: ReplicaProfile(decode_points=[(1, 0.1)], prefill_points=[(1, 0.1)], startup_s=-1), "startup_s=-1"),
     (lambda: ReplicaProfile.from_dict({"decode_points": [[1, 0.1]], "prefill_points": [[1, 0.1]], "x": 1}), "unknown"),
+    (lambda: ReplicaProfile(decode_points=[(1, 0.1)], prefill_points=[(1, 0.1)], busy_slowdown_points=[(2, 0)]),
+     "step-time factor 0"),
+    (lambda: ReplicaProfile(decode_points=[(1, 0.1)], prefill_points=[(1, 0.1)], prefill_busy_replicas=0),
+     "prefill_busy_replicas=0"),
+    (lambda: FleetConfig(replicas_share_cores="yes"), "replicas_share_cores='yes'"),
     (lambda: FleetConfig(min_replicas=3, max_replicas=2), "min_replicas=3"),
     (lambda: FleetConfig(initial_replicas=9, max_replicas=8), "initial_replicas=9"),
     (lambda: FleetConfig(max_num_seqs=0), "max_num_seqs=0"),

@@ -41,6 +41,9 @@ TOLERANCE_REL = 0.30        # the validation's stated tolerance: 30% of the meas
 TOLERANCE_ABS_S = 0.25      # ... or 0.25 s, whichever is larger
 DEFAULT_PROFILE = Path("artifacts/fleet_profile.json")
 SIM_SEEDS = 5
+QUICK_RAMP_S = 150.0        # --validate --quick: the ramp's length (full: FULL_RAMP_S), and calibration rounds
+FULL_RAMP_S = 300.0
+QUICK_CALIBRATION_ROUNDS, FULL_CALIBRATION_ROUNDS = 2, 3
 
 
 def within(predicted: float, measured: float) -> bool:
@@ -157,16 +160,23 @@ def mean_profile(a, b):
             raise ValueError(f"the two profiles were measured at different sizes: {pa} vs {pb}")
         return [(x, (ya + yb) / 2) for (x, ya), (_, yb) in zip(pa, pb)]
 
+    for name in ("decode_busy_replicas", "prefill_busy_replicas"):
+        if getattr(a, name) != getattr(b, name):
+            raise ValueError(f"the two profiles differ in {name}: {getattr(a, name)} vs {getattr(b, name)}")
     return ReplicaProfile(decode_points=mean(a.decode_points, b.decode_points),
                           prefill_points=mean(a.prefill_points, b.prefill_points),
                           startup_s=(a.startup_s + b.startup_s) / 2,
                           request_overhead_s=(a.request_overhead_s + b.request_overhead_s) / 2,
+                          busy_slowdown_points=mean(a.busy_slowdown_points, b.busy_slowdown_points),
+                          decode_busy_replicas=a.decode_busy_replicas,
+                          prefill_busy_replicas=a.prefill_busy_replicas,
                           conditions={**a.conditions, "how": "mean of two calibrate_on_server runs"})
 
 
 def drift(a, b) -> float:
     """The largest relative difference between two calibrations' points."""
-    pairs = list(zip(a.decode_points + a.prefill_points, b.decode_points + b.prefill_points))
+    pairs = list(zip(a.decode_points + a.prefill_points + a.busy_slowdown_points,
+                     b.decode_points + b.prefill_points + b.busy_slowdown_points))
     return max(abs(ya - yb) / min(ya, yb) for (_, ya), (_, yb) in pairs)
 
 
@@ -203,9 +213,7 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
     from ..fleet.profile import calibrate_on_server, prompt_ids, send_requests
     from .serve import run_in_thread
     from ..fleet.ray_fleet import start_fleet
-    from ..fleet.simulate import FixedReplicas, FleetConfig, SimRequest, simulate
-
-    duration_s = duration_s or (90.0 if quick else 180.0)
+    duration_s = duration_s or (QUICK_RAMP_S if quick else FULL_RAMP_S)
     t_start = time.perf_counter()
     print(f"starting a fleet of {num_replicas} replicas (default model, 1 thread each, max_num_seqs {max_num_seqs}) ...",
           flush=True)
@@ -220,7 +228,8 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
         def calibrate():
             return calibrate_on_server(fleet.base_url, num_replicas=num_replicas, batch_sizes=batch_sizes,
                                        prompt_tokens=(16, 96, 192), decode_prompt_tokens=104, decode_tokens=16,
-                                       repeats=3, startup_s=startup_s, progress=progress)
+                                       repeats=QUICK_CALIBRATION_ROUNDS if quick else FULL_CALIBRATION_ROUNDS,
+                                       startup_s=startup_s, progress=progress)
 
         before = calibrate()
         print("calibrated before the ramp: " + describe_profile(before, max_num_seqs), flush=True)
@@ -240,51 +249,73 @@ def validate(quick: bool = False, num_replicas: int = 2, max_num_seqs: int = 8, 
     failed = [t.error for t in timings if t.error]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(timings)} validation requests failed: {failed[0]}")
-    measured = [t.ttft_s for t in timings]
-    requests = [SimRequest(t.start_s, p, o) for t, (_, p, o) in zip(timings, plan)]
-    predictions = {50: [], 99: []}
-    for s in range(SIM_SEEDS):
-        config = FleetConfig(max_num_seqs=max_num_seqs, max_ongoing_requests=max_ongoing_requests,
-                             min_replicas=num_replicas, max_replicas=num_replicas, policy=FixedReplicas(num_replicas),
-                             seed=s)
-        result = simulate(requests, profile, config)
-        for q in predictions:
-            predictions[q].append(result.ttft_percentile(q))
-    from .runner import percentile
-    first = simulate(requests, profile, FleetConfig(max_num_seqs=max_num_seqs, max_ongoing_requests=max_ongoing_requests,
-                                                    min_replicas=num_replicas, max_replicas=num_replicas,
-                                                    policy=FixedReplicas(num_replicas)))
     report = {"requests": [{"start_s": t.start_s, "prompt_tokens": p, "output_tokens": o, "ttft_s": t.ttft_s,
-                            "predicted_ttft_s": r.ttft_s}
-                           for (t, (_, p, o)), r in zip(sorted(zip(timings, plan), key=lambda x: x[0].start_s),
-                                                        sorted(first.requests, key=lambda r: r.arrival_s))],
-              "num_requests": len(requests), "duration_s": duration_s, "capacity_rps": capacity,
+                            "replica": t.replica, "gaps_s": t.gaps_s}
+                           for t, (_, p, o) in sorted(zip(timings, plan), key=lambda x: x[0].start_s)],
+              "num_requests": len(timings), "duration_s": duration_s, "capacity_rps": capacity,
               "rate_from": load_from * capacity, "rate_to": load_to * capacity, "num_replicas": num_replicas,
-              "max_num_seqs": max_num_seqs, "profile": profile.to_dict(), "profile_before": before.to_dict(),
+              "max_num_seqs": max_num_seqs, "max_ongoing_requests": max_ongoing_requests,
+              "profile": profile.to_dict(), "profile_before": before.to_dict(),
               "profile_after": after.to_dict(), "calibration_drift": drift(before, after),
               "tolerance": {"rel": TOLERANCE_REL, "abs_s": TOLERANCE_ABS_S}, "wall_s": time.perf_counter() - t_start,
               "load_average": {"mean": statistics.mean(load.samples) if load.samples else float("nan"),
                                "max": max(load.samples, default=float("nan")), "cores": os.cpu_count()}}
+    predict_report(report)
+    return report
+
+
+def predict_report(report: dict) -> dict:
+    """Fill a validation report's predictions from its requests and profiles (also for a saved report:
+    `--replay PATH` predicts again without a fleet): p50 / p99 measured vs predicted with the shared-core
+    model (the verdict), the same without it (replicas independent) and from each calibration alone, and
+    the TTFT p50 by third of the ramp."""
+    from ..fleet.simulate import FixedReplicas, FleetConfig, ReplicaProfile, SimRequest, simulate
+    from .runner import percentile
+
+    rows = report["requests"]
+    requests = [SimRequest(r["start_s"], r["prompt_tokens"], r["output_tokens"]) for r in rows]
+    measured = [r["ttft_s"] for r in rows]
+    num_replicas, duration_s = report["num_replicas"], report["duration_s"]
+
+    def run(profile, shared: bool, seed: int = 0):
+        config = FleetConfig(max_num_seqs=report["max_num_seqs"], max_ongoing_requests=report["max_ongoing_requests"],
+                             min_replicas=num_replicas, max_replicas=num_replicas, policy=FixedReplicas(num_replicas),
+                             seed=seed, replicas_share_cores=shared)
+        return simulate(requests, profile, config)
+
+    profiles = {name: ReplicaProfile.from_dict(report[key])
+                for name, key in (("mean", "profile"), ("before", "profile_before"), ("after", "profile_after"))}
+    predictions = {"shared": {50: [], 99: []}, "independent": {50: [], 99: []}}
+    for seed in range(SIM_SEEDS):
+        for mode in predictions:
+            result = run(profiles["mean"], mode == "shared", seed)
+            for q in (50, 99):
+                predictions[mode][q].append(result.ttft_percentile(q))
+    first = sorted(run(profiles["mean"], True).requests, key=lambda r: r.arrival_s)
+    for row, r in zip(rows, first):
+        row["predicted_ttft_s"] = r.ttft_s
+    alone = {name: {q: run(profiles[name], True).ttft_percentile(q) for q in (50, 99)} for name in ("before", "after")}
+    for q in (50, 99):
+        got, pred = percentile(measured, q), statistics.mean(predictions["shared"][q])
+        report[f"p{q}"] = {"measured_s": got, "predicted_s": pred, "rel_error": (pred - got) / got,
+                           "within": within(pred, got), "predicted_before_only_s": alone["before"][q],
+                           "predicted_after_only_s": alone["after"][q],
+                           "predicted_independent_s": statistics.mean(predictions["independent"][q])}
+    ranked = sorted(measured, reverse=True)
+    report["p99_rank"] = {"position": (len(measured) - 1) * 0.99, "largest": ranked[:3]}
     thirds = []
     for k in range(3):
         lo, hi = duration_s * k / 3, duration_s * (k + 1) / 3
-        rows = [r for r in report["requests"] if lo <= r["start_s"] < hi]
-        thirds.append({"from_s": lo, "to_s": hi, "num_requests": len(rows),
-                       "measured_p50_s": percentile([r["ttft_s"] for r in rows], 50),
-                       "predicted_p50_s": percentile([r["predicted_ttft_s"] for r in rows], 50)})
+        part = [r for r in rows if lo <= r["start_s"] < hi]
+        thirds.append({"from_s": lo, "to_s": hi, "num_requests": len(part),
+                       "measured_p50_s": percentile([r["ttft_s"] for r in part], 50),
+                       "predicted_p50_s": percentile([r["predicted_ttft_s"] for r in part], 50)})
     report["thirds"] = thirds
-    alone = {}
-    for name, one in (("before", before), ("after", after)):
-        result = simulate(requests, one, FleetConfig(max_num_seqs=max_num_seqs, max_ongoing_requests=max_ongoing_requests,
-                                                     min_replicas=num_replicas, max_replicas=num_replicas,
-                                                     policy=FixedReplicas(num_replicas)))
-        alone[name] = {q: result.ttft_percentile(q) for q in (50, 99)}
-    for q in (50, 99):
-        got, pred = percentile(measured, q), statistics.mean(predictions[q])
-        report[f"p{q}"] = {"measured_s": got, "predicted_s": pred, "rel_error": (pred - got) / got,
-                           "within": within(pred, got), "predicted_before_only_s": alone["before"][q],
-                           "predicted_after_only_s": alone["after"][q]}
     return report
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
 def format_validation(report: dict) -> str:
@@ -294,15 +325,24 @@ def format_validation(report: dict) -> str:
              f"{report['rate_from']:.2f} -> {report['rate_to']:.2f} req/s (capacity {report['capacity_rps']:.2f}); "
              f"tolerance: within max({tol['rel']:.0%} of measured, {tol['abs_s']} s)",
              f"{'TTFT':>6} {'measured':>9} {'predicted':>10} {'error':>7}  verdict   "
-             f"(predicted from one calibration: before / after)"]
+             f"(predicted with independent replicas; from one calibration: before / after)"]
     for q in (50, 99):
         row = report[f"p{q}"]
         lines.append(f"{'p' + str(q):>6} {row['measured_s']:>8.3f}s {row['predicted_s']:>9.3f}s "
                      f"{row['rel_error']:>+7.0%}  {'within ' if row['within'] else 'OUTSIDE'}   "
-                     f"{row['predicted_before_only_s']:.3f} s / {row['predicted_after_only_s']:.3f} s")
+                     f"{row['predicted_independent_s']:.3f} s; {row['predicted_before_only_s']:.3f} s / "
+                     f"{row['predicted_after_only_s']:.3f} s")
+    rank = report["p99_rank"]
+    above = report["num_requests"] - int(rank["position"])   # p99 lies between the above-th and (above-1)-th largest
+    lines.append(f"p99 of {report['num_requests']} TTFTs: between the {_ordinal(above)} and "
+                 f"{_ordinal(max(above - 1, 1))} largest (the largest three: "
+                 + ", ".join(f"{v:.2f}" for v in rank["largest"]) + " s)")
     lines.append("TTFT p50 by third of the ramp, measured / predicted: " + ", ".join(
         f"{t['from_s']:.0f}-{t['to_s']:.0f} s: {t['measured_p50_s']:.2f} / {t['predicted_p50_s']:.2f} s"
         for t in report["thirds"]))
+    busy = report["profile"]["busy_slowdown_points"]
+    lines.append("busy slowdown (replicas busy at once: step-time factor), mean of the two calibrations: "
+                 + ", ".join(f"{k}: {f:.2f}" for k, f in busy))
     load = report["load_average"]
     lines.append(f"machine load during the ramp: 1-min load average {load['mean']:.1f} mean, {load['max']:.1f} max "
                  f"on {load['cores']} cores (the fleet alone makes about 2-3; more: other jobs slowed the real fleet)")
@@ -321,7 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--warm-for-p99", type=float, metavar="SECONDS",
                       help="how many warm replicas keep p99 TTFT under SECONDS through the midday spike")
     what.add_argument("--validate", action="store_true", help="a real Ray Serve fleet vs the simulator")
-    p.add_argument("--quick", action="store_true", help="--validate: a 90 s ramp (180 s without)")
+    what.add_argument("--replay", metavar="JSON",
+                      help="predict a saved --validate --json report again (no fleet; after a model change)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"--validate: a {QUICK_RAMP_S:.0f} s ramp ({FULL_RAMP_S:.0f} s without)")
     p.add_argument("--profile", help=f"replica profile JSON (default {DEFAULT_PROFILE}, measured if missing)")
     p.add_argument("--measure", action="store_true", help="measure the profile again (and save it)")
     p.add_argument("--peak-rps", type=float, default=2.0, help="requests/s at the midday spike")
@@ -344,8 +387,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')}={value} must be a finite number > 0")
     if args.warm_for_p99 is not None and not (math.isfinite(args.warm_for_p99) and args.warm_for_p99 > 0):
         raise SystemExit(f"--warm-for-p99={args.warm_for_p99} must be a number of seconds > 0")
-    if args.validate:
-        report = validate(quick=args.quick, max_num_seqs=args.max_num_seqs)
+    if args.validate or args.replay:
+        if args.replay:
+            report = predict_report(json.loads(Path(args.replay).read_text()))
+        else:
+            report = validate(quick=args.quick, max_num_seqs=args.max_num_seqs)
         print(format_validation(report))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))

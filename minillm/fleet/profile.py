@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..bench.serve import run_in_thread
+from .ray_fleet import REPLICA_HEADER
 from .simulate import ReplicaProfile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -152,6 +153,15 @@ class StreamTiming:
     gaps_s: list[float] = field(default_factory=list)   # between later chunks with a choice
     chunks: int = 0
     error: str = ""
+    replica: str = ""               # which fleet replica answered (the x-minillm-replica header; "" from one server)
+    choice_times_s: list[tuple[int, float]] = field(default_factory=list)   # (choice index, s from send) per chunk
+
+    def gaps_by_choice(self) -> list[list[float]]:
+        """The gaps between one choice's successive chunks, per choice (n > 1: one request, n sequences)."""
+        times: dict[int, list[float]] = {}
+        for index, at in self.choice_times_s:
+            times.setdefault(index, []).append(at)
+        return [[b - a for a, b in zip(ts, ts[1:])] for _, ts in sorted(times.items())]
 
 
 async def stream_completion(client, url: str, body: dict, t0: float) -> StreamTiming:
@@ -165,6 +175,7 @@ async def stream_completion(client, url: str, body: dict, t0: float) -> StreamTi
             if response.status_code != 200:
                 timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return timing
+            timing.replica = response.headers.get(REPLICA_HEADER, "")
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -177,6 +188,7 @@ async def stream_completion(client, url: str, body: dict, t0: float) -> StreamTi
                     return timing
                 if chunk.get("choices"):
                     now = time.perf_counter()
+                    timing.choice_times_s.append((chunk["choices"][0].get("index", 0), now - start))
                     if timing.ttft_s is None:
                         timing.ttft_s = now - start
                     else:
@@ -191,9 +203,10 @@ async def stream_completion(client, url: str, body: dict, t0: float) -> StreamTi
 
 
 async def send_requests(base_url: str, model: str, requests: list[tuple[float, list[int], int]],
-                        timeout_s: float = 600.0, progress: bool = False) -> list[StreamTiming]:
+                        timeout_s: float = 600.0, progress: bool = False, n: int = 1) -> list[StreamTiming]:
     """Send (at_s, prompt token ids, max_tokens) requests at their times from now (greedy, ignore_eos), streamed.
-    base_url: "http://host:port", with or without "/v1"."""
+    base_url: "http://host:port", with or without "/v1". n: sequences per request (n > 1: one request
+    decodes as a batch of n in the replica that takes it)."""
     import asyncio
 
     import httpx
@@ -203,7 +216,7 @@ async def send_requests(base_url: str, model: str, requests: list[tuple[float, l
 
     base_url = normalize_base_url(base_url)
 
-    body = {"model": model, "stream": True, "temperature": 0.0, "ignore_eos": True}
+    body = {"model": model, "stream": True, "temperature": 0.0, "ignore_eos": True, **({"n": n} if n != 1 else {})}
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=60.0)) as client:
@@ -223,9 +236,11 @@ async def send_requests(base_url: str, model: str, requests: list[tuple[float, l
     return list(timings)
 
 
-def _burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[StreamTiming]:
+def _burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, timeout_s: float,
+           n: int = 1) -> list[StreamTiming]:
     """All prompts at once; raises if any failed."""
-    timings = run_in_thread(send_requests, base_url, model, [(0.0, p, max_tokens) for p in prompts], timeout_s)
+    timings = run_in_thread(send_requests, base_url, model, [(0.0, p, max_tokens) for p in prompts], timeout_s,
+                            False, n)
     failed = [t.error for t in timings if t.error]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(prompts)} calibration requests failed: {failed[0]}")
@@ -235,7 +250,8 @@ def _burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
 def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 4, 8),
                         prompt_tokens=(16, 128, 384), decode_tokens: int = 24, decode_prompt_tokens: int = 96,
                         repeats: int = 3, startup_s: float = 0.0, model: str | None = None,
-                        vocab_size: int = 49152, timeout_s: float = 300.0, progress: bool = True) -> ReplicaProfile:
+                        vocab_size: int = 49152, timeout_s: float = 300.0, busy_batch: int | None = None,
+                        progress: bool = True) -> ReplicaProfile:
     """A replica profile measured through a running fleet's (or server's) HTTP API with every replica busy.
 
     `repeats` rounds, each over every size (the medians over the rounds are kept).
@@ -245,7 +261,13 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
     step. Prefill at L tokens: num_replicas concurrent requests of L-token prompts, `repeats` times;
     the median TTFT (HTTP latency included, see the module docstring). startup_s: from the fleet
     (fleet.startup_times()), since a running fleet cannot be timed starting again. vocab_size: the served
-    model's (prompts are random token ids below it)."""
+    model's (prompts are random token ids below it).
+
+    The busy slowdown (num_replicas >= 2; ReplicaProfile.busy_slowdown_points): k = 1 .. num_replicas
+    requests at once, each asking for n = busy_batch sequences (default: the largest batch size), so that k
+    replicas each decode a batch of busy_batch while the others idle (Ray's router sends the k requests to k
+    different replicas; a round where two landed on one replica, read from the x-minillm-replica header, is
+    left out). slowdown(k) = the median inter-token gap with k busy / with 1 busy."""
     from tqdm.auto import tqdm
 
     from ..bench.serve import discover_model, normalize_base_url
@@ -260,31 +282,58 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
         raise ValueError(f"decode_prompt_tokens={decode_prompt_tokens!r} must be an integer >= 1")
     if not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
+    busy_batch = batch_sizes[-1] if busy_batch is None else busy_batch
+    if not (isinstance(busy_batch, int) and not isinstance(busy_batch, bool) and busy_batch >= 1):
+        raise ValueError(f"busy_batch={busy_batch!r} must be an integer >= 1 (sequences per busy replica)")
     base = normalize_base_url(base_url)
     model = model or discover_model(base)
-    bar = tqdm(total=1 + repeats * (len(batch_sizes) + len(prompt_tokens)), desc="calibrate fleet",
+    busy_counts = list(range(1, num_replicas + 1)) if num_replicas >= 2 else []
+    bar = tqdm(total=1 + repeats * (len(batch_sizes) + len(prompt_tokens) + len(busy_counts)), desc="calibrate fleet",
                disable=not progress)
     _burst(base, model, [prompt_ids(16, seed=i, vocab_size=vocab_size) for i in range(num_replicas * 2)], 4,
            timeout_s)  # warm-up
     bar.update(1)
     gaps: dict[int, list[float]] = {b: [] for b in batch_sizes}
     ttfts: dict[int, list[float]] = {n: [] for n in prompt_tokens}
+    busy_gaps: dict[int, list[float]] = {k: [] for k in busy_counts}
+    busy_rounds_left_out = 0
     for rep in range(repeats):   # rounds over every size: a passing load on the machine touches them all alike
+        for k in busy_counts:
+            timings = _burst(base, model, [prompt_ids(decode_prompt_tokens, seed=100 * rep + 50 + i,
+                                                      vocab_size=vocab_size) for i in range(k)],
+                             decode_tokens, timeout_s, n=busy_batch)
+            if len({t.replica for t in timings}) == k:
+                busy_gaps[k] += [g for t in timings for per_choice in t.gaps_by_choice() for g in per_choice[2:]]
+            else:
+                busy_rounds_left_out += 1
+            bar.update(1)
         for b in batch_sizes:
             timings = _burst(base, model, [prompt_ids(decode_prompt_tokens, seed=100 * rep + i, vocab_size=vocab_size)
                                            for i in range(num_replicas * b)], decode_tokens, timeout_s)
             gaps[b] += [g for t in timings for g in t.gaps_s[2:]]
             bar.update(1)
-        for n in prompt_tokens:
-            timings = _burst(base, model, [prompt_ids(n, seed=100 * rep + i, vocab_size=vocab_size)
-                                           for i in range(num_replicas)], 2, timeout_s)
+        for n in prompt_tokens:   # one request at a time: one replica prefilling, the others idle
+            timings = _burst(base, model, [prompt_ids(n, seed=100 * rep, vocab_size=vocab_size)], 2, timeout_s)
             ttfts[n] += [t.ttft_s for t in timings]
             bar.update(1)
     bar.close()
     decode = [(b, statistics.median(gaps[b])) for b in batch_sizes]
     prefill = [(n, statistics.median(ttfts[n])) for n in prompt_tokens]
+    busy_points = [(1, 1.0)]
+    if busy_counts:
+        missing = [k for k in busy_counts if not busy_gaps[k]]
+        if missing:
+            raise RuntimeError(f"the busy slowdown with {missing} replicas busy was never measured: in every round "
+                               f"Ray's router sent two of the requests to one replica")
+        alone = statistics.median(busy_gaps[1])
+        busy_points = [(k, statistics.median(busy_gaps[k]) / alone) for k in busy_counts]
     return ReplicaProfile(decode_points=decode, prefill_points=prefill, startup_s=startup_s,
-                          conditions={"how": "calibrate_on_server (HTTP, every replica busy)", "base_url": base,
+                          busy_slowdown_points=busy_points, decode_busy_replicas=num_replicas,
+                          prefill_busy_replicas=1,
+                          conditions={"how": "calibrate_on_server (HTTP; decode: every replica busy, prefill: one)",
+                                      "base_url": base,
                                       "num_replicas": num_replicas, "decode_tokens": decode_tokens,
                                       "decode_prompt_tokens": decode_prompt_tokens,
-                                      "repeats": repeats})
+                                      "repeats": repeats, "busy_batch": busy_batch,
+                                      "busy_step_s": {k: statistics.median(v) for k, v in busy_gaps.items() if v},
+                                      "busy_rounds_left_out": busy_rounds_left_out})

@@ -101,35 +101,53 @@ class ReplicaProfile:
     prefill_points: (prompt tokens in the step, seconds for the prefill step), at least one.
     startup_s: from the autoscaler's decision to the replica serving (process start + weight load).
     request_overhead_s: added to every TTFT (HTTP, proxy, tokenization), the part no step explains.
+    busy_slowdown_points: (replicas busy at once on one machine, step-time factor), measured
+    (calibrate_on_server): how much slower a replica's steps get as more replicas sharing its cores run
+    steps at the same time; the default (1, 1.0) says "not measured". decode_busy_replicas /
+    prefill_busy_replicas: how many replicas were busy while decode_points / prefill_points were measured
+    (1 in-process; calibrate_on_server decodes with every replica busy and prefills with one). They apply
+    only under FleetConfig(replicas_share_cores=True).
     conditions: how it was measured (free text / numbers, kept in the JSON)."""
 
     decode_points: list[tuple[int, float]]
     prefill_points: list[tuple[int, float]]
     startup_s: float = 0.0
     request_overhead_s: float = 0.0
+    busy_slowdown_points: list[tuple[int, float]] = ((1, 1.0),)
+    decode_busy_replicas: int = 1
+    prefill_busy_replicas: int = 1
     conditions: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.decode_points = self._check_points("decode_points", self.decode_points, "batch size")
         self.prefill_points = self._check_points("prefill_points", self.prefill_points, "prompt tokens")
+        self.busy_slowdown_points = self._check_points("busy_slowdown_points", self.busy_slowdown_points,
+                                                       "busy replicas", "step-time factor")
+        for name in ("decode_busy_replicas", "prefill_busy_replicas"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                  f"{name}={value!r} must be an integer >= 1 (replicas busy while the {name.split('_')[0]} "
+                  f"points were measured)")
         self._decode = _Piecewise(self.decode_points)
         self._prefill = _Piecewise(self.prefill_points)
+        self._slowdown = _Piecewise(self.busy_slowdown_points)
+        self._scale_cache: dict[tuple[int, int], float] = {}
         self._decode_cache: dict[int, float] = {}
         _need(_finite(self.startup_s), f"startup_s={self.startup_s!r} must be a finite number of seconds >= 0")
         _need(_finite(self.request_overhead_s),
               f"request_overhead_s={self.request_overhead_s!r} must be a finite number of seconds >= 0")
 
     @staticmethod
-    def _check_points(name: str, points, what: str) -> list[tuple[int, float]]:
+    def _check_points(name: str, points, what: str, value: str = "seconds") -> list[tuple[int, float]]:
         _need(isinstance(points, (list, tuple)) and len(points) >= 1,
-              f"{name}={points!r} must be a non-empty list of ({what}, seconds) pairs")
+              f"{name}={points!r} must be a non-empty list of ({what}, {value}) pairs")
         out = []
         for p in points:
-            _need(isinstance(p, (list, tuple)) and len(p) == 2, f"{name}: {p!r} is not a ({what}, seconds) pair")
+            _need(isinstance(p, (list, tuple)) and len(p) == 2, f"{name}: {p!r} is not a ({what}, {value}) pair")
             x, y = p
             _need(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 1 and float(x) == int(x),
                   f"{name}: {what} {x!r} must be an integer >= 1")
-            _need(_finite(y, strict=True), f"{name}: seconds {y!r} at {what} {x} must be a finite number > 0")
+            _need(_finite(y, strict=True), f"{name}: {value} {y!r} at {what} {x} must be a finite number > 0")
             out.append((int(x), float(y)))
         out.sort()
         xs = [p[0] for p in out]
@@ -145,6 +163,23 @@ class ReplicaProfile:
     def prefill_s(self, prompt_tokens: int) -> float:
         return max(self._prefill(prompt_tokens), 1e-6)
 
+    def busy_scale(self, busy_replicas: int, measured_busy: int = 1) -> float:
+        """Step-time multiplier when busy_replicas replicas (this one included) run steps on the same machine,
+        for a curve measured with measured_busy replicas busy: slowdown(busy_replicas) / slowdown(measured_busy).
+        The simulator uses it (with replicas_share_cores=True) through decode_scale and prefill_scale."""
+        key = (busy_replicas, measured_busy)
+        scale = self._scale_cache.get(key)
+        if scale is None:
+            scale = self._scale_cache[key] = (max(self._slowdown(busy_replicas), 1e-6)
+                                              / max(self._slowdown(measured_busy), 1e-6))
+        return scale
+
+    def decode_scale(self, busy_replicas: int) -> float:
+        return self.busy_scale(busy_replicas, self.decode_busy_replicas)
+
+    def prefill_scale(self, busy_replicas: int) -> float:
+        return self.busy_scale(busy_replicas, self.prefill_busy_replicas)
+
     @property
     def max_measured_batch(self) -> int:
         return self.decode_points[-1][0]
@@ -157,11 +192,14 @@ class ReplicaProfile:
         return {"decode_points": [list(p) for p in self.decode_points],
                 "prefill_points": [list(p) for p in self.prefill_points],
                 "startup_s": self.startup_s, "request_overhead_s": self.request_overhead_s,
+                "busy_slowdown_points": [list(p) for p in self.busy_slowdown_points],
+                "decode_busy_replicas": self.decode_busy_replicas, "prefill_busy_replicas": self.prefill_busy_replicas,
                 "conditions": self.conditions}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ReplicaProfile":
-        known = {"decode_points", "prefill_points", "startup_s", "request_overhead_s", "conditions"}
+        known = {"decode_points", "prefill_points", "startup_s", "request_overhead_s", "busy_slowdown_points",
+                 "decode_busy_replicas", "prefill_busy_replicas", "conditions"}
         _need(isinstance(data, dict), f"a profile is a JSON object, got {type(data).__name__}")
         unknown = set(data) - known
         _need(not unknown, f"unknown profile fields {sorted(unknown)} (known: {sorted(known)})")
@@ -297,6 +335,7 @@ class FleetConfig:
     history_s: float = 30.0
     sample_interval_s: float = 60.0     # timeline resolution (queue, replicas)
     seed: int = 0
+    replicas_share_cores: bool = False  # True: steps x profile.decode_scale / prefill_scale(replicas busy now)
 
     def __post_init__(self):
         def whole(name, lo):
@@ -318,6 +357,8 @@ class FleetConfig:
         _need(_finite(self.hourly_usd), f"hourly_usd={self.hourly_usd!r} must be a finite number >= 0 (USD per replica-hour)")
         for name in ("control_interval_s", "history_s", "sample_interval_s"):
             _need(_finite(getattr(self, name), strict=True), f"{name}={getattr(self, name)!r} must be a number of seconds > 0")
+        _need(isinstance(self.replicas_share_cores, bool),
+              f"replicas_share_cores={self.replicas_share_cores!r} must be True or False")
         _need(self.policy is None or callable(self.policy),
               f"policy={self.policy!r} must be a callable policy(state: FleetState) -> int")
         if self.policy is None:
@@ -443,6 +484,7 @@ class _Replica:
         self.running: list[SimRequest] = []
         self.kick: simpy.Event | None = None  # triggered by an admissible arrival during a decode stretch
         self.steps = 0
+        self.prefilling = 0                   # requests in the prefill step under way
         if ready_s <= sim.env.now:   # warm: serving from now (the policy's first tick already sees it)
             self.ready = True
             sim.env.process(self._run())
@@ -488,7 +530,9 @@ class _Replica:
                         break
                     admitted.append(self.waiting.popleft())
                     tokens += nxt
-                yield env.timeout(profile.prefill_s(tokens))
+                self.prefilling = len(admitted)
+                yield env.timeout(profile.prefill_s(tokens) * self._scale(profile.prefill_scale))
+                self.prefilling = 0
                 self.steps += 1
                 for r in admitted:
                     r.first_token_s = env.now
@@ -498,8 +542,9 @@ class _Replica:
                     else:
                         self._finish(r)
                 continue
-            step = profile.decode_step_s(len(self.running))
-            steps = min(r.remaining for r in self.running)
+            step = profile.decode_step_s(len(self.running)) * self._scale(profile.decode_scale)
+            # sharing cores, the step time moves whenever another replica starts or stops working: one step per event
+            steps = 1 if cfg.replicas_share_cores else min(r.remaining for r in self.running)
             start = env.now
             self.kick = None if len(self.running) >= cfg.max_num_seqs else env.event()
             stretch = env.timeout(steps * step)
@@ -519,6 +564,15 @@ class _Replica:
                 else:
                     still.append(r)
             self.running = still
+
+    def _scale(self, curve_scale) -> float:
+        """The step-time multiplier for a step starting now: 1, or with replicas_share_cores the profile's
+        decode_scale / prefill_scale for the replicas (this one included) that have requests to run."""
+        if not self.sim.config.replicas_share_cores:
+            return 1.0
+        busy = sum(1 for r in self.sim.replicas
+                   if r.ready and r.stop_s is None and (r.running or r.waiting or r.prefilling))
+        return curve_scale(max(busy, 1))
 
     def _finish(self, request: SimRequest) -> None:
         request.finish_s = self.sim.env.now
