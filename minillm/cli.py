@@ -267,13 +267,19 @@ def run_doctor(load_model: bool = True, capability=None) -> list[tuple[str, bool
 
     dev = resolve_device()
     checks.append(("device", True, device_name(dev) + ("" if dev.type == "cuda" else
-                  " — no CUDA GPU seen: the engine runs the torch backend on the CPU, Triton kernels run in the interpreter")))
+                  " — no CUDA GPU seen: the engine runs on the CPU (minillm's CPU kernels, else torch's ops); Triton kernels "
+                  "run in the interpreter")))
     from .threads import cpu_load_report, format_cpu_load
 
     # Information, never a failure: a busy machine is a reason decode is slow, not a broken install.
     threads_line, load_line = format_cpu_load(cpu_load_report(interval_s=0.5))
     checks.append(("threads", True, threads_line))
     checks.append(("cpu load", True, load_line))
+    from .kernels import cpu
+
+    # Information too: without a C compiler the engine keeps torch's CPU ops (slower, same tokens).
+    checks.append(("cpu kernels", True, cpu.describe() + ("" if cpu.available() else
+                  " — the engine uses torch's CPU ops instead; install gcc or clang (set CC) for the fast path")))
     if dev.type == "cuda" or capability is not None:
         checks.append(("gpu formats", True, describe_gpu_formats(capability or gpu_capability(dev))
                        + ("" if dev.type == "cuda" else " (asked with --capability; this machine has no GPU)")))

@@ -38,6 +38,11 @@ class ThreadPolicy:
         self._last: tuple[float, tuple[int, int, int]] | None = None
         self._off = False
 
+    def reset(self) -> None:
+        """Back to max_threads, forgetting the last sample (the next update() starts a fresh interval)."""
+        self.threads, self.busy_other, self._last = self.max_threads, 0.0, None
+        torch.set_num_threads(self.max_threads)
+
     def want(self, busy_other: float) -> int:
         """Threads for `busy_other` cores kept busy by others: one fewer per busy core past the first half."""
         lost = math.ceil(busy_other - BUSY_CORES_WARN) if busy_other > BUSY_CORES_WARN else 0
