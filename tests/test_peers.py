@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -167,3 +168,39 @@ def test_all_rows_on_a_tiny_checkpoint(tmp_path, monkeypatch, default_model_dir)
     written = (converted / "model.bin").stat().st_mtime_ns
     assert peers.convert_for_ct2(str(path), "int8") == converted   # cached: not converted again
     assert (converted / "model.bin").stat().st_mtime_ns == written
+
+
+# ------------------------------------------------------------------ the llama.cpp row's plumbing (a stand-in module)
+def test_llama_cpp_row_with_a_stand_in_module(tiny_llm, tmp_path, monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+
+    made = {}
+
+    class FakeLlama:
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
+            made.update(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads)
+
+        def generate(self, tokens, top_k, temp, **kw):   # endless, like llama-cpp-python's: the caller stops it
+            assert top_k == 1 and temp == 0.0
+            t = tokens[-1]
+            while True:
+                t = (t * 7 + 1) % 500
+                time.sleep(0.001)
+                yield t
+
+    fake = types.ModuleType("llama_cpp")
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    fake.Llama = FakeLlama
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    ids = [[5, 6, 7], [8, 9]]
+    no_gguf = compare_peers(tiny_llm, ids, new_tokens=4, rounds=1, engines={"llama.cpp"}, progress=False)
+    assert "no --gguf" in no_gguf["rows"][0].skipped
+    gguf = tmp_path / "tiny.Q4_1.gguf"
+    gguf.write_bytes(b"\0" * 1234)
+    result = compare_peers(tiny_llm, ids, new_tokens=4, rounds=1, engines={"minillm", "llama.cpp"}, gguf=str(gguf),
+                           settings={"model dtype": {}}, progress=False)
+    row = {r.engine: r for r in result["rows"]}["llama.cpp Q4_1"]
+    assert row.weight_bytes == 1234 and row.tok_s > 0 and row.agree is not None
+    assert made == {"model_path": str(gguf), "n_ctx": 3 + 4 + 8, "n_threads": torch.get_num_threads()}
