@@ -118,6 +118,9 @@ class TorchAttentionBackend:
         return out.squeeze(2)
 
 
+_TORCH_BACKEND = TorchAttentionBackend()
+
+
 def gather_kv(k_cache, v_cache, read, k_scale=None, v_scale=None, dtype=None):
     """One sequence's (or a flat batch's) keys and values: pool slots `read` (a slice or an int64
     tensor) -> k, v [num_kv_heads, num_read, head_dim], dequantized to `dtype` for int8 / fp8 pools."""
@@ -259,6 +262,8 @@ class Attention(nn.Module):
         # them (a lab's) keep their signatures.
         quant = {} if self.k_scale is None or not meta.use_cache else {"k_scale": self.k_scale, "v_scale": self.v_scale}
         backend = self.backend
+        if not meta.use_cache and backend.layout == "block_tables":
+            backend = _TORCH_BACKEND   # no pool to walk (a whole-sequence pass: calibration, perplexity)
         if backend.layout == "block_tables":
             backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
             attend = backend.decode if meta.max_query_len == 1 else backend.extend
