@@ -138,10 +138,11 @@ def describe() -> str:
 
 # ------------------------------------------------------------------ checks
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple | None = None) -> None:
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+    # On every call of every kernel: the cheapest tensor queries (is_cpu, not device.type; Size != tuple).
+    if not (t.is_cpu and t.dtype is dtype and t.is_contiguous()):
         raise ValueError(f"{name}: the CPU kernels need a contiguous {dtype} CPU tensor, got {t.dtype} on "
                          f"{t.device} (contiguous={t.is_contiguous()})")
-    if shape is not None and tuple(t.shape) != shape:
+    if shape is not None and t.shape != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
 
 

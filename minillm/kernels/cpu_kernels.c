@@ -217,41 +217,56 @@ void minillm_quantize_x(const float *x, int64_t m, int64_t K, int8_t *xq, float 
     }
 }
 
-static void i4_row(const int8_t *xq, const float *xd, const float *xsum, int64_t mr, int64_t K, int64_t g,
-                   const uint8_t *p, const float *scale, const float *zero, float *out) {
-    int64_t groups = K / g, nb = K / QBLOCK;
-    for (int64_t i = 0; i < mr; i++) out[i] = 0.f;
 #if HAVE_AVX2
+/* q . xq of block b (32 levels times 32 int8 activations) as 8 int32 partial sums, in floats */
+static inline __m256 i4_block(const uint8_t *p, const int8_t *xq, int64_t b) {
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t gi = 0; gi < groups; gi++) {
-        for (int64_t k = gi * g; k < (gi + 1) * g; k += QBLOCK) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(p + k / 2));
-            __m256i qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-            for (int64_t i = 0; i < mr; i++) {   /* one multiplier per block: the group's scale times x's */
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * K + k));
-                __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_set1_ps(scale[gi] * xd[i * nb + k / QBLOCK]),
-                                         acc[i]);
-            }
-        }
-        for (int64_t i = 0; i < mr; i++) out[i] += zero[gi] * xsum[i * groups + gi];
+    __m128i raw = _mm_loadu_si128((const __m128i *)(p + b * QBLOCK / 2));
+    __m256i qv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), _mm256_set1_epi16(1)));
+}
+#endif
+
+/* One weight row against MR activation rows (MR a constant after inlining: the accumulators stay in
+ * registers). Each block gets one multiplier, its group's scale times x's block scale; four blocks in
+ * flight per activation row hide the FMA latency. gshift: log2(g / 32). */
+static inline __attribute__((always_inline)) void i4_rows(const int8_t *xq, const float *xd, const float *xsum,
+                                                          const int MR, int64_t K, int64_t gshift,
+                                                          const uint8_t *p, const float *scale, const float *zero,
+                                                          float *out) {
+    int64_t nb = K / QBLOCK, groups = nb >> gshift;
+    for (int i = 0; i < MR; i++) {
+        float z = 0.f;
+        for (int64_t gi = 0; gi < groups; gi++) z += zero[gi] * xsum[i * groups + gi];
+        out[i] = z;
     }
-    for (int64_t i = 0; i < mr; i++) out[i] += hsum(acc[i]);
+#if HAVE_AVX2
+    __m256 acc[4][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        float s0 = scale[b >> gshift], s1 = scale[(b + 1) >> gshift];
+        for (int i = 0; i < MR; i++) {
+            acc[i][0] = _mm256_fmadd_ps(i4_block(p, xq + i * K, b), _mm256_set1_ps(s0 * xd[i * nb + b]), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(i4_block(p, xq + i * K, b + 1), _mm256_set1_ps(s1 * xd[i * nb + b + 1]),
+                                        acc[i][1]);
+        }
+    }
+    for (; b < nb; b++)
+        for (int i = 0; i < MR; i++)
+            acc[i][0] = _mm256_fmadd_ps(i4_block(p, xq + i * K, b), _mm256_set1_ps(scale[b >> gshift] * xd[i * nb + b]),
+                                        acc[i][0]);
+    for (int i = 0; i < MR; i++) out[i] += hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
 #else
-    for (int64_t gi = 0; gi < groups; gi++)
-        for (int64_t i = 0; i < mr; i++) {
-            float d = 0.f;
-            for (int64_t k = gi * g; k < (gi + 1) * g; k += QBLOCK) {
-                int32_t s = 0;
-                for (int j = 0; j < 16; j++) {
-                    uint8_t byte = p[k / 2 + j];
-                    s += (byte & 15) * xq[i * K + k + j] + (byte >> 4) * xq[i * K + k + 16 + j];
-                }
-                d += xd[i * nb + k / QBLOCK] * (float)s;
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < MR; i++) {
+            int32_t s = 0;
+            for (int j = 0; j < 16; j++) {
+                uint8_t byte = p[b * 16 + j];
+                s += (byte & 15) * xq[i * K + b * QBLOCK + j] + (byte >> 4) * xq[i * K + b * QBLOCK + 16 + j];
             }
-            out[i] += scale[gi] * d + zero[gi] * xsum[i * groups + gi];
+            out[i] += scale[b >> gshift] * xd[i * nb + b] * (float)s;
         }
 #endif
 }
@@ -260,7 +275,8 @@ static void i4_row(const int8_t *xq, const float *xd, const float *xsum, int64_t
 void minillm_mm_i4(const float *x, int64_t m, int64_t K, const uint8_t *packed, const float *scale,
                    const float *zero, int64_t g, int64_t N, float *y, const float *bias, int8_t *xq, float *xd,
                    float *xsum, int nt) {
-    int64_t groups = K / g, nb = K / QBLOCK;
+    int64_t groups = K / g, nb = K / QBLOCK, gshift = 0;
+    while ((QBLOCK << gshift) < g) gshift++;
     minillm_quantize_x(x, m, K, xq, xd);
     for (int64_t i = 0; i < m; i++)
         for (int64_t gi = 0; gi < groups; gi++) {
@@ -280,8 +296,16 @@ void minillm_mm_i4(const float *x, int64_t m, int64_t K, const uint8_t *packed, 
             for (int64_t i0 = 0; i0 < m; i0 += 4) {
                 int64_t mr = m - i0 < 4 ? m - i0 : 4;
                 float out[4];
-                i4_row(xq + i0 * K, xd + i0 * nb, xsum + i0 * groups, mr, K, g, packed + n * (K / 2),
-                       scale + n * groups, zero + n * groups, out);
+                const int8_t *xqi = xq + i0 * K;
+                const float *xdi = xd + i0 * nb, *xsi = xsum + i0 * groups;
+                const uint8_t *pn = packed + n * (K / 2);
+                const float *sn = scale + n * groups, *zn = zero + n * groups;
+                switch (mr) {   /* a constant row count per call: see i4_rows */
+                case 1: i4_rows(xqi, xdi, xsi, 1, K, gshift, pn, sn, zn, out); break;
+                case 2: i4_rows(xqi, xdi, xsi, 2, K, gshift, pn, sn, zn, out); break;
+                case 3: i4_rows(xqi, xdi, xsi, 3, K, gshift, pn, sn, zn, out); break;
+                default: i4_rows(xqi, xdi, xsi, 4, K, gshift, pn, sn, zn, out); break;
+                }
                 for (int64_t i = 0; i < mr; i++) y[(i0 + i) * N + n] = out[i] + (bias ? bias[n] : 0.f);
             }
     }
