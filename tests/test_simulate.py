@@ -353,9 +353,34 @@ def test_validation_ramp_and_tolerance():
     assert within(0.1 + TOLERANCE_ABS_S - 0.01, 0.1) and not within(0.1 + TOLERANCE_ABS_S + 0.01, 0.1)
 
 
+def test_replay_predicts_a_saved_validation_report_again(tmp_path, capsys):
+    # the two requests of test_replicas_sharing_cores_slow_each_others_steps_by_the_measured_factor: with shared
+    # cores B's TTFT is 1.0 s (0.5 s with independent replicas); measured 0.5 and 1.2 s
+    from minillm.bench import fleet
+
+    profile = ReplicaProfile(decode_points=[(1, 0.1), (2, 0.1)], prefill_points=[(1, 0.5)],
+                             busy_slowdown_points=[(1, 1.0), (2, 2.0)]).to_dict()
+    report = {"requests": [{"start_s": 0.0, "prompt_tokens": 4, "output_tokens": 3, "ttft_s": 0.5},
+                           {"start_s": 0.55, "prompt_tokens": 4, "output_tokens": 2, "ttft_s": 1.2}],
+              "num_requests": 2, "duration_s": 1.0, "capacity_rps": 4.0, "rate_from": 1.0, "rate_to": 3.0,
+              "num_replicas": 2, "max_num_seqs": 2, "max_ongoing_requests": 16, "profile": profile,
+              "profile_before": profile, "profile_after": profile, "calibration_drift": 0.0,
+              "tolerance": {"rel": 0.3, "abs_s": 0.25}, "wall_s": 1.0,
+              "load_average": {"mean": 1.0, "max": 1.0, "cores": 2}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert fleet.main(["--replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    p50 = next(line for line in out.splitlines() if line.split()[:1] == ["p50"]).split()
+    assert p50[1:5] == ["0.850s", "0.750s", "-12%", "within"] and p50[5] == "0.500", "shared cores; independent"
+    p99 = next(line for line in out.splitlines() if line.split()[:1] == ["p99"]).split()
+    assert p99[1:3] == ["1.193s", "0.995s"]
+    assert "1: 1.00, 2: 2.00" in out
+
+
 @pytest.mark.slow
 def test_simulator_predicts_a_real_fleet_within_the_stated_tolerance():
-    """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 90 s ramp."""
+    """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 150 s ramp."""
     pytest.importorskip("ray")
     from minillm.bench.fleet import format_validation, validate
 

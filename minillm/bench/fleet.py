@@ -12,15 +12,21 @@ default autoscaling policy (target 2 ongoing requests per replica, 30 s upscale 
 --hourly-usd per replica-hour (minillm's CPU example price by default).
 
 --validate starts a real fleet (minillm.fleet.ray_fleet.start_fleet: 2 replicas of the default model, 1 torch
-thread each, on loopback) and calibrates a profile on it through its HTTP API (calibrate_on_server: every
-replica busy, see minillm/fleet/profile.py for why) before and after the ramp; the prediction uses their mean.
-The ramp: streamed requests with known send times, prompt tokens (random token ids, 16-192) and output tokens
-(8-40, ignore_eos), the rate rising linearly from 20% to 65% of the fleet's estimated capacity (beyond that the
-real fleet's queue can run away while the simulated one does not: near saturation a few percent of error in
-the service time decides whether a queue grows). The simulator replays the same requests (their measured send
-times) through a fixed 2-replica fleet (its prediction averaged over 5 router seeds), and the command prints
+thread each, on loopback) and calibrates a profile on it through its HTTP API (calibrate_on_server: decode with
+every replica busy, prefill with one, and how much a busy replica slows the others; see
+minillm/fleet/profile.py for why) before and after the ramp; the prediction uses their mean. The ramp
+(150 s with --quick, 300 s without): streamed requests with known send times, prompt tokens (random token ids,
+16-192) and output tokens (8-40, ignore_eos), the rate rising linearly from 20% to 65% of the fleet's estimated
+capacity (beyond that the real fleet's queue can run away while the simulated one does not: near saturation a
+few percent of error in the service time decides whether a queue grows). The simulator replays the same
+requests (their measured send times) through a fixed 2-replica fleet whose replicas share the machine's cores
+(FleetConfig(replicas_share_cores=True); its prediction averaged over 5 router seeds), and the command prints
 measured vs predicted TTFT p50 and p99 and whether each is within the stated tolerance:
-|predicted - measured| <= max(TOLERANCE_REL x measured, TOLERANCE_ABS_S). Exit status 1 if not.
+|predicted - measured| <= max(TOLERANCE_REL x measured, TOLERANCE_ABS_S). Exit status 1 if not. Beside the
+verdict it prints the prediction with independent replicas (the shared-core model off), from each calibration
+alone, and where p99 falls among the largest TTFTs (with ~100 requests it is close to the largest).
+`--validate --json PATH` saves every request's times and both calibrations; `--replay PATH` predicts such a
+report again without a fleet.
 """
 
 from __future__ import annotations

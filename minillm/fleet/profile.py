@@ -17,12 +17,14 @@ Two ways to measure, for two questions:
   validation runs in: decode at batch B from num_replicas x B concurrent streams (Ray's router spreads
   them, so every replica decodes about B at once: the replicas share the cores, memory bandwidth, and
   the proxy / ingress processes that relay every chunk), as the median gap between streamed tokens;
-  prefill from num_replicas concurrent requests of each prompt length (every replica prefilling at
-  once), as the median TTFT. On a 2-core CPU with two 1-thread replicas the shared machine makes a
-  replica's decode step much slower than alone, and a profile measured alone predicts a fleet's TTFT
-  far too low, which is why the validation calibrates on the fleet itself. The TTFT it measures holds
-  the HTTP / proxy latency as well as the prefill step, so its prefill curve includes that latency
-  (request_overhead_s stays 0); a prefill step holding several prompts counts it once, which
+  prefill from one request of each prompt length at a time (one replica prefilling, the others idle),
+  as the median TTFT; and the busy slowdown (ReplicaProfile.busy_slowdown_points): the decode step with
+  k = 1 .. num_replicas replicas each decoding one request of n = B sequences at once, over k = 1. On a
+  2-core CPU with two 1-thread replicas the shared machine makes a replica's decode step much slower
+  than alone, and a profile measured alone predicts a fleet's TTFT far too low, which is why the
+  validation calibrates on the fleet itself (and simulates with replicas_share_cores=True). The TTFT it
+  measures holds the HTTP / proxy latency as well as the prefill step, so its prefill curve includes that
+  latency (request_overhead_s stays 0); a prefill step holding several prompts counts it once, which
   under-counts by a few tens of ms per extra prompt.
 """
 

@@ -32,6 +32,15 @@ The model, piece by piece:
   dominates). A request arriving mid-step waits for the step's end. TTFT = arrival -> end of its prefill
   step + `request_overhead_s` (HTTP / proxy, calibrated). Decode stretches are advanced in one event up
   to the next finish or admissible arrival, so events grow with requests, not with steps.
+* **Replicas sharing cores** (`FleetConfig(replicas_share_cores=True)`; off by default, as for a day of
+  replicas on machines of their own): replicas on one machine slow each other, since they share its cores
+  and memory bandwidth (on loopback also with Ray's proxy and the ingress, which relay every token). The
+  profile's `busy_slowdown_points` say by how much: (replicas busy at once, step-time factor), measured by
+  `calibrate_on_server` as a replica's decode step with k replicas decoding a full batch at once over the
+  same with one (on the 2-core CPU: x1.3-1.4 with both of two busy). Each step, when it starts, takes its
+  curve's time x slowdown(replicas busy now) / slowdown(replicas busy when that curve was measured)
+  (`decode_busy_replicas`, `prefill_busy_replicas`); a replica is busy while it has requests waiting or
+  running. Steps are then simulated one per event, since the factor can change at every step.
 * **Router** = Ray Serve's default: power of two choices on ongoing requests (waiting + running) among
   the replicas that are ready and below `max_ongoing_requests`; when every replica is at that limit the
   request waits at the router (FIFO) for the first free slot.
