@@ -37,7 +37,7 @@ The model, piece by piece:
   and memory bandwidth (on loopback also with Ray's proxy and the ingress, which relay every token). The
   profile's `busy_slowdown_points` say by how much: (replicas busy at once, step-time factor), measured by
   `calibrate_on_server` as a replica's decode step with k replicas decoding a full batch at once over the
-  same with one (on the 2-core CPU: x1.3-1.4 with both of two busy). Each step, when it starts, takes its
+  same with one (on the 2-core CPU: x1.04-1.43 with both of two busy). Each step, when it starts, takes its
   curve's time x slowdown(replicas busy now) / slowdown(replicas busy when that curve was measured)
   (`decode_busy_replicas`, `prefill_busy_replicas`); a replica is busy while it has requests waiting or
   running. Steps are then simulated one per event, since the factor can change at every step.
