@@ -160,9 +160,9 @@ def test_quantized_layers_take_the_cpu_path_and_multiply_by_their_dequantized_we
     layer = QuantizedLinear.from_float(w, b, weight_dtype, group_size=group_size or 128)
     assert layer.path == "cpu"
     wd = layer.dequantized_weight(torch.float32)
-    for m in (1, 3, 20):                                   # 20 rows: prefill, through F.linear
+    for m in (1, 3, 20, 70):                               # 70 rows: a long prefill, through F.linear
         x = torch.randn(m, 200, generator=gen)
-        if weight_dtype == "int4" and m <= cpu.KERNEL_ROWS:
+        if weight_dtype == "int4" and m <= cpu.QUANT_KERNEL_ROWS:
             xp = F.pad(x, (0, layer.pad))
             xq, d = cpu.quantize_x_reference(xp)
             x_ref = (xq.float().view(m, -1, 32) * d[..., None]).view(m, -1)[:, :200]

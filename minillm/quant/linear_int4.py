@@ -5,7 +5,7 @@ activations). Scales and zeros are stored in bfloat16, what the kernels take.
 
 Paths: "cpu" on the CPU when minillm's CPU kernels are built (kernels/cpu.py `mm_i4` on its own
 packed layout, cpu.pack_i4: activations rounded to int8 in blocks of 32 and multiplied in integers,
-for fp32 models whose padded in_features is a multiple of 32; more than KERNEL_ROWS rows (prefill)
+for fp32 models whose padded in_features is a multiple of 32; more than QUANT_KERNEL_ROWS rows (a long prefill)
 multiply the dequantized matrix with F.linear); "int4pack" on the CPU otherwise (`aten._weight_int4pack_mm_for_cpu` on torch's own packed layout,
 quant/int4pack.py: bf16 activations, out_features a multiple of 16; the weights stay 4-bit in
 memory); "triton" on CUDA GPUs (kernels/quant_matmul.py int4_matmul on the plain layout);
@@ -116,8 +116,9 @@ class Int4Linear(QuantizedLinear):
 
     def _cpu_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.path == "cpu":
-            if x2d.shape[0] > cpu.KERNEL_ROWS:
-                return F.linear(x2d.float(), self.dequantized_weight(torch.float32))
+            if x2d.shape[0] > cpu.QUANT_KERNEL_ROWS:   # dequantized straight from the CPU layout
+                w = dequantize_int4(cpu.unpack_i4(self.packed), self.scale, self.zero)[:, : self.in_features]
+                return F.linear(x2d.float(), w)
             x = F.pad(x2d.float(), (0, self.pad)) if self.pad else x2d.float()
             return cpu.mm_i4(x if x.is_contiguous() else x.contiguous(), self.packed, self.scale, self.zero,
                              self.group_size)

@@ -1,7 +1,7 @@
 """Int8Linear: int8 weights, one scale per output channel (minillm/quant/int8.py).
 
 Paths: "cpu" on the CPU when minillm's CPU kernels are built (kernels/cpu.py `mm_i8`: fp32 activations
-times int8 weights converted in registers, for fp32 models; more than KERNEL_ROWS rows (prefill)
+times int8 weights converted in registers, for fp32 models; more than QUANT_KERNEL_ROWS rows (a long prefill)
 multiply the dequantized matrix with F.linear); "int8pack" on the CPU otherwise
 (`aten._weight_int8pack_mm`: bf16 activations and bf16 scales, weight-only, for in_features a
 multiple of 16; the op streams the int8 matrix only with bf16 activations); "triton" on CUDA GPUs
@@ -42,7 +42,7 @@ class Int8Linear(ChannelLinear):
         if self.path == "int8pack":
             return torch._weight_int8pack_mm(x2d.to(torch.bfloat16), self.q, self.scale)
         x2d = x2d.float()
-        if x2d.shape[0] > cpu.KERNEL_ROWS:
+        if x2d.shape[0] > cpu.QUANT_KERNEL_ROWS:
             return F.linear(x2d, self.dequantized_weight(torch.float32))
         return cpu.mm_i8(x2d if x2d.is_contiguous() else x2d.contiguous(), self.q, self.scale)
 
