@@ -46,7 +46,7 @@ FLAG_SETS = (
 INT4_BLOCK = 32    # levels per packed block (16 bytes): mm_i4's layout
 # Up to this many activation rows (decode of a small batch) mm_f32 beats torch's fp32 GEMM; callers
 # send more rows (prefill) to F.linear.
-KERNEL_ROWS = 8
+KERNEL_ROWS = 16
 # mm_i8 / mm_i4 up to this many rows: a short prefill too, which would otherwise dequantize every matrix.
 QUANT_KERNEL_ROWS = 64
 
