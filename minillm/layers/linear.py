@@ -15,9 +15,10 @@ step's matmuls; `scripts/cpu_linear_sweep.py` prints this table):
 Above MAX_ROWS rows (prefill) the gain shrinks (256 rows: 468 vs 416 ms before the copy back
 to row-major is counted), so those keep F.linear.
 
-With minillm's CPU kernels built (kernels/cpu.py), up to cpu.KERNEL_ROWS rows go to `cpu.mm_f32`
-instead, which streams each weight row once at nearly the machine's read bandwidth, where MKL's
-GEMV reaches about half of it on AMD CPUs (`scripts/cpu_linear_sweep.py` has a column for it).
+With minillm's CPU kernels built (kernels/cpu.py), up to cpu.KERNEL_ROWS (16) rows go to
+`cpu.mm_f32` instead, which streams each weight row once at nearly the machine's read bandwidth
+(the same step, ms: 28 / 42 / 36 / 51 / 73 for 1 / 2 / 4 / 8 / 16 rows, against the table's second
+row measured again beside it: 41 / 42 / 40 / 81 / 102; `scripts/cpu_linear_sweep.py` prints both).
 
 Same arithmetic (each output is one row of W dotted with one row of x); only the summation
 order inside MKL may differ, so results agree to float rounding. GPUs and other dtypes keep
