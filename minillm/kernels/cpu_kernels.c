@@ -3,7 +3,7 @@
  * Built and loaded by minillm/kernels/cpu.py (cc -O3 -march=native -fopenmp, once per source and
  * machine, into the cache). Plain C: every function takes raw pointers and sizes that cpu.py checks
  * first. Threads come from OpenMP: the library links libgomp, the same runtime torch's CPU build
- * loaded, so torch.set_num_threads sets the threads of both.
+ * loaded (one thread pool for both), and each call names its thread count (nt).
  *
  * Decode at batch 1 reads every weight once per token and does two flops per weight, so a matmul
  * with a few rows is bound by memory bandwidth: the kernels below stream each weight row once and
@@ -33,14 +33,6 @@
 
 int minillm_avx2(void) { return HAVE_AVX2; }
 
-int minillm_max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 /* Output rows are handed to threads in blocks of ROWS_PER_TASK (a multiple of every kernel's row tile). */
 #define ROWS_PER_TASK 16
 
@@ -61,8 +53,8 @@ static inline __m256 load_i8(const int8_t *p) {
 /* ------------------------------------------------------------------ fp32 weights
  * One activation row (batch-1 decode): one weight row at a time, four independent accumulators
  * (measured: the fastest way to stream the rows on one core, as fast as a plain sum of the matrix).
- * More activation rows: two weight rows at a time against up to four activation rows: 8 accumulators, each weight
- * vector loaded once and used MR times. */
+ * More activation rows: two weight rows at a time against up to four activation rows (8 accumulators),
+ * each weight vector loaded once and used by every activation row. */
 static inline float f32_dot(const float *x, const float *w, int64_t K) {
     int64_t k = 0;
     float d = 0.f;
