@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
+from minillm.kernels import cpu
 from minillm.layers.linear import Linear
 from minillm.quant import (QuantizedLinear, dequantize_fp8, dequantize_int4, dequantize_int8, pack_int4,
                            quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
@@ -92,23 +93,40 @@ def test_fp8_error_is_relative(shape):
     assert (err <= w.abs() / 16 + scale[:, None] * 2.0 ** -10 + 1e-12).all()
 
 
+@pytest.fixture(params=["cpu-kernels", "torch-kernels"])
+def kernels(request, monkeypatch):
+    """Each fast-path test twice: with minillm's CPU kernels (path "cpu") and without them (torch's packed
+    kernels, the path on machines with no C compiler)."""
+    if request.param == "torch-kernels":
+        monkeypatch.setattr(cpu, "available", lambda: False)
+    elif not cpu.available():
+        pytest.skip(f"CPU kernels not built: {cpu.unavailable_reason()}")
+    return request.param
+
+
 @pytest.mark.parametrize("k", [208, 200])
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-def test_fast_path_matches_the_dequantize_reference(kind, k):
+def test_fast_path_matches_the_dequantize_reference(kind, k, kernels):
     w = fresh((96, k), 6).t().contiguous().t()  # column-major: a layout QuantizedLinear must also accept
     fast = QuantizedLinear.from_float(w, None, kind, 64, fast=True)
     ref = QuantizedLinear.from_float(w, None, kind, 64, fast=False)
     assert ref.path == "dequant"
-    if kind == "int4" or (kind == "int8" and k % 16 == 0):  # int4 pads K to the group size
+    if kernels == "cpu-kernels" and kind in ("int8", "int4"):
+        assert fast.path == "cpu"
+    elif kind == "int4" or (kind == "int8" and k % 16 == 0):  # int4 pads K to the group size
         assert fast.path == f"{kind}pack", "torch's packed CPU kernel should be available in this torch"
     elif kind == "int8":  # torch's int8 kernel needs K % 16 == 0 (AVX-512 crashed on K = 200)
         assert fast.path == "dequant"
     x = torch.randn(5, k)
     expected = F.linear(x, ref.dequantized_weight())
     step = {"int8": 1 / 127, "int4": 1 / 15, "fp8": 1 / 16}[kind]
-    # Same levels; fast paths round activations and scales to bf16.
+    # Same levels; torch's fast paths round activations and scales to bf16, the int4 CPU kernel activations to int8.
     torch.testing.assert_close(fast(x), expected, rtol=2e-2, atol=0.02 * float(expected.abs().max()))
-    torch.testing.assert_close(fast(x), F.linear(x, fast.dequantized_weight()), rtol=1e-2, atol=1e-2)
+    x_ref = x
+    if fast.path == "cpu" and kind == "int4":   # that kernel multiplies x rounded to int8 per block of 32
+        xq, d = cpu.quantize_x_reference(F.pad(x, (0, fast.pad)))
+        x_ref = (xq.float().view(5, -1, 32) * d[..., None]).view(5, -1)[:, :k]
+    torch.testing.assert_close(fast(x), F.linear(x_ref, fast.dequantized_weight()), rtol=1e-2, atol=1e-2)
     # And the quantized layer is close to the float one, within the quantization step.
     assert (fast(x) - x @ w.t()).abs().max() < step * float(w.abs().max()) * k ** 0.5 * 2
     # 3-d inputs keep their leading shape.
@@ -262,12 +280,14 @@ def test_awq_lever_on_a_random_model_quantizes_with_input_scales():
 
 # ------------------------------------------------------------------ plain layouts and the plug-in hook
 @pytest.mark.parametrize("n, k, group", [(48, 200, 64), (80, 96, 32), (37, 131, 128)])
-def test_int4_parts_are_the_plain_layout_on_every_path(n, k, group):
+def test_int4_parts_are_the_plain_layout_on_every_path(n, k, group, kernels):
     w = fresh((n, k), n + k)
     w[1] += 2.0  # a row far from zero: its groups' zeros are large next to their scales
     q, _, _ = quantize_int4(F.pad(w, (0, (-k) % group)), group)
     layers = [QuantizedLinear.from_float(w, None, "int4", group, fast=f) for f in (True, False)]
-    if n % 16 == 0:
+    if kernels == "cpu-kernels":
+        assert layers[0].path == "cpu"     # its own layout, unpacked back
+    elif n % 16 == 0:
         assert layers[0].path == "int4pack"  # the recovered case
     for layer in layers:
         packed, scale, zero = layer.int4_parts()
