@@ -154,7 +154,8 @@ class EngineConfig:
             raise ValueError("cuda_graphs=True needs kv_cache=True: a captured decode step reads and writes the KV pool")
         if self.cuda_graphs and self.attention_backend != "triton":
             raise ValueError(f"cuda_graphs=True needs attention_backend='triton' (got {self.attention_backend!r}): "
-                             "the torch backend loops over sequences in Python and cannot be captured")
+                             "only the Triton kernels' decode steps are captured (the torch backend loops over sequences "
+                             "in Python; the CPU kernels run on the CPU)")
 
         need(self.weight_dtype in (None, "auto") + WEIGHT_DTYPES,
              f"weight_dtype={self.weight_dtype!r} is not one of {(None,) + WEIGHT_DTYPES}")

@@ -124,7 +124,7 @@ def test_cuda_graphs_refused_on_cpu():
 
 
 def test_cuda_graphs_needs_the_triton_backend_and_the_cache():
-    with pytest.raises(ValueError, match=r"cuda_graphs=True needs attention_backend='triton' \(got 'torch'\)"):
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs attention_backend='triton' \(got 'auto'\)"):
         EngineConfig(cuda_graphs=True)
     with pytest.raises(ValueError, match=r"needs kv_cache=True"):
         EngineConfig(cuda_graphs=True, attention_backend="triton", kv_cache=False)
