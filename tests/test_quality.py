@@ -116,7 +116,8 @@ def test_cli_prints_the_table(default_llm, tmp_path, capsys, monkeypatch):
     assert any(line.startswith("max_num_seqs=3") and NOT_AVAILABLE in line for line in text.splitlines()), text
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok", NOT_AVAILABLE]
-    assert rows[0]["perplexity"] == rows[1]["perplexity"] and rows[1]["kv_bytes_per_token"] == 0
+    # kv_cache=False runs torch's ops, the baseline the CPU kernels: the same perplexity to float rounding
+    assert rows[0]["perplexity"] == pytest.approx(rows[1]["perplexity"], rel=1e-5) and rows[1]["kv_bytes_per_token"] == 0
     assert rows[0]["head"] == str(default_llm.engine.dtype).replace("torch.", "")  # float model: head in its dtype
     assert rows[0]["decode_tok_per_s"] > 0 and rows[1]["decode_tok_per_s"] > 0
 

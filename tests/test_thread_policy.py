@@ -37,6 +37,7 @@ def restore_threads():
 def test_threads_drop_when_others_keep_a_core_busy_and_come_back(restore_threads):
     if len(usable_cpus()) < 2:
         pytest.skip("one usable CPU: nothing to drop")
+    torch.set_num_threads(2)                         # a pytest-xdist worker starts with its share
     now = [0.0]
     proc = FakeProc()
     policy = ThreadPolicy(max_threads=2, interval_s=1.0, clock=lambda: now[0], sample=proc)

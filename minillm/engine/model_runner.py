@@ -20,7 +20,9 @@ from .sequence import Sequence
 
 
 def _float_dtype(model) -> torch.dtype | None:
-    """The model's activation dtype: its first floating-point parameter's."""
+    """The model's activation dtype: its first floating-point parameter's (None for a stand-in that is no Module)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
