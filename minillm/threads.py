@@ -65,10 +65,15 @@ def _measure(interval_s: float) -> tuple[float, float]:
     busy0, steal0, own0 = _busy_and_self_jiffies()
     t0 = time.perf_counter()
     time.sleep(interval_s)
-    busy1, steal1, own1 = _busy_and_self_jiffies()
-    ticks = (time.perf_counter() - t0) * _jiffies_per_s()
-    others = max(0, (busy1 - busy0) - (own1 - own0))
-    return others / ticks, max(0, steal1 - steal0) / ticks
+    return cores_between((busy0, steal0, own0), _busy_and_self_jiffies(), time.perf_counter() - t0)
+
+
+def cores_between(before: tuple[int, int, int], after: tuple[int, int, int], seconds: float) -> tuple[float, float]:
+    """(cores' worth of CPU time other processes used, cores' worth stolen by the hypervisor) between two
+    (busy, steal, own) jiffy samples taken `seconds` apart: all CPUs' busy time minus this process's own."""
+    (busy0, steal0, own0), (busy1, steal1, own1) = before, after
+    ticks = max(seconds * _jiffies_per_s(), 1e-9)
+    return max(0, (busy1 - busy0) - (own1 - own0)) / ticks, max(0, steal1 - steal0) / ticks
 
 
 def busy_other_cores(interval_s: float = 0.5) -> float:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..threads import BUSY_CORES_WARN, _busy_and_self_jiffies, _jiffies_per_s, usable_cpus
+from ..threads import BUSY_CORES_WARN, _busy_and_self_jiffies, cores_between, usable_cpus
 
 
 class ThreadPolicy:
@@ -61,9 +61,8 @@ class ThreadPolicy:
             self._off = True
             return self.threads
         if self._last is not None:
-            (t0, (busy0, _, own0)), (busy1, _, own1) = self._last, sample
-            ticks = max((now - t0) * _jiffies_per_s(), 1e-9)
-            self.busy_other = max(0, (busy1 - busy0) - (own1 - own0)) / ticks
+            t0, before = self._last
+            self.busy_other = cores_between(before, sample, now - t0)[0]
             wanted = self.want(self.busy_other)
             if wanted != self.threads:
                 self.threads = wanted
