@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..layers.attention import AttentionMetadata, TorchAttentionBackend
+from ..layers.attention import AttentionMetadata
 from ..sampling import SamplingParams
 from .workloads import chat_workload, shipped_corpus
 
@@ -71,29 +71,17 @@ def sequence_logits(llm, token_ids: list[int]) -> torch.Tensor:
 
     Runs `llm.engine.model` directly with kv_cache-free metadata (one sequence, nothing cached),
     the way ModelRunner.prepare lays out a kv_cache=False step. The engine's runner binds its
-    weights and ops first; a batched backend (Triton kernels read the KV pool) is swapped for
-    torch attention for this call and restored after.
+    weights and ops first; a block-table backend (Triton or CPU kernels, which read the KV pool)
+    attends through torch for such a pass (layers/attention.py).
     """
     engine = llm.engine
     engine.runner.bind()
     model = engine.model
-    device = engine.device
-    layers = model.attention_layers()
-    saved = [layer.backend for layer in layers]
-    if any(getattr(b, "batched", False) for b in saved):
-        torch_backend = TorchAttentionBackend()
-        for layer in layers:
-            layer.backend = torch_backend
-    try:
-        n = len(token_ids)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        positions = torch.arange(n, dtype=torch.long, device=device)
-        meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
-        hidden = model(ids, positions, meta)
-        return model.compute_logits(hidden).float()
-    finally:
-        for layer, b in zip(layers, saved):
-            layer.backend = b
+    n = len(token_ids)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=engine.device)
+    positions = torch.arange(n, dtype=torch.long, device=engine.device)
+    meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
+    return model.compute_logits(model(ids, positions, meta)).float()
 
 
 # ------------------------------------------------------------------ perplexity
