@@ -200,3 +200,69 @@ def test_without_the_kernels_the_engine_falls_back_to_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "turned", "off", "by", "MINILLM_CPU_KERNELS=0", "torch", "True"]
+
+
+def _decode_layers_calls(monkeypatch) -> list[int]:
+    """Counts cpu.decode_layers calls (the fused decode step) while the test runs."""
+    calls = []
+    real = cpu.decode_layers
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_layers", counting)
+    return calls
+
+
+def _greedy_with_logprobs(llm, prompts):
+    from minillm.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("levers", [{}, {"weight_dtype": "int8"}, {"weight_dtype": "int4", "weight_group_size": 128},
+                                    {"weight_dtype": "int4", "weight_group_size": 32}],
+                         ids=["fp32", "int8", "int4-g128", "int4-g32"])
+def test_the_fused_decode_step_gives_the_layer_by_layer_bits(default_llm, levers, monkeypatch):
+    """models/cpu_decode.py runs a decode step's layers in one C call: the same kernels in the same order, so
+    the same logprobs to the bit as DecoderLayer.forward_fused, for one sequence and for three of
+    different lengths (int4 g128 pads the 576 input channels to 640)."""
+    llm = default_llm.with_levers(**levers) if levers else default_llm
+    model = llm.engine.model
+    calls = _decode_layers_calls(monkeypatch)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time"]
+    for batch in (prompts[:1], prompts):
+        calls.clear()
+        fused = _greedy_with_logprobs(llm, batch)
+        assert len(calls) >= 9, "the decode steps did not take the fused path"
+        model.fuse_cpu_decode = False
+        try:
+            calls.clear()
+            layered = _greedy_with_logprobs(llm, batch)
+            assert not calls
+        finally:
+            model.fuse_cpu_decode = True
+        assert fused == layered
+
+
+def test_the_fused_decode_step_steps_aside_for_what_it_does_not_cover(default_llm, monkeypatch):
+    """A forward hook on a projection (how LoRA adapters act) and a quantized KV pool send the step back to
+    the layers; the hook still runs on every step."""
+    calls = _decode_layers_calls(monkeypatch)
+    llm = default_llm
+    seen = []
+    handle = llm.engine.model.layers[3].qkv_proj.register_forward_hook(lambda module, args, out: seen.append(1))
+    try:
+        _greedy_with_logprobs(llm, ["Hello there, my friend"])
+    finally:
+        handle.remove()
+    assert not calls and len(seen) == 10     # the prompt and 9 decode steps, all layer by layer
+    _greedy_with_logprobs(llm, ["Hello there, my friend"])
+    assert len(calls) == 9                   # the hook is gone: the plan is built again and used
+    calls.clear()
+    int8_kv = llm.with_levers(kv_dtype="int8")
+    _greedy_with_logprobs(int8_kv, ["Hello there, my friend"])
+    assert not calls

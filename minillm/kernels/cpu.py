@@ -100,11 +100,13 @@ def _build() -> ctypes.CDLL:
         "minillm_silu_mul": [p, i64, i64, p],
         "minillm_store_kv": [p, p, i64, i64, i64, i64, p, p, p, i64],
         "minillm_decode_attn": [p, i64, i64, i64, i64, i64, p, p, i64, p, i64, p, i64, f32, p, p, i64, i32],
+        "minillm_decode_layers": [p, i64, p, p, p, i32, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.minillm_avx2.restype = ctypes.c_int
+    lib.minillm_decode_layers.restype = ctypes.c_int
     return lib
 
 
@@ -348,3 +350,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                   block_tables.data_ptr(), max_blocks, seq_lens.data_ptr(), block_size, scale,
                                   out.data_ptr(), scores.data_ptr(), max_len, nt)
     return out
+
+
+# ------------------------------------------------------------------ a decode step's layers in one call
+class Mat(ctypes.Structure):
+    """cpu_kernels.c's minillm_mat: one projection's weights. kind 0: fp32 w [N, K]; 1: int8 q [N, K] with
+    scale [N]; 2: int4 packed [N, Kp/2] (pack_i4) with scale, zero [N, Kp/g]. Kp: K padded to g (int4)."""
+    _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("Kp", ctypes.c_int64),
+                ("g", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("zero", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    """minillm_layer: a decoder layer's norms, four projections and KV pool."""
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv", Mat), ("o", Mat), ("gate_up", Mat),
+                ("down", Mat), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class Step(ctypes.Structure):
+    """minillm_step: the step's sizes and tables (m rows, one new token each)."""
+    _fields_ = [(name, ctypes.c_int64) for name in ("m", "H", "hq", "hk", "D", "I", "num_slots", "block_size",
+                                                    "max_blocks", "max_len", "max_k")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("pos", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p)]
+
+
+def decode_layers(layers, step: Step, residual: torch.Tensor, delta: torch.Tensor, has_delta: bool,
+                  threads: int | None = None) -> None:
+    """Run a decode step's decoder layers (a ctypes array of Layer) in one call: residual [m, H] updated in place,
+    delta [m, H] in (has_delta) and out. Every pointer in layers and step is trusted: the caller
+    (minillm/models/cpu_decode.py) builds them from the model's own tensors and checks the step's shapes."""
+    _check(residual, "residual", torch.float32, (step.m, step.H))
+    _check(delta, "delta", torch.float32, (step.m, step.H))
+    if library().minillm_decode_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(step),
+                                       residual.data_ptr(), delta.data_ptr(), int(has_delta), _threads(threads)):
+        raise MemoryError(f"decode_layers: no memory for the scratch of {step.m} rows")

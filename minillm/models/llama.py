@@ -16,6 +16,7 @@ from ..layers.linear import Linear, linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..quant.rotate import rotate_blocks
+from . import cpu_decode
 from .config import ModelConfig
 from .moe import SparseMoeBlock
 
@@ -112,6 +113,8 @@ class LlamaForCausalLM(nn.Module):
         # The model runner whose KV pool and attention backend the layers point at now (engines
         # sharing these weights rebind before they run: ModelRunner.bind).
         self.bound_runner = None
+        # With use_native_ops: run a decode step's layers in one call to the CPU kernels (models/cpu_decode.py)
+        self.fuse_cpu_decode = True
 
     @property
     def use_triton_ops(self) -> bool:
@@ -151,6 +154,10 @@ class LlamaForCausalLM(nn.Module):
         speculative proposer drafts with it; their K/V are the full model's for those layers)."""
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         hidden = self.embed(input_ids)
+        if self.use_native_ops:  # a decode step's layers in one C call (models/cpu_decode.py), when it covers them
+            fused = cpu_decode.run(self, layers, positions, hidden, meta)
+            if fused is not None:
+                return self.norm.add_and_norm(*fused)[0]
         if self.use_triton_ops or self.use_native_ops:  # the residual stream is carried apart, added inside each norm
             delta = None
             for layer in layers:

@@ -1,0 +1,171 @@
+"""A decode step's decoder layers in one call to minillm's CPU kernels (kernels/cpu.py `decode_layers`).
+
+With the CPU kernels on (attention_backend "cpu", the model's use_native_ops), each of a decoder
+layer's steps is already one C call: the norms, the four projections, rotary, the KV store and the
+attention. What is left at batch 1 is Python between them: about ten wrapper calls per layer, each
+checking its tensors and allocating its output, plus the modules' own dispatch, some 8,000 Python
+function calls per token on SmolLM2-135M, 3 to 5 ms of a 30 ms step. For a decode step (every
+sequence one new token, an fp32 KV pool, block tables) this module hands all the layers to C at
+once: `cpu_kernels.c`'s minillm_decode_layers runs the same kernels in the same order with the same
+arguments, so the logits are the same bits as the layer-by-layer path (tests/test_cpu_kernels.py
+checks it), and DecoderLayer.forward_fused stays the code to read.
+
+The tables of pointers (`CPUDecodePlan`) are built from the model's own tensors on the first decode
+step and kept while every tensor they point at is the same one; anything the fused path does not
+cover sends the step back to the layer-by-layer path: a prompt chunk, a quantized KV pool, LoRA
+(a forward hook), a mixture-of-experts layer, rotated norms, a plugged-in matmul (set_matmul) or
+attention backend, a format without a CPU kernel, or more rows than the kernels take.
+`model.fuse_cpu_decode = False` turns it off (`python -m minillm.bench.quant_speed --fuse-compare`
+prints both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import cpu
+from ..layers.attention import AttentionMetadata, CPUAttentionBackend
+from ..layers.linear import Linear, MAX_ROWS
+from ..layers.norm import RMSNorm
+
+
+def _mat(module) -> tuple[cpu.Mat, int, list[torch.Tensor]] | None:
+    """(the projection's minillm_mat, the most rows its kernel takes, the tensors it points at), or None when
+    its forward would not be one of the CPU kernels."""
+    from ..quant.linear_int4 import Int4Linear
+    from ..quant.linear_int8 import Int8Linear
+
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    bias = getattr(module, "bias", None)
+    if bias is not None and not (bias.dtype is torch.float32 and bias.is_contiguous()):
+        return None
+    kind = type(module)
+    if kind is Linear:
+        w = module.weight
+        if not (w.dtype is torch.float32 and w.is_contiguous() and w.device.type == "cpu"):
+            return None
+        n, k = w.shape
+        return cpu.Mat(0, n, k, k, 0, w.data_ptr(), None, None, bias.data_ptr() if bias is not None else None), \
+            min(cpu.KERNEL_ROWS, MAX_ROWS), [w, bias]
+    if kind not in (Int8Linear, Int4Linear) or module.path != "cpu" or module.matmul_fn is not None \
+            or module.inv_input_scale is not None or module.act_dtype != torch.float32:
+        return None
+    b = bias.data_ptr() if bias is not None else None
+    if kind is Int8Linear:
+        return cpu.Mat(1, module.out_features, module.in_features, module.in_features, 0, module.q.data_ptr(),
+                       module.scale.data_ptr(), None, b), cpu.QUANT_KERNEL_ROWS, [module.q, module.scale, bias]
+    kp = module.in_features + module.pad
+    return cpu.Mat(2, module.out_features, module.in_features, kp, module.group_size, module.packed.data_ptr(),
+                   module.scale.data_ptr(), module.zero.data_ptr(), b), cpu.QUANT_KERNEL_ROWS, \
+        [module.packed, module.scale, module.zero, bias]
+
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _parts(layer) -> list:
+    """Everything of a layer a plan points at, by identity (modules, their parameters and buffers, the KV
+    pool, the backend): when any of them is another object, the plan is built again."""
+    attn, modules = layer.attn, layer._modules
+    parts = [layer, attn.k_cache, attn.v_cache, attn.backend]
+    for name in ("input_layernorm", "post_attention_layernorm") + PROJECTIONS:
+        module = modules.get(name)
+        parts.append(module)
+        if module is not None:
+            parts += module._parameters.values()
+            parts += module._buffers.values()
+    return parts
+
+
+class CPUDecodePlan:
+    """The ctypes tables minillm_decode_layers reads (cpu.Layer per layer), built from the model's tensors;
+    `fits` is False when some layer cannot go through the fused path (then the model keeps its layers)."""
+
+    def __init__(self, model, layers):
+        from .llama import DecoderLayer
+
+        self.key = [p for layer in layers for p in _parts(layer)]
+        # the modules whose forward the fused path replaces: a hook on any of them (LoRA) needs the layers
+        self.modules = [m for layer in layers for m in (layer, layer.attn, *layer.children())]
+        self.hooked = self._hooked()
+        self.fits, self.max_rows, self.tensors = False, 0, []
+        cfg = model.cfg
+        rotary = model.rotary
+        if self.hooked or not layers or not (rotary.use_native and rotary.cos.dtype is torch.float32 and rotary.cos.is_contiguous()):
+            return
+        table, max_rows, max_k, keep = (cpu.Layer * len(layers))(), MAX_ROWS, 0, [rotary.cos, rotary.sin]
+        first = layers[0]
+        first_norm = first.input_layernorm
+        for i, layer in enumerate(layers):
+            attn = layer.attn
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if type(layer) is not DecoderLayer or layer.moe is not None or layer.down_rotation is not None \
+                    or layer._forward_hooks or layer._forward_pre_hooks or attn._forward_hooks \
+                    or attn._forward_pre_hooks or type(attn.backend) is not CPUAttentionBackend \
+                    or attn.k_cache is None or attn.k_cache.dtype is not torch.float32 or attn.k_scale is not None \
+                    or any(type(n) is not RMSNorm or n.rotation is not None or not n.use_native
+                           or n._forward_hooks or n._forward_pre_hooks for n in norms) or not layer.use_native:
+                return
+            if norms[0].eps != first_norm.eps or norms[1].eps != first_norm.eps or attn.scale != first.attn.scale \
+                    or attn.k_cache.shape != first.attn.k_cache.shape:
+                return
+            mats = [_mat(getattr(layer, name)) for name in PROJECTIONS]
+            if any(m is None for m in mats):
+                return
+            for (mat, rows, tensors) in mats:
+                max_rows = min(max_rows, rows)
+                max_k = max(max_k, mat.Kp)
+                keep += tensors
+            table[i] = cpu.Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *(m[0] for m in mats),
+                                 attn.k_cache.data_ptr(), attn.v_cache.data_ptr())
+            keep += [norms[0].weight, norms[1].weight, attn.k_cache, attn.v_cache]
+        self.table, self.max_rows, self.tensors = table, max_rows, keep
+        self.step = cpu.Step(H=cfg.hidden_size, hq=cfg.num_heads, hk=cfg.num_kv_heads, D=cfg.head_dim,
+                             I=cfg.intermediate_size, num_slots=first.attn.k_cache.shape[1], max_k=max_k,
+                             eps=first.input_layernorm.eps, scale=first.attn.scale,
+                             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr())
+        self.fits = True
+
+    def __deepcopy__(self, memo):   # a copied model (with_levers) builds its own plan from its own tensors
+        return None
+
+    def __reduce__(self):           # and so does a pickled one
+        return type(None), ()
+
+    def still_current(self, layers) -> bool:
+        parts = [p for layer in layers for p in _parts(layer)]
+        return len(parts) == len(self.key) and all(a is b for a, b in zip(parts, self.key)) \
+            and self._hooked() == self.hooked
+
+    def _hooked(self) -> bool:
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+
+def run(model, layers, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata):
+    """The decoder layers of a decode step in one C call: (delta, residual) as the layer-by-layer loop in
+    LlamaForCausalLM.forward leaves them, or None when this step or model is not one the fused path covers."""
+    m = hidden.shape[0]
+    if not (getattr(model, "fuse_cpu_decode", False) and meta.use_cache and meta.max_query_len == 1
+            and meta.block_tables is not None and len(meta.query_lens) == m and hidden.dtype is torch.float32
+            and hidden.is_contiguous() and not torch.nn.modules.module._global_forward_hooks):
+        return None
+    plan = model.__dict__.get("_cpu_decode_plan")
+    if plan is None or not plan.still_current(layers):
+        plan = CPUDecodePlan(model, layers)
+        model.__dict__["_cpu_decode_plan"] = plan
+    if not plan.fits or m > plan.max_rows:
+        return None
+    tables, lens = meta.block_tables, meta.seq_lens
+    if not (tables.dtype is torch.int32 and tables.is_contiguous() and lens.dtype is torch.int32
+            and positions.dtype is torch.int64 and meta.slot_mapping.dtype is torch.int64):
+        return None
+    step = plan.step
+    step.m, step.block_size, step.max_blocks = m, meta.block_size, tables.shape[1]
+    step.max_len = max(1, max(c + n for c, n in zip(meta.num_cached, meta.query_lens)))
+    step.pos, step.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+    step.block_tables, step.seq_lens = tables.data_ptr(), lens.data_ptr()
+    delta = torch.empty_like(hidden)
+    cpu.decode_layers(plan.table, step, hidden, delta, has_delta=False)
+    return delta, hidden
+
