@@ -44,6 +44,13 @@ def test_an_arrival_mid_decode_waits_for_the_step_then_prefills():
     assert b.first_token_s == pytest.approx(1.3)
     assert b.finish_s == pytest.approx(1.45)
     assert a.finish_s == pytest.approx(1.95)
+    assert a.gaps_s is None, "gaps are recorded only when asked"
+    # A's 4th gap holds B's prefill: 0.8 -> 1.45; B's one gap is the pair step
+    a, b = by_arrival(simulate([SimRequest(0.0, 4, 10), SimRequest(0.73, 4, 2)], profile,
+                               FleetConfig(max_num_seqs=2, policy=FixedReplicas(1), record_gaps=True)))
+    assert a.gaps_s == pytest.approx([0.1, 0.1, 0.1, 0.65, 0.1, 0.1, 0.1, 0.1, 0.1])
+    assert b.gaps_s == pytest.approx([0.15])
+    assert sum(a.gaps_s) == pytest.approx(a.finish_s - a.first_token_s)
 
 
 def test_replicas_sharing_cores_slow_each_others_steps_by_the_measured_factor():
@@ -267,6 +274,10 @@ def test_profile_round_trips_through_json(tmp_path):
     assert loaded.decode_step_s(2) == pytest.approx(0.03 + (0.05 - 0.03) / 3)
     assert loaded.prefill_s(1000) == pytest.approx(0.1), "one point: a constant"
     assert json.loads(path.read_text())["conditions"] == {"threads": 1}
+    faster = loaded.scaled(decode=0.5, prefill=2.0)
+    assert faster.decode_step_s(2) == pytest.approx(loaded.decode_step_s(2) / 2)
+    assert faster.prefill_s(64) == pytest.approx(0.2) and faster.busy_slowdown_points == loaded.busy_slowdown_points
+    assert loaded.decode_step_s(1) == 0.03, "scaled is a copy"
 
 
 @pytest.mark.parametrize("build, match", [
@@ -281,6 +292,9 @@ def test_profile_round_trips_through_json(tmp_path):
     (lambda: ReplicaProfile(decode_points=[(1, 0.1)], prefill_points=[(1, 0.1)], prefill_busy_replicas=0),
      "prefill_busy_replicas=0"),
     (lambda: FleetConfig(replicas_share_cores="yes"), "replicas_share_cores='yes'"),
+    (lambda: FleetConfig(record_gaps=1), "record_gaps=1 must be True or False"),
+    (lambda: flat_profile().scaled(decode=0.0), "decode=0.0 must be a finite step-time factor > 0"),
+    (lambda: flat_profile().scaled(prefill=float("inf")), "prefill=inf"),
     (lambda: FleetConfig(min_replicas=3, max_replicas=2), "min_replicas=3"),
     (lambda: FleetConfig(initial_replicas=9, max_replicas=8), "initial_replicas=9"),
     (lambda: FleetConfig(max_num_seqs=0), "max_num_seqs=0"),
@@ -371,23 +385,106 @@ def test_replay_predicts_a_saved_validation_report_again(tmp_path, capsys):
     path.write_text(json.dumps(report))
     assert fleet.main(["--replay", str(path)]) == 0
     out = capsys.readouterr().out
-    p50 = next(line for line in out.splitlines() if line.split()[:1] == ["p50"]).split()
-    assert p50[1:5] == ["0.850s", "0.750s", "-12%", "within"] and p50[5] == "0.500", "shared cores; independent"
-    p99 = next(line for line in out.splitlines() if line.split()[:1] == ["p99"]).split()
-    assert p99[1:3] == ["1.193s", "0.995s"]
+
+    def columns(name):   # measured | fitted during the ramp | before/after calibrations | independent; ...
+        line = next(line for line in out.splitlines() if line.split()[:1] == [name])
+        return [part.split() for part in line.split("|")]
+
+    measured, ramp, calibrated, independent = columns("p50")
+    assert measured[1] == "0.850s" and calibrated == ["0.750s", "-12%", "within"] and independent[0] == "0.500"
+    assert ramp == ["(no", "gaps_s", "in", "the", "report)"], "no gaps: no during-ramp fit"
+    measured, _, calibrated, _ = columns("p99")
+    assert measured[1] == "1.193s" and calibrated[0] == "0.995s"
+    assert "verdict: within (before/after calibrations)" in out
     assert "1: 1.00, 2: 2.00" in out
+
+
+def test_gap_statistics_split_decode_gaps_from_prefill_stalls():
+    from minillm.bench.fleet import gap_statistics
+
+    stats = gap_statistics([0.1] * 8 + [0.5, 0.9])   # median 0.1: the two gaps over 0.3 hold a prefill step
+    assert stats["decode_gap_s"] == pytest.approx(0.1) and stats["stall_excess_s"] == pytest.approx(0.6)
+    assert (stats["num_stalls"], stats["num_gaps"]) == (2, 10)
+    assert gap_statistics([0.1, 0.12])["stall_excess_s"] is None and gap_statistics([]) is None
+
+
+def test_ramp_fit_rescales_decode_and_prefill_by_the_gap_ratios():
+    # a replay whose gaps are 9 decode steps and 1 stall (a prefill + a decode step) per 10: measured with decode
+    # steps of 0.2 s and prefills of 0.5 s, simulated from 0.1 s and 1.0 s: the fit finds x2.0 and x0.5
+    from minillm.bench.fleet import fit_ramp_scales
+
+    def gaps(decode_s, prefill_s):
+        return ([decode_s] * 9 + [prefill_s + decode_s]) * 10
+
+    calls = []
+
+    def simulate_gaps(profile):
+        calls.append(profile)
+        return gaps(profile.decode_step_s(1), profile.prefill_s(1))
+
+    fit = fit_ramp_scales(gaps(0.2, 0.5), flat_profile(decode_s=0.1, prefill_s=1.0), simulate_gaps)
+    assert (fit["decode_scale"], fit["prefill_scale"]) == pytest.approx((2.0, 0.5))
+    assert fit["prefill_fitted"] and fit["iterations"] == 2 and len(calls) == 2, "one rescale, then a check"
+    no_stalls = fit_ramp_scales([0.2] * 20, flat_profile(), lambda p: [p.decode_step_s(1)] * 20)
+    assert no_stalls["decode_scale"] == pytest.approx(2.0) and no_stalls["prefill_scale"] == 1.0
+    assert not no_stalls["prefill_fitted"]
+    with pytest.raises(ValueError, match="no inter-token gaps"):
+        fit_ramp_scales([], flat_profile(), simulate_gaps)
+
+
+def synthetic_validation(decode_scale: float, prefill_scale: float, seed: int = 0) -> dict:
+    """A validation report whose "measured" fleet is the simulator itself with the calibrated profile's decode
+    steps x decode_scale and prefill x prefill_scale: gaps and TTFTs of one router seed."""
+    from minillm.bench.fleet import ramp_requests
+
+    calibrated = ReplicaProfile(decode_points=[(1, 0.08), (2, 0.1), (4, 0.13), (8, 0.17)],
+                                prefill_points=[(16, 0.25), (96, 0.55), (192, 0.85)],
+                                busy_slowdown_points=[(1, 1.0), (2, 1.3)], decode_busy_replicas=2)
+    plan = ramp_requests(150.0, 0.35, 1.2, seed=seed)
+    requests = [SimRequest(t, p, o) for t, p, o in plan]
+    real = simulate(requests, calibrated.scaled(decode_scale, prefill_scale),
+                    FleetConfig(max_num_seqs=8, min_replicas=2, max_replicas=2, policy=FixedReplicas(2), seed=100 + seed,
+                                replicas_share_cores=True, record_gaps=True))
+    rows = [{"start_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+             "ttft_s": r.ttft_s, "gaps_s": r.gaps_s, "replica": str(r.replica)}
+            for r in sorted(real.requests, key=lambda r: r.arrival_s)]
+    profile = calibrated.to_dict()
+    return {"requests": rows, "num_requests": len(rows), "duration_s": 150.0, "capacity_rps": 2.0,
+            "rate_from": 0.35, "rate_to": 1.2, "num_replicas": 2, "max_num_seqs": 8, "max_ongoing_requests": 16,
+            "profile": profile, "profile_before": profile, "profile_after": profile, "calibration_drift": 0.0,
+            "tolerance": {"rel": 0.3, "abs_s": 0.25}, "wall_s": 1.0, "load_average": {"mean": 1.0, "max": 1.0, "cores": 2}}
+
+
+@pytest.mark.parametrize("decode_scale, prefill_scale", [(1.3, 0.8), (0.85, 1.25)])
+def test_ramp_fit_recovers_known_step_factors_without_reading_ttft(decode_scale, prefill_scale):
+    from minillm.bench.fleet import format_validation, predict_report, verdict
+
+    report = predict_report(synthetic_validation(decode_scale, prefill_scale))
+    fit = report["ramp_fit"]
+    assert fit["decode_scale"] == pytest.approx(decode_scale, rel=0.04)
+    assert fit["prefill_scale"] == pytest.approx(prefill_scale, rel=0.1)   # the replay routes differently: ~±8%
+    assert fit["prefill_fitted"] and fit["measured"]["num_stalls"] > 20
+    for q in (50, 99):
+        assert report[f"p{q}"]["within_ramp_fit"], format_validation(report)
+    assert verdict(report) and "verdict: within (fitted during the ramp)" in format_validation(report)
+    assert abs(report["p50"]["rel_error_ramp_fit"]) < abs(report["p50"]["rel_error"]), "the fit moved p50 closer"
+    # TTFT is what the validation checks: the fit never reads it
+    scrambled = synthetic_validation(decode_scale, prefill_scale)
+    for row in scrambled["requests"]:
+        row["ttft_s"] *= 10.0
+    again = predict_report(scrambled)["ramp_fit"]
+    assert (again["decode_scale"], again["prefill_scale"]) == (fit["decode_scale"], fit["prefill_scale"])
 
 
 @pytest.mark.slow
 def test_simulator_predicts_a_real_fleet_within_the_stated_tolerance():
     """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 150 s ramp."""
     pytest.importorskip("ray")
-    from minillm.bench.fleet import format_validation, validate
+    from minillm.bench.fleet import format_validation, validate, verdict
 
     report = validate(quick=True, progress=False)
     print(format_validation(report))
-    for q in (50, 99):
-        assert report[f"p{q}"]["within"], format_validation(report)
+    assert "ramp_fit" in report and verdict(report), format_validation(report)
 
 
 # ------------------------------------------------------------------ measured profiles (a tiny random model)

@@ -31,7 +31,11 @@ The model, piece by piece:
   curve through measured points (a step's context length is ignored: at these prompt sizes the MLP
   dominates). A request arriving mid-step waits for the step's end. TTFT = arrival -> end of its prefill
   step + `request_overhead_s` (HTTP / proxy, calibrated). Decode stretches are advanced in one event up
-  to the next finish or admissible arrival, so events grow with requests, not with steps.
+  to the next finish or admissible arrival, so events grow with requests, not with steps. With
+  `FleetConfig(record_gaps=True)` each request keeps `gaps_s`, the seconds between its successive tokens
+  (a gap holding another request's prefill step included), as a streaming client measures them: the
+  validation (minillm/bench/fleet.py) fits the profile's step times to a real fleet's gaps with it, and
+  `ReplicaProfile.scaled(decode, prefill)` rescales the curves.
 * **Replicas sharing cores** (`FleetConfig(replicas_share_cores=True)`; off by default, as for a day of
   replicas on machines of their own): replicas on one machine slow each other, since they share its cores
   and memory bandwidth (on loopback also with Ray's proxy and the ingress, which relay every token). The
@@ -189,6 +193,19 @@ class ReplicaProfile:
     def prefill_scale(self, busy_replicas: int) -> float:
         return self.busy_scale(busy_replicas, self.prefill_busy_replicas)
 
+    def scaled(self, decode: float = 1.0, prefill: float = 1.0) -> "ReplicaProfile":
+        """A copy whose decode steps take `decode` x and prefill steps `prefill` x as long (the validation's
+        during-ramp fit, minillm/bench/fleet.py); the busy slowdown, start-up and overhead are kept."""
+        for name, value in (("decode", decode), ("prefill", prefill)):
+            _need(_finite(value, strict=True), f"{name}={value!r} must be a finite step-time factor > 0")
+        return ReplicaProfile(decode_points=[(b, s * decode) for b, s in self.decode_points],
+                              prefill_points=[(n, s * prefill) for n, s in self.prefill_points],
+                              startup_s=self.startup_s, request_overhead_s=self.request_overhead_s,
+                              busy_slowdown_points=self.busy_slowdown_points,
+                              decode_busy_replicas=self.decode_busy_replicas,
+                              prefill_busy_replicas=self.prefill_busy_replicas,
+                              conditions={**self.conditions, "scaled": {"decode": decode, "prefill": prefill}})
+
     @property
     def max_measured_batch(self) -> int:
         return self.decode_points[-1][0]
@@ -345,6 +362,7 @@ class FleetConfig:
     sample_interval_s: float = 60.0     # timeline resolution (queue, replicas)
     seed: int = 0
     replicas_share_cores: bool = False  # True: steps x profile.decode_scale / prefill_scale(replicas busy now)
+    record_gaps: bool = False           # True: each SimRequest keeps gaps_s, its inter-token gaps (the validation's fit)
 
     def __post_init__(self):
         def whole(name, lo):
@@ -366,8 +384,8 @@ class FleetConfig:
         _need(_finite(self.hourly_usd), f"hourly_usd={self.hourly_usd!r} must be a finite number >= 0 (USD per replica-hour)")
         for name in ("control_interval_s", "history_s", "sample_interval_s"):
             _need(_finite(getattr(self, name), strict=True), f"{name}={getattr(self, name)!r} must be a number of seconds > 0")
-        _need(isinstance(self.replicas_share_cores, bool),
-              f"replicas_share_cores={self.replicas_share_cores!r} must be True or False")
+        for name in ("replicas_share_cores", "record_gaps"):
+            _need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be True or False")
         _need(self.policy is None or callable(self.policy),
               f"policy={self.policy!r} must be a callable policy(state: FleetState) -> int")
         if self.policy is None:
@@ -388,6 +406,7 @@ class SimRequest:
     finish_s: float | None = None
     ttft_s: float | None = None      # first_token_s - arrival_s + request_overhead_s
     remaining: int = 0               # output tokens still to decode (while running)
+    gaps_s: list[float] | None = None   # with FleetConfig(record_gaps=True): seconds between successive tokens
 
     def __post_init__(self):
         _need(_finite(self.arrival_s), f"arrival_s={self.arrival_s!r} must be a finite number of seconds >= 0")
@@ -546,6 +565,8 @@ class _Replica:
                 for r in admitted:
                     r.first_token_s = env.now
                     r.remaining = r.output_tokens - 1
+                    if cfg.record_gaps:
+                        r.gaps_s = []
                     if r.remaining:
                         self.running.append(r)
                     else:
@@ -567,6 +588,9 @@ class _Replica:
             self.steps += steps
             still = []
             for r in self.running:
+                if cfg.record_gaps:   # tokens at start + step, ..., start + steps x step; the first gap holds any stall
+                    last = r.first_token_s + sum(r.gaps_s)
+                    r.gaps_s += [start + step - last] + [step] * (min(steps, r.remaining) - 1)
                 r.remaining -= steps
                 if r.remaining <= 0:
                     self._finish(r)
@@ -803,7 +827,8 @@ def _fresh_values(arrival_s: float, prompt_tokens: int, output_tokens: int) -> S
     """A SimRequest from values known to be valid (skips __post_init__: a day holds ~10^5 of them)."""
     request = object.__new__(SimRequest)
     request.__dict__.update(arrival_s=arrival_s, prompt_tokens=prompt_tokens, output_tokens=output_tokens, replica=-1,
-                            dispatched_s=None, first_token_s=None, finish_s=None, ttft_s=None, remaining=0)
+                            dispatched_s=None, first_token_s=None, finish_s=None, ttft_s=None, remaining=0,
+                            gaps_s=None)
     return request
 
 
