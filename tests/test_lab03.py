@@ -4,8 +4,12 @@ answers), the widgets update on slider changes, and the real engine's decode ste
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import nbformat
 import pytest
+import torch
 
 from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells
 
@@ -210,6 +214,119 @@ def test_floor_explorer_moves_the_choice():
     assert view.chosen is None and "no measured batch" in view.label.value
     assert list(view.figure.data[2].y) == [21.0, 21.0]
     assert "cpu: test" in view.figure.layout.title.subtitle.text
+
+
+# --------------------------------------------------------------------- the roofline of batched decode
+# 1e8 fp32 parameters (4e8 bytes) read at 20 GB/s: 50 tok/s per sequence in a step; 100 GFLOP/s over 2e8 FLOPs per
+# token: 500 tok/s whatever the batch. They meet at b* = 1e11 * 4e8 / (2 * 1e8 * 2e10) = 10.
+ROOF = lab03.DecodeRoofline(num_params=1e8, weight_bytes=4e8, bandwidth_bytes_per_s=20e9, flops_per_s=100e9)
+
+
+def test_roofline_of_batched_decode_by_hand():
+    assert ROOF.bytes_per_param == 4.0
+    assert [ROOF.bandwidth_tps(b) for b in (1, 2, 8, 32)] == pytest.approx([50.0, 100.0, 400.0, 1600.0])
+    assert ROOF.compute_tps() == ROOF.compute_tps(32) == pytest.approx(500.0)
+    assert [ROOF.roofline_tps(b) for b in (1, 8, 10, 16, 32)] == pytest.approx([50.0, 400.0, 500.0, 500.0, 500.0])
+    assert ROOF.crossover_batch == pytest.approx(10.0)
+    assert ROOF.first_compute_bound_batch == 10  # at b* exactly the two bounds tie: compute, as lab 01's ridge
+    assert [ROOF.bound(b) for b in (1, 9, 10, 11)] == ["bandwidth", "bandwidth", "compute", "compute"]
+    # b* is FLOP/s x bytes / (2 x params x bandwidth): halving the bytes per weight (bf16) halves it
+    bf16 = lab03.DecodeRoofline(1e8, 2e8, 20e9, 100e9)
+    assert bf16.crossover_batch == pytest.approx(5.0) and bf16.first_compute_bound_batch == 5
+    # an H200-like device with this model in bf16: 4e12 B/s, 6e14 FLOP/s -> b* = 6e14 * 2.7e8 / (2 * 1.35e8 * 4e12)
+    gpu = lab03.DecodeRoofline(1.35e8, 2.7e8, 4e12, 6e14)
+    assert gpu.crossover_batch == pytest.approx(150.0) and gpu.first_compute_bound_batch == 150
+    assert gpu.bandwidth_tps(1) == pytest.approx(4e12 / 2.7e8)
+    # a b* between whole batches rounds up: 7.5 -> 8
+    assert lab03.DecodeRoofline(1e8, 4e8, 20e9, 75e9).first_compute_bound_batch == 8
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_params=0), "num_params=0 must be a finite number > 0"),
+    (dict(weight_bytes=-4e8), "weight_bytes=-400000000.0 must be a finite number > 0"),
+    (dict(bandwidth_bytes_per_s=float("inf")), "bandwidth_bytes_per_s=inf must be a finite number > 0"),
+    (dict(flops_per_s="1e11"), "flops_per_s='1e11' must be a finite number > 0"),
+])
+def test_roofline_refuses_bad_numbers(kwargs, message):
+    args = dict(num_params=1e8, weight_bytes=4e8, bandwidth_bytes_per_s=20e9, flops_per_s=100e9) | kwargs
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lab03.DecodeRoofline(**args)
+
+
+@pytest.mark.parametrize("batch", [0, 0.5, -1, True, float("nan")])
+def test_roofline_refuses_a_batch_below_one(batch):
+    with pytest.raises(ValueError, match=re.escape(f"batch={batch!r} must be a finite number >= 1")):
+        ROOF.roofline_tps(batch)
+
+
+def test_batch_sweep_printout_shows_each_batch_against_the_roofline(capsys):
+    lab03.print_batch_sweep(ROWS, "cpu: test", ROOF)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "measured on cpu: test" and "of roofline" in lines[1] and "bound" in lines[1]
+    # aggregate 20, 36, 60, 72 against ceilings 50, 100, 200, 400: 40%, 36%, 30%, 18%, all bandwidth-bound
+    rows = [line.split() for line in lines[2:6]]
+    assert [r[0] for r in rows] == ["1", "2", "4", "8"]
+    assert [r[-3:] for r in rows] == [["50.0", "40%", "bandwidth"], ["100.0", "36%", "bandwidth"],
+                                      ["200.0", "30%", "bandwidth"], ["400.0", "18%", "bandwidth"]]
+    assert "b* = 10.0" in lines[6] and "compute-bound from batch 10" in lines[6] and "20 GB/s" in lines[6]
+    wide = [dict(ROWS[0], batch=16, aggregate_tps=250.0)]
+    lab03.print_batch_sweep(wide, "cpu: test", ROOF)
+    assert capsys.readouterr().out.splitlines()[2].split()[-3:] == ["500.0", "50%", "compute"]
+    lab03.print_batch_sweep(ROWS, "cpu: test")  # without a roofline: the speeds alone
+    assert "roofline" not in capsys.readouterr().out
+
+
+def test_batch_sweep_figure_draws_both_bounds_dashed_and_their_corner():
+    fig = lab03.batch_sweep_figure(ROWS, "cpu: test", ROOF)
+    assert len(fig.data) == 5 and fig.layout.yaxis.type == "log" and fig.layout.xaxis.type == "log"
+    bandwidth, compute, corner = fig.data[2], fig.data[3], fig.data[4]
+    assert bandwidth.line.dash == compute.line.dash == "dash"
+    assert list(bandwidth.x) == [1, 2, 4, 8, 10, 20]  # the sizes measured, b*, and past it to show the corner
+    assert list(bandwidth.y) == pytest.approx([50, 100, 200, 400, 500, 1000])
+    assert list(compute.y) == pytest.approx([500] * 6)
+    assert list(corner.x) == pytest.approx([10.0]) and list(corner.y) == pytest.approx([500.0])
+    assert corner.text == ("b* = 10.0",)
+    assert "cpu: test" in fig.layout.title.subtitle.text
+    # b* far past the sweep: the bounds stop at 16 x the largest batch, with no corner drawn
+    far = lab03.batch_sweep_figure(ROWS, "cuda: test", lab03.DecodeRoofline(1.35e8, 2.7e8, 4e12, 6e14))
+    assert len(far.data) == 4 and max(far.data[2].x) == 128
+
+
+def test_measure_decode_roofline_uses_the_engines_numbers(monkeypatch):
+    """The learner's engine gives the parameters, weight bytes, device and dtype; quick mode measures small."""
+    from minillm import hardware
+
+    calls = []
+    monkeypatch.setattr(hardware, "measure_memory_bandwidth",
+                        lambda device, **kw: calls.append(("bandwidth", device, kw)) or 20e9)
+    monkeypatch.setattr(hardware, "measure_matmul_flops",
+                        lambda device, **kw: calls.append(("flops", device, kw)) or 100e9)
+    llm = SimpleNamespace(engine=SimpleNamespace(device=torch.device("cpu")), dtype=torch.float32, weight_bytes=4e8,
+                          model_config=SimpleNamespace(num_params=1e8))
+    roof = lab03.measure_decode_roofline(llm, quick=True)
+    assert (roof.num_params, roof.weight_bytes, roof.bandwidth_bytes_per_s, roof.flops_per_s) == (1e8, 4e8, 20e9, 100e9)
+    assert roof.crossover_batch == pytest.approx(10.0)
+    assert calls == [("bandwidth", "cpu", {"nbytes": lab03.QUICK_BANDWIDTH_BYTES, "repeats": 3}),
+                     ("flops", "cpu", {"size": lab03.QUICK_MATMUL_SIZE, "dtype": torch.float32, "repeats": 3})]
+    calls.clear()
+    llm.engine.device, llm.dtype = torch.device("cuda", 0), torch.bfloat16
+    lab03.measure_decode_roofline(llm)
+    assert calls == [("bandwidth", "cuda:0", {}),
+                     ("flops", "cuda:0", {"size": lab03.GPU_MATMUL_SIZE, "dtype": torch.bfloat16})]
+
+
+def test_master_measures_the_roofline_before_the_sweep_and_shows_it_after():
+    nb = nbformat.read(MASTER, as_version=4)
+    ids = [cell.get("id") for cell in nb.cells]
+    source = {cell.get("id"): cell.source for cell in nb.cells}
+    order = [ids.index(cid) for cid in ("roofline-md", "predict-crossover", "measure-roofline", "cell-19")]
+    assert order == sorted(order), order
+    assert "**Predict:**" in source["roofline-md"] and "predicted_crossover_batch = None" in source["predict-crossover"]
+    assert "lab03.measure_decode_roofline(llm, quick=QUICK)" in source["measure-roofline"]
+    shown = source["sweep-speeds"]
+    assert "print_batch_sweep(sweep, DEVICE, roofline)" in shown
+    assert "batch_sweep_figure(sweep, DEVICE, roofline)" in shown
+    assert "predicted_crossover_batch" in shown and "roofline.crossover_batch" in shown
 
 
 # --------------------------------------------------------------------- the real engine

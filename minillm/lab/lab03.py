@@ -1,6 +1,7 @@
 """Lab 03 helpers — batching: the step-simulator checks, Gantt charts, the printouts and figure of the
 real-engine runs (batch size, static vs continuous; the runs themselves, measure_batch_sweep and
-measure_policies, are written in the notebook) and the service-level chooser.
+measure_policies, are written in the notebook), the roofline of batched decode on this machine
+(DecodeRoofline) and the service-level chooser.
 
 The learner writes, with fixed signatures:
 
@@ -19,12 +20,15 @@ request decoding in that slot (its index in `output_lengths`) or None for an idl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .common import CheckFailed, call_learner, control_panel, device_label, echo_prediction, new_figure, passed
+from .common import (CheckFailed, call_learner, control_panel, device_label, echo_prediction, format_si, new_figure,
+                     passed)
+from .lab01 import reference_arithmetic_intensity, reference_decode_bandwidth_bound_tokens_per_s, ridge_batch
 
 POLICIES = ("static", "continuous")
 
@@ -423,6 +427,101 @@ class ScheduleExplorer:
         display(self.widget)
 
 
+# =================================================================== the roofline of batched decode
+class DecodeRoofline:
+    """The two ceilings of aggregate decode tokens/s at batch b, from this machine's measured read bandwidth and
+    matmul FLOP/s (lab 01's bound and ridge, per batch):
+
+    - bandwidth: a decode step reads every weight once whatever its batch, so a step of b sequences makes b tokens
+      per weight read: b x lab 01's batch-1 bound, bandwidth / weight bytes;
+    - compute: each token multiplies every parameter once (a multiply and an add): FLOP/s / (2 x num_params),
+      whatever the batch;
+    - the roofline: the smaller of the two. They meet at the crossover batch
+      b* = FLOP/s x weight bytes / (2 x num_params x bandwidth): bandwidth-bound below it, compute-bound above.
+
+    Only the weights count (each sequence's KV cache and the prefills add to the real step), so a measured run
+    stays below the roofline."""
+
+    def __init__(self, num_params: float, weight_bytes: float, bandwidth_bytes_per_s: float, flops_per_s: float):
+        for name, value in (("num_params", num_params), ("weight_bytes", weight_bytes),
+                            ("bandwidth_bytes_per_s", bandwidth_bytes_per_s), ("flops_per_s", flops_per_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        self.num_params, self.weight_bytes = float(num_params), float(weight_bytes)
+        self.bandwidth_bytes_per_s, self.flops_per_s = float(bandwidth_bytes_per_s), float(flops_per_s)
+        self.bytes_per_param = self.weight_bytes / self.num_params
+
+    def bandwidth_tps(self, batch: float) -> float:
+        """b tokens per read of the weights: b x bandwidth / weight bytes."""
+        _check_batch(batch)
+        return batch * reference_decode_bandwidth_bound_tokens_per_s(self.num_params, self.bytes_per_param,
+                                                                     self.bandwidth_bytes_per_s)
+
+    def compute_tps(self, batch: float = 1) -> float:
+        """2 x num_params FLOPs per token, whatever the batch: FLOP/s / (2 x num_params)."""
+        _check_batch(batch)
+        return self.flops_per_s / (2 * self.num_params)
+
+    def roofline_tps(self, batch: float) -> float:
+        return min(self.bandwidth_tps(batch), self.compute_tps(batch))
+
+    def bound(self, batch: float) -> str:
+        """Which ceiling holds at this batch; at b* exactly, compute (the tie of lab 01's roofline_time_s)."""
+        return "compute" if self.compute_tps(batch) <= self.bandwidth_tps(batch) else "bandwidth"
+
+    @property
+    def crossover_batch(self) -> float:
+        """b* = FLOP/s x weight bytes / (2 x num_params x bandwidth): lab 01's ridge (FLOP/s / bandwidth) over the
+        intensity of one sequence's decode (2 FLOPs per bytes_per_param bytes)."""
+        ridge = self.flops_per_s / self.bandwidth_bytes_per_s
+        return ridge / reference_arithmetic_intensity(1, self.num_params, self.bytes_per_param)
+
+    @property
+    def first_compute_bound_batch(self) -> int:
+        """The smallest whole batch at or past b* (lab 01's ridge_batch)."""
+        return ridge_batch(self.flops_per_s, self.bandwidth_bytes_per_s, self.num_params, self.bytes_per_param)
+
+    def describe(self) -> str:
+        return (f"read bandwidth {format_si(self.bandwidth_bytes_per_s, 'B/s')} over {self.weight_bytes / 1e6:.0f} MB "
+                f"of weights: {self.bandwidth_tps(1):.1f} tok/s per sequence in a step; matmul "
+                f"{format_si(self.flops_per_s, 'FLOP/s')} over 2 x {self.num_params / 1e6:.1f} M FLOPs per token: "
+                f"{self.compute_tps():.1f} tok/s. The bound switches from bandwidth to compute at "
+                f"b* = {self.crossover_batch:.1f}")
+
+    def __repr__(self) -> str:
+        return (f"DecodeRoofline(num_params={self.num_params:.4g}, weight_bytes={self.weight_bytes:.4g}, "
+                f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s:.4g}, flops_per_s={self.flops_per_s:.4g})")
+
+
+def _check_batch(batch) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, (int, float)) or not 1 <= batch < float("inf"):
+        raise ValueError(f"batch={batch!r} must be a finite number >= 1 (sequences in a decode step)")
+
+
+QUICK_BANDWIDTH_BYTES = 64 << 20  # quick mode: a 64 MB buffer (still larger than the caches) and a 512 x 512 matmul
+QUICK_MATMUL_SIZE = 512
+CPU_MATMUL_SIZE = 1024
+GPU_MATMUL_SIZE = 4096
+
+
+def measure_decode_roofline(llm, quick: bool = False) -> DecodeRoofline:
+    """This machine's roofline for `llm`: its read bandwidth (a sum over a buffer far larger than the caches, the
+    pattern of decode) and its matmul FLOP/s in the engine's dtype, each measured once (cached per process), and
+    the engine's parameters and weight bytes as stored."""
+    from ..hardware import measure_matmul_flops, measure_memory_bandwidth
+
+    device = str(llm.engine.device)  # a torch device ("cpu", "cuda:0"); llm.device is a label for printing
+    # A GPU needs a large matmul to fill its cores (a 1024 x 1024 one measures the launch); a CPU does not.
+    size = GPU_MATMUL_SIZE if device.startswith("cuda") else QUICK_MATMUL_SIZE if quick else CPU_MATMUL_SIZE
+    if quick:
+        bandwidth = measure_memory_bandwidth(device, nbytes=QUICK_BANDWIDTH_BYTES, repeats=3)
+        flops = measure_matmul_flops(device, size=size, dtype=llm.dtype, repeats=3)
+    else:
+        bandwidth = measure_memory_bandwidth(device)
+        flops = measure_matmul_flops(device, size=size, dtype=llm.dtype)
+    return DecodeRoofline(llm.model_config.num_params, llm.weight_bytes, bandwidth, flops)
+
+
 # =================================================================== the real engine (measured in the notebook)
 def print_raw_sweep(rows: Sequence[dict], device: str) -> None:
     """The sweep's raw numbers, before the learner turns them into speeds."""
@@ -435,22 +534,61 @@ def print_raw_sweep(rows: Sequence[dict], device: str) -> None:
         print(f"{r['batch']:>5} {r['output_tokens']:>14} {r['wall_s']:>8.3f}s {spread:>24}")
 
 
-def print_batch_sweep(rows: Sequence[dict], device: str) -> None:
+def print_batch_sweep(rows: Sequence[dict], device: str, roofline: DecodeRoofline | None = None) -> None:
+    """The sweep's speeds; with a roofline, each batch's ceiling, the measured aggregate as a share of it and
+    which bound holds there."""
     print(f"measured on {device}")
-    print(f"{'batch':>5} {'aggregate tok/s':>16} {'per-user tok/s':>15} {'TPOT':>9} {'vs batch 1':>11}")
+    extra = f" {'roofline tok/s':>15} {'of roofline':>12} {'bound':>10}" if roofline else ""
+    print(f"{'batch':>5} {'aggregate tok/s':>16} {'per-user tok/s':>15} {'TPOT':>9} {'vs batch 1':>11}{extra}")
     base = rows[0]["aggregate_tps"]
     for r in rows:
         tpot = f"{1e3 / r['per_user_tps']:>7.1f}ms" if r["per_user_tps"] else f"{'n/a':>9}"
+        extra = ""
+        if roofline:
+            ceiling = roofline.roofline_tps(r["batch"])
+            extra = f" {ceiling:>15.1f} {r['aggregate_tps'] / ceiling:>12.0%} {roofline.bound(r['batch']):>10}"
         print(f"{r['batch']:>5} {r['aggregate_tps']:>16.1f} {r['per_user_tps'] or float('nan'):>15.1f} {tpot} "
-              f"{r['aggregate_tps'] / base:>10.2f}x")
+              f"{r['aggregate_tps'] / base:>10.2f}x{extra}")
+    if roofline:
+        print(roofline.describe() + f" (compute-bound from batch {roofline.first_compute_bound_batch}).")
 
 
-def batch_sweep_figure(rows: Sequence[dict], device: str) -> go.Figure:
+def _roofline_batches(sizes: Sequence[int], roofline: DecodeRoofline) -> list[float]:
+    """Where to draw the bounds: the measured sizes, b* itself (the corner) and, when b* lies past the sweep, a
+    little beyond it so both sides of the corner show (never past 16 x the largest size measured)."""
+    top = max(sizes)
+    crossover = roofline.crossover_batch
+    xs = set(sizes) | {1}
+    if crossover <= 16 * top:
+        xs |= {crossover, max(top, 2 * crossover)}
+    else:
+        xs.add(16 * top)
+    return sorted(x for x in xs if x >= 1)
+
+
+def batch_sweep_figure(rows: Sequence[dict], device: str, roofline: DecodeRoofline | None = None) -> go.Figure:
+    """Aggregate and per-user tokens/s against the batch; with a roofline, its two bounds dashed (on log-log
+    axes the bandwidth bound is a line of slope 1, the compute bound a flat one) and the corner b*."""
     fig = new_figure("throughput vs batch size", "batch size (max_num_seqs)", "tokens / s", device=device, log_x=False)
     sizes = [r["batch"] for r in rows]
     fig.add_scatter(x=sizes, y=[r["aggregate_tps"] for r in rows], mode="lines+markers", name="aggregate tokens/s")
     fig.add_scatter(x=sizes, y=[r["per_user_tps"] for r in rows], mode="lines+markers", name="per-user tokens/s (1/TPOT)")
-    fig.update_xaxes(type="log", tickvals=sizes, ticktext=[str(s) for s in sizes])
+    ticks = sizes
+    if roofline:
+        xs = _roofline_batches(sizes, roofline)
+        fig.add_scatter(x=xs, y=[roofline.bandwidth_tps(x) for x in xs], mode="lines",
+                        name="bandwidth bound: b x bandwidth / weight bytes", line=dict(dash="dash", color="firebrick"))
+        fig.add_scatter(x=xs, y=[roofline.compute_tps(x) for x in xs], mode="lines",
+                        name="compute bound: FLOP/s / (2 x params)", line=dict(dash="dash", color="darkorange"))
+        b_star = roofline.crossover_batch
+        if b_star <= max(xs):
+            fig.add_scatter(x=[b_star], y=[roofline.roofline_tps(b_star)], mode="markers+text",
+                            name="b* (the bounds meet)", text=[f"b* = {b_star:.1f}"], textposition="top left",
+                            marker=dict(size=11, symbol="diamond", color="black"))
+        ticks = sorted({*sizes, *(2 ** k for k in range(0, int(math.log2(max(xs))) + 1))})
+        fig.update_yaxes(type="log")
+        fig.update_layout(title_text="throughput vs batch size, under this machine's roofline")
+    fig.update_xaxes(type="log", tickvals=ticks, ticktext=[str(s) for s in ticks])
     return fig
 
 
@@ -521,6 +659,7 @@ class FloorExplorer:
 __all__ = [
     "POLICIES", "EXAMPLE_OUTPUT_LENGTHS", "EXAMPLE_NUM_SLOTS", "reference_schedule", "check_num_steps",
     "check_utilisation", "check_simulate_batching", "check_largest_batch_meeting_floor", "most_saving_slots",
-    "check_answer_most_saving_slots", "check_sweep_speeds", "gantt_figure", "ScheduleExplorer", "print_raw_sweep",
+    "check_answer_most_saving_slots", "check_sweep_speeds", "gantt_figure", "ScheduleExplorer", "DecodeRoofline",
+    "measure_decode_roofline", "print_raw_sweep",
     "print_batch_sweep", "batch_sweep_figure", "print_policies", "FloorExplorer", "device_label", "echo_prediction",
 ]
