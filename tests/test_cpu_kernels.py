@@ -266,3 +266,20 @@ def test_the_fused_decode_step_steps_aside_for_what_it_does_not_cover(default_ll
     int8_kv = llm.with_levers(kv_dtype="int8")
     _greedy_with_logprobs(int8_kv, ["Hello there, my friend"])
     assert not calls
+    # a matmul plugged in after the plan was built (a lab's kernel): the decode steps call it, not the plan
+    int8 = llm.with_levers(weight_dtype="int8")
+    _greedy_with_logprobs(int8, ["Hello there, my friend"])
+    assert len(calls) == 9
+    calls.clear()
+    rows = []
+
+    def plugged(x2d, layer):
+        rows.append(x2d.shape[0])
+        return x2d @ layer.dequantized_weight(x2d.dtype).t()
+
+    assert int8.set_quantized_matmul(plugged, weight_dtype="int8") > 0
+    try:
+        _greedy_with_logprobs(int8, ["Hello there, my friend"])
+    finally:
+        int8.set_quantized_matmul(None, weight_dtype="int8")
+    assert not calls and rows.count(1) >= 9 * 4 * 30

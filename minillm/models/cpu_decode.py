@@ -65,16 +65,19 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _parts(layer) -> list:
-    """Everything of a layer a plan points at, by identity (modules, their parameters and buffers, the KV
-    pool, the backend): when any of them is another object, the plan is built again."""
+    """Everything of a layer a plan points at or depends on, by identity (modules, their parameters, buffers and
+    forward switches, the KV pool, the backend): when any of them is another object, the plan is built again."""
     attn, modules = layer.attn, layer._modules
-    parts = [layer, attn.k_cache, attn.v_cache, attn.backend]
+    parts = [layer, attn.k_cache, attn.v_cache, attn.backend, layer.use_native, layer.moe]
+    parts += layer._buffers.values()
     for name in ("input_layernorm", "post_attention_layernorm") + PROJECTIONS:
         module = modules.get(name)
         parts.append(module)
         if module is not None:
             parts += module._parameters.values()
             parts += module._buffers.values()
+            # the switches that choose its forward: the CPU kernels, a plugged-in matmul, the quantized path
+            parts += (module.__dict__.get("use_native"), module.__dict__.get("matmul_fn"), module.__dict__.get("path"))
     return parts
 
 
