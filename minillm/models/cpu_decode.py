@@ -81,6 +81,11 @@ def _parts(layer) -> list:
     return parts
 
 
+def _key(model, layers) -> list:
+    rotary = model.rotary
+    return [rotary.cos, rotary.sin, rotary.use_native] + [p for layer in layers for p in _parts(layer)]
+
+
 class CPUDecodePlan:
     """The ctypes tables minillm_decode_layers reads (cpu.Layer per layer), built from the model's tensors;
     `fits` is False when some layer cannot go through the fused path (then the model keeps its layers)."""
@@ -88,7 +93,7 @@ class CPUDecodePlan:
     def __init__(self, model, layers):
         from .llama import DecoderLayer
 
-        self.key = [p for layer in layers for p in _parts(layer)]
+        self.key = _key(model, layers)
         # the modules whose forward the fused path replaces: a hook on any of them (LoRA) needs the layers
         self.modules = [m for layer in layers for m in (layer, layer.attn, *layer.children())]
         self.hooked = self._hooked()
@@ -136,8 +141,8 @@ class CPUDecodePlan:
     def __reduce__(self):           # and so does a pickled one
         return type(None), ()
 
-    def still_current(self, layers) -> bool:
-        parts = [p for layer in layers for p in _parts(layer)]
+    def still_current(self, model, layers) -> bool:
+        parts = _key(model, layers)
         return len(parts) == len(self.key) and all(a is b for a, b in zip(parts, self.key)) \
             and self._hooked() == self.hooked
 
@@ -153,10 +158,10 @@ def run(model, layers, positions: torch.Tensor, hidden: torch.Tensor, meta: Atte
             and meta.block_tables is not None and len(meta.query_lens) == m and hidden.dtype is torch.float32
             and hidden.is_contiguous() and not torch.nn.modules.module._global_forward_hooks):
         return None
-    plan = model.__dict__.get("_cpu_decode_plan")
-    if plan is None or not plan.still_current(layers):
-        plan = CPUDecodePlan(model, layers)
-        model.__dict__["_cpu_decode_plan"] = plan
+    plans = model.__dict__.setdefault("_cpu_decode_plans", {})   # by layer count: a "self" draft runs the first few
+    plan = plans.get(len(layers))
+    if plan is None or not plan.still_current(model, layers):
+        plan = plans[len(layers)] = CPUDecodePlan(model, layers)
     if not plan.fits or m > plan.max_rows:
         return None
     tables, lens = meta.block_tables, meta.seq_lens
