@@ -6,7 +6,8 @@ the weights at about half the bandwidth on AMD CPUs, and its int8 / int4 CPU ker
 activations to bf16; and a Llama layer is ~50 small torch ops whose dispatch costs more than their
 arithmetic (17 ms of a 75 ms step on SmolLM2-135M). These kernels stream each weight row once
 (fp32, int8 and int4 weights, fp32 activations) and fuse the small ops (RMSNorm with its residual
-add, rotary, SiLU-and-mul, the KV store and one-query paged attention).
+add, rotary, SiLU-and-mul, the KV store and one-query paged attention); `decode_layers` runs a decode
+step's decoder layers, each of those kernels in turn, in one call (models/cpu_decode.py).
 
     from minillm.kernels import cpu
     cpu.available()          # False (with cpu.unavailable_reason()) when no C compiler built the library

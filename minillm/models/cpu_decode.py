@@ -100,7 +100,8 @@ class CPUDecodePlan:
         self.fits, self.max_rows, self.tensors = False, 0, []
         cfg = model.cfg
         rotary = model.rotary
-        if self.hooked or not layers or not (rotary.use_native and rotary.cos.dtype is torch.float32 and rotary.cos.is_contiguous()):
+        if self.hooked or not layers or not (rotary.use_native and rotary.cos.dtype is torch.float32
+                                             and rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
             return
         table, max_rows, max_k, keep = (cpu.Layer * len(layers))(), MAX_ROWS, 0, [rotary.cos, rotary.sin]
         first = layers[0]
@@ -131,7 +132,7 @@ class CPUDecodePlan:
         self.table, self.max_rows, self.tensors = table, max_rows, keep
         self.step = cpu.Step(H=cfg.hidden_size, hq=cfg.num_heads, hk=cfg.num_kv_heads, D=cfg.head_dim,
                              I=cfg.intermediate_size, num_slots=first.attn.k_cache.shape[1], max_k=max_k,
-                             eps=first.input_layernorm.eps, scale=first.attn.scale,
+                             eps=first_norm.eps, scale=first.attn.scale,
                              cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr())
         self.fits = True
 
@@ -165,13 +166,15 @@ def run(model, layers, positions: torch.Tensor, hidden: torch.Tensor, meta: Atte
     if not plan.fits or m > plan.max_rows:
         return None
     tables, lens = meta.block_tables, meta.seq_lens
-    if not (tables.dtype is torch.int32 and tables.is_contiguous() and lens.dtype is torch.int32
-            and positions.dtype is torch.int64 and meta.slot_mapping.dtype is torch.int64):
+    slots = meta.slot_mapping
+    if not (tables.dtype is torch.int32 and lens.dtype is torch.int32 and positions.dtype is torch.int64
+            and slots.dtype is torch.int64 and tables.is_contiguous() and lens.is_contiguous()
+            and positions.is_contiguous() and slots.is_contiguous()):
         return None
     step = plan.step
     step.m, step.block_size, step.max_blocks = m, meta.block_size, tables.shape[1]
     step.max_len = max(1, max(c + n for c, n in zip(meta.num_cached, meta.query_lens)))
-    step.pos, step.slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+    step.pos, step.slots = positions.data_ptr(), slots.data_ptr()
     step.block_tables, step.seq_lens = tables.data_ptr(), lens.data_ptr()
     delta = torch.empty_like(hidden)
     cpu.decode_layers(plan.table, step, hidden, delta, has_delta=False)
