@@ -65,6 +65,29 @@ def test_mm_i4_equals_its_reference_on_the_rounded_activations(m, group_size, ge
         torch.testing.assert_close(got.double(), F.linear(x_hat, w, b.double()), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 3, 6])
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_mm_i4_skips_the_padded_tail_of_a_row(m, group_size, gen):
+    # in_features 576 (the default model's hidden size) padded to whole groups: 640 for g128, 576 + 0 for g64,
+    # and 608 -> 640 / 640. x without the padding gives the bits x padded with zeros gives.
+    for n, k in [(96, 576), (40, 608), (24, 160)]:
+        kp = k + (-k) % group_size
+        levels = torch.randint(0, 16, (n, kp), generator=gen, dtype=torch.uint8)
+        packed = cpu.pack_i4(levels)
+        scale = torch.rand(n, kp // group_size, generator=gen) / 10
+        zero = torch.randn(n, kp // group_size, generator=gen) / 10
+        x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+        got = cpu.mm_i4(x, packed, scale, zero, group_size, b)
+        padded = cpu.mm_i4(F.pad(x, (0, kp - k)), packed, scale, zero, group_size, b)
+        assert torch.equal(got, padded)
+        w = (levels.double().view(n, -1, group_size) * scale.double()[..., None] + zero.double()[..., None]).view(n, kp)
+        xq, d = cpu.quantize_x_reference(x)
+        x_hat = (xq.double().view(m, -1, 32) * d.double()[..., None]).view(m, k)
+        torch.testing.assert_close(got.double(), F.linear(x_hat, w[:, :k], b.double()), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="in_features=672"):   # wider than the packed rows
+        cpu.mm_i4(torch.randn(1, 672), packed, scale, zero, group_size)
+
+
 def test_pack_i4_layout_is_the_documented_one():
     levels = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
     levels[0, 16:] = 15 - levels[0, 16:]

@@ -94,7 +94,7 @@ def _build() -> ctypes.CDLL:
     signatures = {
         "minillm_mm_f32": [p, i64, i64, p, i64, p, p, i32],
         "minillm_mm_i8": [p, i64, i64, p, p, i64, p, p, i32],
-        "minillm_mm_i4": [p, i64, i64, p, p, p, i64, i64, p, p, p, p, p, i32],
+        "minillm_mm_i4": [p, i64, i64, i64, p, p, p, i64, i64, p, p, p, p, p, i32],
         "minillm_quantize_x": [p, i64, i64, p, p],
         "minillm_rmsnorm": [p, p, p, f32, i64, i64, p],
         "minillm_rotary": [p, i64, i64, p, i64, i64, i64, i64, p, p, p],
@@ -209,25 +209,29 @@ def unpack_i4(packed: torch.Tensor) -> torch.Tensor:
 def mm_i4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
           bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ W^T with W = q * scale + zero per group of group_size input channels (packed: pack_i4's
-    layout [N, K/2]; scale, zero fp32 [N, K/g]) (+ bias) -> [M, N] fp32. K, g multiples of 32.
+    layout [N, Kp/2]; scale, zero fp32 [N, Kp/g]) (+ bias) -> [M, N] fp32. g and K multiples of 32, K <= Kp,
+    Kp a multiple of g: a row padded to whole groups (Int4Linear's) is multiplied by x without the padding
+    (its columns would meet zeros), so the padded tail is never read.
     x is first rounded to int8 in blocks of 32 (quantize_x): the result is x_hat @ W^T, x_hat = xq * d."""
     m, k = x.shape
-    n = packed.shape[0]
-    if group_size % INT4_BLOCK or k % group_size:
-        raise ValueError(f"mm_i4 needs group_size a multiple of {INT4_BLOCK} dividing in_features, "
-                         f"got group_size={group_size}, in_features={k}")
+    n, kp = packed.shape[0], 2 * packed.shape[1]
+    if group_size % INT4_BLOCK or k % INT4_BLOCK or kp % group_size or k > kp:
+        raise ValueError(f"mm_i4 needs group_size and in_features multiples of {INT4_BLOCK}, the packed rows "
+                         f"({kp} levels) a multiple of group_size and at least in_features, got "
+                         f"group_size={group_size}, in_features={k}")
     _check(x, "x", torch.float32)
-    _check(packed, "packed", torch.uint8, (n, k // 2))
-    _check(scale, "scale", torch.float32, (n, k // group_size))
-    _check(zero, "zero", torch.float32, (n, k // group_size))
+    _check(packed, "packed", torch.uint8)
+    _check(scale, "scale", torch.float32, (n, kp // group_size))
+    _check(zero, "zero", torch.float32, (n, kp // group_size))
     if bias is not None:
         _check(bias, "bias", torch.float32, (n,))
     y = torch.empty(m, n)
     xq = torch.empty(m, k, dtype=torch.int8)
     xd = torch.empty(m, k // INT4_BLOCK)
-    xsum = torch.empty(m, k // group_size)
-    library().minillm_mm_i4(x.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size, n,
-                            y.data_ptr(), _ptr(bias), xq.data_ptr(), xd.data_ptr(), xsum.data_ptr(), _threads(threads))
+    xsum = torch.empty(m, kp // group_size)
+    library().minillm_mm_i4(x.data_ptr(), m, k, kp, packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), group_size,
+                            n, y.data_ptr(), _ptr(bias), xq.data_ptr(), xd.data_ptr(), xsum.data_ptr(),
+                            _threads(threads))
     return y
 
 

@@ -119,7 +119,8 @@ class Int4Linear(QuantizedLinear):
             if x2d.shape[0] > cpu.QUANT_KERNEL_ROWS:   # dequantized straight from the CPU layout
                 w = dequantize_int4(cpu.unpack_i4(self.packed), self.scale, self.zero)[:, : self.in_features]
                 return F.linear(x2d.float(), w)
-            x = F.pad(x2d.float(), (0, self.pad)) if self.pad else x2d.float()
+            pad = (-self.in_features) % cpu.INT4_BLOCK   # to whole blocks of 32, not to the group: mm_i4 skips the rest
+            x = F.pad(x2d.float(), (0, pad)) if pad else x2d.float()
             return cpu.mm_i4(x if x.is_contiguous() else x.contiguous(), self.packed, self.scale, self.zero,
                              self.group_size)
         xb = x2d.to(torch.bfloat16)
