@@ -88,6 +88,21 @@ def test_mm_i4_skips_the_padded_tail_of_a_row(m, group_size, gen):
         cpu.mm_i4(torch.randn(1, 672), packed, scale, zero, group_size)
 
 
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_mm_i4_gives_a_row_the_same_bits_alone_and_in_a_batch(group_size, gen):
+    # one activation row takes another loop (two weight rows at a time) than several; an odd N leaves a last
+    # weight row alone, and an odd block count (K = 608) a last block alone
+    for n, k in [(37, 576), (53, 608)]:
+        kp = k + (-k) % group_size
+        packed = cpu.pack_i4(torch.randint(0, 16, (n, kp), generator=gen, dtype=torch.uint8))
+        scale = torch.rand(n, kp // group_size, generator=gen) / 10
+        zero = torch.randn(n, kp // group_size, generator=gen) / 10
+        x = torch.randn(5, k, generator=gen)
+        batch = cpu.mm_i4(x, packed, scale, zero, group_size)
+        for i in range(5):
+            assert torch.equal(cpu.mm_i4(x[i:i + 1].contiguous(), packed, scale, zero, group_size), batch[i:i + 1])
+
+
 def test_pack_i4_layout_is_the_documented_one():
     levels = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
     levels[0, 16:] = 15 - levels[0, 16:]

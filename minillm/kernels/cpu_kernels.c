@@ -248,6 +248,45 @@ static inline __attribute__((always_inline)) void i4_pair(const int8_t *xq, cons
     }
 }
 
+/* i4_pair for one activation row against two weight rows: x's blocks and multipliers loaded once, two
+ * independent chains (the same arithmetic per row, so the same bits as one row at a time) */
+static inline __attribute__((always_inline)) void i4_pair_2rows(const int8_t *xq, const float *xd, int64_t gshift,
+                                                                const uint8_t *const *p, const float *const *scale,
+                                                                int64_t b, int two, __m256 *acc) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const int8_t *xr = xq + b * QBLOCK;
+    __m256i A = i4_load2(xr, two), B = i4_load2(xr + (two ? 2 : 1) * QBLOCK / 2, two);
+    __m256 dv = i4_spread2(xd + b, two);
+    for (int r = 0; r < 2; r++) {
+        __m256i raw = i4_load2(p[r] + b * QBLOCK / 2, two);
+        __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        __m256 sv = gshift ? _mm256_set1_ps(scale[r][b >> gshift]) : i4_spread2(scale[r] + b, two);
+        __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, A), _mm256_maddubs_epi16(hi, B));
+        __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+        acc[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(dv, sv), acc[r]);
+    }
+}
+
+/* i4_rows with MR = 1 for two weight rows (a decode step's single activation row) */
+static void i4_two_rows(const int8_t *xq, const float *xd, const float *xsum, int64_t K, int64_t gshift,
+                        const uint8_t *const *p, const float *const *scale, const float *const *zero, float *out) {
+    int64_t nb = K / QBLOCK, groups = (nb + (1 << gshift) - 1) >> gshift;
+    for (int r = 0; r < 2; r++) {
+        float z = 0.f;
+        for (int64_t gi = 0; gi < groups; gi++) z += zero[r][gi] * xsum[gi];
+        out[r] = z;
+    }
+    __m256 acc0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        i4_pair_2rows(xq, xd, gshift, p, scale, b, 1, acc0);
+        i4_pair_2rows(xq, xd, gshift, p, scale, b + 2, 1, acc1);
+    }
+    if (b + 2 <= nb) { i4_pair_2rows(xq, xd, gshift, p, scale, b, 1, acc0); b += 2; }
+    if (b < nb) i4_pair_2rows(xq, xd, gshift, p, scale, b, 0, (b / 2) & 1 ? acc1 : acc0);
+    for (int r = 0; r < 2; r++) out[r] += hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
 /* x's int8 blocks rearranged in place for i4_pair: each pair of blocks [b | b+1] of 32 bytes each becomes
  * [b's 0..15, b+1's 0..15 | b's 16..31, b+1's 16..31]; a last odd block stays as it is. */
 static void i4_pair_layout(int8_t *xq, int64_t m, int64_t K) {
@@ -326,7 +365,20 @@ void minillm_mm_i4(const float *x, int64_t m, int64_t K, int64_t Kp, const uint8
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t n1 = (t + 1) * ROWS_PER_TASK < N ? (t + 1) * ROWS_PER_TASK : N;
-        for (int64_t n = t * ROWS_PER_TASK; n < n1; n++)
+        int64_t n = t * ROWS_PER_TASK;
+#if HAVE_AVX2
+        if (m == 1)   /* one activation row: two weight rows at a time */
+            for (; n + 2 <= n1; n += 2) {
+                const uint8_t *p2[2] = {packed + n * (Kp / 2), packed + (n + 1) * (Kp / 2)};
+                const float *s2[2] = {scale + n * gstride, scale + (n + 1) * gstride};
+                const float *z2[2] = {zero + n * gstride, zero + (n + 1) * gstride};
+                float out[2];
+                i4_two_rows(xq, xd, xsum, K, gshift, p2, s2, z2, out);
+                y[n] = out[0] + (bias ? bias[n] : 0.f);
+                y[n + 1] = out[1] + (bias ? bias[n + 1] : 0.f);
+            }
+#endif
+        for (; n < n1; n++)
             for (int64_t i0 = 0; i0 < m; i0 += 4) {
                 int64_t mr = m - i0 < 4 ? m - i0 : 4;
                 float out[4];
