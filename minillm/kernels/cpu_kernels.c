@@ -219,7 +219,7 @@ void minillm_quantize_x(const float *x, int64_t m, int64_t K, int8_t *xq, float 
  * madd makes them 8 int32 sums, four per block, and one FMA scales each half by its block's multiplier:
  * about half the instructions of one block at a time. two = 0: block b alone (the last of an odd count),
  * its upper half zero. */
-static inline __attribute__((always_inline)) __m256i i4_load2(const uint8_t *src, int two) {
+static inline __attribute__((always_inline)) __m256i i4_load2(const void *src, int two) {
     return two ? _mm256_loadu_si256((const __m256i *)src)
                : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)src), 0);
 }
