@@ -9,26 +9,14 @@ side on the default model's shapes whose 576 inputs group size 128 pads to 640. 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from cpu_int8_gemm import best_time   # scripts/ is on the path when this runs as a script
 from minillm.kernels import cpu
 
 SHAPES = [(960, 576), (576, 576), (3072, 576)]   # SmolLM2-135M: qkv, o, gate_up (down's 1536 inputs need no pad)
-
-
-def best_us(fn, reps: int = 1000) -> float:
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best * 1e6
 
 
 def main() -> None:
@@ -50,8 +38,8 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen)
             xp = F.pad(x, (0, kp - k))
             assert torch.equal(cpu.mm_i4(x, packed, scale, zero, g), cpu.mm_i4(xp, packed, scale, zero, g))
-            padded = best_us(lambda: cpu.mm_i4(xp, packed, scale, zero, g))
-            skip = best_us(lambda: cpu.mm_i4(x, packed, scale, zero, g))
+            padded = 1e6 * best_time(lambda: cpu.mm_i4(xp, packed, scale, zero, g), reps=1000, warmup=20)
+            skip = 1e6 * best_time(lambda: cpu.mm_i4(x, packed, scale, zero, g), reps=1000, warmup=20)
             print(f"{f'{n} x {k} ({kp})':>20} {m:>5} {padded:>10.1f} {skip:>11.1f} {padded / skip:>8.2f}x")
 
 

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # SmolLM2-135M: qkv, o, gate_up, down
 
 
-def best_time(fn, reps: int = 50) -> float:
-    fn()
+def best_time(fn, reps: int = 50, warmup: int = 1) -> float:
+    """Seconds per call of fn: the best of 5 rounds of reps calls, after warmup calls."""
+    for _ in range(warmup):
+        fn()
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
