@@ -1,13 +1,16 @@
 """Autograde every submission in a folder, write the grades, the logs and the feedback (instructors).
 
-    python grading/autograde.py SUBMISSIONS_DIR [--out grades.csv] [--feedback DIR] [--keep COURSE_DIR] [--full]
+    python grading/autograde.py SUBMISSIONS_DIR [--out grades.csv] [--feedback DIR] [--jobs N] [--similarity]
+                                [--keep COURSE_DIR] [--full] [--unsafe-no-sandbox]
+    python grading/autograde.py --check-sandbox # can this machine make the sandbox? what does it enforce?
     python grading/autograde.py --measure       # time each lab's solution in quick mode -> grading/quick_times.json
 
 SUBMISSIONS_DIR holds ``<student_id>/<NN_topic>/<NN_topic>.ipynb`` (nbgrader's submitted/ folder
-has this layout; see grading/README.md). Only the students' solution cells are run; tests and
-hidden tests come from the instructor masters in grading/source. Every notebook gets a row, the
-log of its grading lands in ``<out>.logs/<student>/<lab>.log``, and the exit status is the number
-of notebooks that could not be graded (0: all graded).
+has this layout; see grading/README.md). Only the students' solution cells are run, each notebook's
+in a sandbox (bubblewrap: no course, gradebook or repository in sight, no network, limited, killed
+whole); tests and hidden tests come from the instructor masters in grading/source and run outside it.
+Every notebook gets a row, the log of its grading lands in ``<out>.logs/<student>/<lab>.log``, and the
+exit status is the number of notebooks that could not be graded (0: all graded; 2: no sandbox).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 if not __package__:  # run as a script: the pipeline is the package `grading` of the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
-from grading import grader  # noqa: E402
+from grading import grader, sandbox  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="run the labs in full mode, not MINILLM_QUICK=1")
     parser.add_argument("--cell-timeout", type=int, metavar="SECONDS",
                         help="per-cell limit (default: 5x the lab's slowest solution cell, grading/quick_times.json)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="grade N notebooks at once, each in its own sandbox with its share of the cores (default 1)")
+    parser.add_argument("--similarity", action="store_true",
+                        help="flag solution cells close to the lab's references, the published solution or another "
+                             "student's (grading/similarity.py) in the reason column")
+    parser.add_argument("--unsafe-no-sandbox", action="store_true",
+                        help="run the submissions without the sandbox (only where none can be made, on trusted code)")
+    parser.add_argument("--check-sandbox", action="store_true", help="say whether the sandbox works here, and exit")
     parser.add_argument("--measure", action="store_true",
                         help="grade each lab's committed solution in quick mode and write grading/quick_times.json")
     args = parser.parse_args(argv)
 
+    if args.check_sandbox:
+        found = sandbox.status()
+        print(f"sandbox: {found.isolation}" if found.available else f"no sandbox: {found.reason}")
+        return 0 if found.available else 2
     if args.measure:
         measured = grader.measure_quick_times(args.labs, args.source)
         times = {**grader.quick_times(), **measured}
@@ -67,9 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     count = sum(len(by_lab) for by_lab in submissions.values())
     print(f"autograding {count} notebooks from {len(submissions)} students ...", flush=True)
     log_dir = args.out.with_name(args.out.stem + ".logs")
-    rows = grader.autograde(submissions, source_dir=args.source, course_dir=args.keep, quick=not args.full,
-                            cell_timeout_s=args.cell_timeout, feedback_dir=args.feedback, log_dir=log_dir,
-                            progress=True)
+    try:
+        rows = grader.autograde(submissions, source_dir=args.source, course_dir=args.keep, quick=not args.full,
+                                cell_timeout_s=args.cell_timeout, feedback_dir=args.feedback, log_dir=log_dir,
+                                progress=True, jobs=args.jobs, unsafe_no_sandbox=args.unsafe_no_sandbox,
+                                similarity=args.similarity)
+    except sandbox.SandboxUnavailable as error:
+        print(f"autograde: {error}", file=sys.stderr)
+        return 2
     grader.write_csv(rows, args.out)
     print(grader.format_table(rows))
     failed = sum(1 for row in rows if row["status"] == "failed")

@@ -60,6 +60,8 @@ REMOVED_REGIONS = (("BEGIN HIDDEN TESTS", "END HIDDEN TESTS"), ("BEGIN MARK SCHE
 TRANSIENT_CELL_METADATA = ("collapsed", "scrolled", "execution", "ExecuteTime")
 # Notebook metadata that must not reach git: widget state can be megabytes.
 TRANSIENT_NOTEBOOK_METADATA = ("widgets", "celltoolbar")
+# The grader's metadata in a master (grading.grader, grading.references): kept out of labs/ and solutions/.
+GRADING_METADATA = ("minillm",)
 
 
 def discover_labs(source_dir: Path = SOURCE_DIR) -> list[str]:
@@ -87,14 +89,15 @@ def read_master(lab: str, source_dir: Path = SOURCE_DIR) -> nbformat.NotebookNod
 
 
 def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Drop outputs, execution counts, widget state and session metadata (in place)."""
-    for key in TRANSIENT_NOTEBOOK_METADATA:
+    """Drop outputs, execution counts, widget state, session metadata and the grader's own metadata
+    (``minillm``: where each cell runs when graded, the references; in place)."""
+    for key in (*TRANSIENT_NOTEBOOK_METADATA, *GRADING_METADATA):
         nb.metadata.pop(key, None)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
-        for key in TRANSIENT_CELL_METADATA:
+        for key in (*TRANSIENT_CELL_METADATA, *GRADING_METADATA):
             cell.metadata.pop(key, None)
     return nb
 

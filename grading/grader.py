@@ -1,17 +1,21 @@
-"""Autograde lab submissions with nbgrader; one row per (student, lab), whatever the notebook does.
+"""Autograde lab submissions: each in a sandbox, every verdict decided outside it; one row per (student, lab).
 
-The course is rebuilt from the instructor masters (grading/source) each time, so the tests and
-the hidden tests come from the masters, never from what a student hands in. From a submission
-only the **solution cells** are taken (matched by nbgrader ``grade_id``); every other cell comes
-from the master, and the student's own extra cells are not run. Each solution cell is screened
-as source first (grading/screen.py): one that could change how later cells run or what the
-checks do is replaced by the stub and named in the row. The graded copy carries a runtime guard
-(grading/guard.py) as its first cell and a check of it at the top of every test cell.
+The course is rebuilt from the instructor masters (grading/source) each time, so the tests and the
+hidden tests come from the masters, never from what a student hands in. From a submission only the
+**solution cells** are taken (matched by nbgrader ``grade_id``); every other cell comes from the
+master, and the student's own extra cells are not run.
 
-Then ``nbgrader autograde`` runs once per (student, lab), headless, in quick mode
-(``MINILLM_QUICK=1``), with nbgrader's Execute replaced by grading.execute (a dead
-kernel costs the cell that killed it, not the lab). A test cell the student deleted or changed
-scores 0, and so does one during which the guard saw a change; the row says so.
+Each notebook then runs in two processes in step (grading.execute): the grader's kernel runs the
+master's cells and every test, and the student's solution cells run in a sandbox (grading.sandbox:
+no view of the course, the gradebook or the repository, no network, limited, killed whole), where
+the references the lab's exercises rebuild are stubbed out (grading.references). The tests reach the
+learner's functions over a data-only channel (grading.remote, grading.wire) and compare the data in
+the grader's kernel, where no student code has run. Notebooks run ``jobs`` at a time.
+
+When every sandbox is gone, ``nbgrader autograde`` writes the gradebook from the recorded outputs,
+and the rows, the CSV and the feedback come from it: scores from the autograded cells only (a manual
+score that did not come from the formgrader is ignored and named in the row). A test cell the student
+deleted or changed scores 0; the row's ``reason`` says what was refused, flagged, timed out or died.
 
     rows = autograde({"ada": {"01_prefill_decode": "ada/01_prefill_decode.ipynb"}})
     # [{"student": "ada", "lab": "01_prefill_decode", "status": "graded", "score": 6.0,
@@ -21,6 +25,7 @@ scores 0, and so does one during which the guard saw a change; the row says so.
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import copy
 import csv
 import json
@@ -28,28 +33,30 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
-from grading import guard, screen
+from grading import references, sandbox
 from grading.build import (GRADING_DIR, REMOVED_REGIONS, REPO_ROOT, SOURCE_DIR, discover_labs, dumps, generate_assignments,
                            make_course, read_master, without_model_answers)
-from grading.execute import REPORT_ENV as EXECUTE_REPORT_ENV
+from grading.execute import EXECUTED_ENV, START_SOURCE
 
 STUDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
 COURSE_ID = "minillm"
 # The interpreter that runs nbgrader also runs the kernel ("python3" kernelspec -> sys.executable).
 PYTHON = sys.executable
 
-GUARD_CELL_ID = "minillm_grading_guard"
-GUARD_SOURCE = "import grading.guard as _minillm_guard\n_minillm_guard.install(get_ipython())"
+SANDBOX_CELL_ID = "minillm_grading_sandbox"
 STUB = "raise NotImplementedError(\"minillm grading: this solution cell was not run (the grade's reason says why)\")"
 HIDDEN_BEGIN, HIDDEN_END = REMOVED_REGIONS[0]  # the markers build.py cuts out of labs/ and solutions/
 
@@ -94,25 +101,128 @@ def _import_lines(master) -> list[str]:
 
 
 def preamble(grade_id: str, imports: list[str]) -> str:
-    """The lines the graded copy puts at the top of test cell ``grade_id``."""
-    return "\n".join([f"import grading.guard as _minillm_guard; _minillm_guard.verify({grade_id!r})", *imports]) + "\n"
+    """The lines the graded copy puts at the top of test cell ``grade_id``: the learner's names
+    fetched afresh from the sandbox, then the master's imports again (a name the tests use is the
+    module, whatever a cell bound to it)."""
+    return "\n".join([f"import grading.remote as _minillm_sandbox; _minillm_sandbox.refresh(globals(), {grade_id!r})",
+                      *imports]) + "\n"
 
 
 def grading_master(master) -> nbformat.NotebookNode:
-    """The master as the grading course holds it: the guard cell first, the preamble on every test."""
+    """The master as the grading course holds it: the sandbox's start first, the preamble on every test."""
     nb = copy.deepcopy(master)
     imports = _import_lines(master)
     for cell in nb.cells:
         if _is_test(cell):
             cell.source = preamble(_nbgrader(cell)["grade_id"], imports) + cell.source
-    guard_cell = nbformat.v4.new_code_cell(
-        GUARD_SOURCE,
-        id=GUARD_CELL_ID,
-        metadata={"nbgrader": {"grade": False, "solution": False, "locked": True, "grade_id": GUARD_CELL_ID,
+    start_cell = nbformat.v4.new_code_cell(
+        START_SOURCE,
+        id=SANDBOX_CELL_ID,
+        metadata={"nbgrader": {"grade": False, "solution": False, "locked": True, "grade_id": SANDBOX_CELL_ID,
                                "schema_version": 3}},
     )
-    nb.cells.insert(0, guard_cell)
+    nb.cells.insert(0, start_cell)
     return nb
+
+
+RUNS_IN = ("both", "sandbox", "grader")
+
+
+def bound_names(source: str) -> set[str]:
+    """Every name a cell binds at its top level (definitions, assignments, imports, loop and with targets)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    bound: set[str] = set()
+
+    def targets(node):
+        if isinstance(node, ast.Name):
+            bound.add(node.id)
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            for element in node.elts:
+                targets(element)
+        elif isinstance(node, ast.Starred):
+            targets(node.value)
+
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names if alias.name != "*")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                targets(target)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)):
+            targets(node.target)
+        elif isinstance(node, ast.With):
+            for item in node.items:
+                if item.optional_vars is not None:
+                    targets(item.optional_vars)
+        elif isinstance(node, ast.Try):
+            for inner in node.body + node.orelse + node.finalbody:
+                for name in bound_names(ast.unparse(inner)):
+                    bound.add(name)
+    return bound
+
+
+def import_names(source: str) -> set[str]:
+    """The names a cell binds by import at its top level."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    return {(alias.asname or alias.name).split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names if alias.name != "*"}
+
+
+def import_statements(source: str) -> list[str]:
+    """A cell's top-level import statements, one line each."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def runs_in(cell) -> str:
+    """Where a locked code cell runs: "both" (default), "sandbox" or "grader" (metadata minillm.runs_in)."""
+    where = cell.get("metadata", {}).get("minillm", {}).get("runs_in", "both")
+    if where not in RUNS_IN:
+        raise ValueError(f"cell {cell.get('id')}: minillm.runs_in={where!r}; one of {RUNS_IN}")
+    return where
+
+
+def plan(grading_nb, master) -> dict[str, dict]:
+    """``{cell index: {"kind", "names"}}`` for the graded copy (the grading master, start cell first, whose
+    cells nbgrader's release keeps in order):
+    "start", "learner" (a solution cell; ``names``: what the master's version binds), "both" / "sandbox"
+    (``names``: what it binds, taken as data) / "grader" (locked cells), "test"."""
+    master_solutions = {_nbgrader(c).get("grade_id"): c for c in master.cells if _nbgrader(c).get("solution")}
+    # The master's own names (llm, torch, lab02, ...) stay the grader's: a solution cell that rebinds one
+    # changes the sandbox only. Imported modules are never data.
+    locked = set().union(*(bound_names(c.source) for c in master.cells
+                           if c.cell_type == "code" and not _nbgrader(c).get("solution")))
+    steps = {}
+    for index, cell in enumerate(grading_nb.cells):
+        if cell.cell_type != "code":
+            continue
+        meta = _nbgrader(cell)
+        if meta.get("grade_id") == SANDBOX_CELL_ID:
+            steps[str(index)] = {"kind": "start", "names": []}
+        elif meta.get("solution"):
+            solved = master_solutions.get(meta.get("grade_id"))
+            source = solved.source if solved else ""
+            steps[str(index)] = {"kind": "learner", "names": sorted(bound_names(source) - locked - import_names(source))}
+        elif _is_test(cell):
+            steps[str(index)] = {"kind": "test", "names": []}
+        else:
+            where = runs_in(cell)
+            names = bound_names(cell.source) - import_names(cell.source) if where == "sandbox" else set()
+            steps[str(index)] = {"kind": where, "names": sorted(names)}
+            if where == "sandbox":
+                steps[str(index)]["imports"] = import_statements(cell.source)
+    return steps
 
 
 @dataclass
@@ -120,12 +230,13 @@ class LabCourse:
     """What grading one lab needs from the grading course."""
 
     name: str
-    release: nbformat.NotebookNode          # the grading release: guard cell, preambles, no hidden tests
+    release: nbformat.NotebookNode          # the grading release: start cell, preambles, no hidden tests
     sources: dict[str, tuple[str, str]]     # grade_id -> (gradebook source with hidden tests, checksum)
     preambles: dict[str, str]               # test grade_id -> its preamble
-    protected: set[str] = field(default_factory=set)
-    modules: set[str] = field(default_factory=set)
     max_score: float = 0.0
+    plan: dict[str, dict] = field(default_factory=dict)
+    references: dict[str, list[str]] = field(default_factory=dict)
+    library: references.SandboxLibrary | None = None
 
     def student_source(self, cell) -> str:
         """What this locked cell reads in the student's copy (labs/NN_topic.ipynb)."""
@@ -154,28 +265,18 @@ def hidden_line_numbers(source: str) -> set[int]:
     return numbers
 
 
-def protected_names(master) -> tuple[set[str], set[str]]:
-    """(names the master's own code cells bind, those bound to modules): what a solution cell may
-    not rebind or write into (grading/screen.py)."""
-    protected, modules = set(), set()
-    for cell in master.cells:
-        if cell.cell_type == "code" and not _nbgrader(cell).get("solution"):
-            bound, bound_modules = screen.names_bound_by(cell.source)
-            protected |= bound
-            modules |= bound_modules
-    return protected, modules
-
-
-def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE_DIR) -> dict[str, LabCourse]:
-    """A throwaway nbgrader course at ``course_root`` whose masters carry the guard; assignments
-    generated (gradebook: graded cells, hidden tests). Returns what grading each lab needs."""
+def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE_DIR,
+                   library_dir: Path | None = None) -> dict[str, LabCourse]:
+    """A throwaway nbgrader course at ``course_root`` whose masters carry the sandbox's start and the
+    tests' preambles; assignments generated (gradebook: graded cells, hidden tests). With
+    ``library_dir``, each lab's sandbox library (grading.references) is prepared there too."""
     from nbgrader.api import Gradebook
 
     make_course(course_root, labs, source_dir)
-    masters = {}
+    masters, grading_masters = {}, {}
     for lab in labs:
         masters[lab] = read_master(lab, source_dir)
-        graded = grading_master(without_model_answers(masters[lab]))
+        graded = grading_masters[lab] = grading_master(without_model_answers(masters[lab]))
         (course_root / "source" / lab / f"{lab}.ipynb").write_text(dumps(graded), encoding="utf-8")
     released = generate_assignments(course_root, labs)
     courses = {}
@@ -191,9 +292,12 @@ def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE
                     sources[grade_id] = (source_cell.source, source_cell.checksum)
                 if _is_test(cell):
                     preambles[grade_id] = preamble(grade_id, imports)
-            protected, modules = protected_names(masters[lab])
-            courses[lab] = LabCourse(lab, release, sources, preambles, protected, modules,
-                                     float(gradebook.find_assignment(lab).max_score))
+            declared = references.declared(masters[lab])
+            library = references.prepare(lab, declared, Path(library_dir) / lab) if library_dir is not None else None
+            if [c.get("id") for c in release.cells] != [c.get("id") for c in grading_masters[lab].cells]:
+                raise RuntimeError(f"nbgrader's release of {lab} does not keep the master's cells in order")
+            courses[lab] = LabCourse(lab, release, sources, preambles, float(gradebook.find_assignment(lab).max_score),
+                                     plan(grading_masters[lab], masters[lab]), declared, library)
     return courses
 
 
@@ -258,16 +362,10 @@ def graded_copy(submission: nbformat.NotebookNode, lab: LabCourse) -> GradedCopy
                 continue
             source = theirs.get("source", "")
             source = "".join(source) if isinstance(source, list) else str(source)
-            if cell.cell_type == "code":
-                findings = screen.screen_source(source, lab.protected, lab.modules)
-                if findings:
-                    flags.append(f"solution cell {grade_id} was not run: {findings[0]}"
-                                 + (f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""))
-                    source = STUB
             cell.source = source
             continue
         if grade_id and grade_id in lab.sources:
-            if grade_id != GUARD_CELL_ID and cell.cell_type == "code":  # locked markdown only explains
+            if grade_id != SANDBOX_CELL_ID and cell.cell_type == "code":  # locked markdown only explains
                 expected = lab.student_source(cell)
                 if theirs is None:
                     flags.append(f"locked cell {grade_id} was deleted")
@@ -309,7 +407,7 @@ def _kernel_env(quick: bool) -> dict[str, str]:
     # Creating the gradebook shells out to `alembic`, found on PATH only when the venv is active.
     env["PATH"] = os.pathsep.join([str(Path(PYTHON).parent), env.get("PATH", "")])
     # nbgrader (its config imports grading.execute) and the graded kernel (its first cell imports
-    # grading.guard) run in the throwaway course folder: the grader's package is found from here.
+    # grading.remote) run in the throwaway course folder: the grader's package is found from here.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     if quick:
         env["MINILLM_QUICK"] = "1"
@@ -381,16 +479,40 @@ def _last_error_line(text: str) -> str:
     return lines[-1][-300:] if lines else "no output"
 
 
-def _reason(flags, zeroed, execute_report, guard_records, failures) -> str:
+def _sandbox_events(path: Path) -> list[dict]:
+    """The graded kernel's record of its sandbox (grading.remote): restarts, timeouts, deaths, refusals."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def _reason(flags: list[str], execute_report: dict, events: list[dict], extra: list[str]) -> str:
     parts = []
     for name in execute_report.get("deaths", []):
-        parts.append(f"kernel died in cell {name}")
+        parts.append(f"the grader's kernel died in cell {name}")
     for cell in execute_report.get("cells", []):
         if cell["status"] == "timed out":
             parts.append(f"cell {cell['name']} timed out")
-    for record in guard_records:
-        parts.append(f"the guard saw {', '.join(record['changes'][:3])} {record['when']} ({record['cell']})")
+    for event in events:
+        kind, cell = event.get("event"), event.get("cell")
+        if kind == "timeout":
+            parts.append(f"cell {cell} timed out in the sandbox")
+        elif kind == "died":
+            parts.append(f"the sandbox died in cell {cell}")
+        elif kind == "refused":
+            parts.append(f"refused in {cell}: {event.get('what')}")
+        elif kind == "reference":
+            parts.append(f"refused in {cell}: the reference {event.get('what')} (unavailable in the sandbox)")
     parts.extend(flags)
+    parts.extend(extra)
     return "; ".join(dict.fromkeys(parts))
 
 
@@ -400,77 +522,159 @@ def _failed_row(student: str, lab: str, course: LabCourse, reason: str, seconds:
             "notes": [], "zeroed": {}, "seconds": seconds, "kernel_s": 0.0, "slowest_cell_s": 0.0, "log": log}
 
 
-def _grade_one(course_root: Path, course: LabCourse, student: str, path: Path, env: dict, timeout_s: int,
-               log_dir: Path) -> dict:
-    lab = course.name
-    log_path = log_dir / student / f"{lab}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+@dataclass
+class _Job:
+    """One notebook to run: its graded copy and where its files go."""
+
+    student: str
+    lab: str
+    path: Path                   # the submission
+    graded: Path                 # the graded copy (submitted/ of the course)
+    executed: Path               # executed/<lab>/<student>/<lab>.ipynb
+    folder: Path                 # reports/<student>/<lab>/: plan, spec, reports, the sandbox's log
+    log: Path
+    copy: "GradedCopy"
+    seconds: float = 0.0
+    returncode: int | None = None
+    output: str = ""
+
+
+def _threads_per_job(jobs: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        cores = min(cores, int(os.environ["OMP_NUM_THREADS"])) if jobs == 1 else cores
+    return max(1, cores // max(1, jobs))
+
+
+def _sandbox_spec(job: _Job, course: LabCourse, scratch: Path, quick: bool, timeout_s: int, threads: int,
+                  unsafe: bool, limits: sandbox.Limits, run_id: str) -> dict:
+    from minillm.config import cache_root
+
+    library = course.library
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "MINILLM_QUICK": "1" if quick else "",
+           "MINILLM_GRADING_RUN": run_id}
+    for name in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return {
+        "scratch": str(scratch), "runner_dir": str(library.runner_dir), "package_binds": library.package_binds,
+        "bans": library.bans, "env": env, "limits": vars(limits), "cache_root": str(cache_root()),
+        "log": str(job.folder / "sandbox.log"), "report": str(job.folder / "sandbox.jsonl"),
+        "cell_timeout_s": timeout_s, "call_timeout_s": timeout_s, "unsafe": unsafe, "python": PYTHON,
+        "run_id": run_id,
+    }
+
+
+def _run_job(job: _Job, env: dict, timeout_s: int, progress) -> _Job:
+    """Run one graded copy in its own process (grading.execute): the grader's kernel and its sandbox."""
+    kernel_timeout = 3 * timeout_s + 60  # a test may call the learner's code many times, each within timeout_s
+    code_cells = sum(1 for c in job.copy.notebook.cells if c.cell_type == "code")
+    wall_limit = 300 + kernel_timeout * max(1, code_cells)
+    command = [PYTHON, "-m", "grading.execute", str(job.graded), str(job.executed), "--plan", str(job.folder / "plan.json"),
+               "--report", str(job.folder / "execute.json"), "--timeout", str(kernel_timeout), "--cwd", str(job.folder / "kernel")]
     start = time.perf_counter()
-    if not Path(path).is_file():
-        log_path.write_text(f"no notebook at {path}\n", encoding="utf-8")
-        return _failed_row(student, lab, course, f"no notebook at {path}", log=str(log_path))
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
     try:
-        copy_ = graded_copy(read_submission(path), course)
-    except (SubmissionError, OSError) as error:
-        log_path.write_text(f"{path}: {error}\n", encoding="utf-8")
-        return _failed_row(student, lab, course, str(error), log=str(log_path))
-    target = course_root / "submitted" / student / lab / f"{lab}.ipynb"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(copy_.notebook, target)
-    timestamp = Path(path).parent / "timestamp.txt"  # nbgrader's submission time (late penalties, feedback)
-    if timestamp.is_file():
-        shutil.copyfile(timestamp, target.parent / "timestamp.txt")
-    reports = course_root / "reports" / student / lab
-    reports.mkdir(parents=True, exist_ok=True)
-    env = {**env, guard.REPORT_ENV: str(reports / "guard.jsonl"), EXECUTE_REPORT_ENV: str(reports / "execute.json")}
-    command = [PYTHON, "-m", "nbgrader", "autograde", lab, "--student", student, "--force", "--create",
-               f"--Execute.timeout={int(timeout_s)}"]
-    # A notebook whose every cell loops still ends: each costs one timeout, plus setup.
-    wall_limit = 300 + timeout_s * max(1, sum(1 for c in copy_.notebook.cells if c.cell_type == "code"))
+        output, _ = process.communicate(timeout=wall_limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        output = (output or "") + f"\nkilled after {wall_limit} s"
+    job.seconds, job.returncode, job.output = time.perf_counter() - start, process.returncode, output or ""
+    if progress is not None:
+        progress(job)
+    return job
+
+
+def _sweep_sandboxes(run_id: str) -> list[int]:
+    """Kill every process of every sandbox this run started, and remove their cgroups: nothing a
+    submission started outlives its grading. Returns the pids that had to be killed."""
+    killed = []
+    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+        if not root.is_dir():
+            continue
+        for path in root.rglob(f"minillm-grading-{run_id}-*") if root.name == "cgroup" else root.glob(f"minillm-grading-{run_id}-*"):
+            group = sandbox.Cgroup([path], 2 if root.name == "cgroup" else 1)
+            killed += group.pids()
+            group.kill()
+    return killed
+
+
+def _nbgrader_autograde(course_root: Path, lab: str, env: dict, log_path: Path) -> None:
+    """nbgrader autograde for every student of ``lab``, the outputs replayed from the runs (no kernel)."""
+    command = [PYTHON, "-m", "nbgrader", "autograde", lab, "--force", "--create"]  # ReplayOutputs: nbgrader_config.py
+    env = {**env, EXECUTED_ENV: str(course_root / "executed" / lab)}
+    done = subprocess.run(command, cwd=course_root, env=env, capture_output=True, text=True, timeout=3600)
+    log_path.write_text(f"# {' '.join(command)}\n{done.stdout}\n{done.stderr}", encoding="utf-8")
+
+
+def _scores(gradebook, lab: str, student: str, zeroed: Mapping[str, str]) -> tuple[float, float, float, list[str]]:
+    """(score, max_score, manual_max_score, notes) from the gradebook's autograded cells only: a manual score
+    on an autograded cell cannot have come from the formgrader yet (the course is new), so it is removed
+    and named."""
+    submission = gradebook.find_submission(lab, student)
+    score, manual_max, notes = 0.0, 0.0, []
+    for notebook in submission.notebooks:
+        solution_names = {cell.name for cell in notebook.notebook.solution_cells}
+        for grade in notebook.grades:
+            if grade.cell_type == "markdown" or grade.name in solution_names:
+                manual_max += float(grade.max_score)
+                if grade.manual_score is not None:
+                    notes.append(f"ignored a manual score on {grade.name} that did not come from the formgrader")
+                    grade.manual_score = None
+                continue
+            if grade.manual_score is not None and grade.name not in zeroed:
+                notes.append(f"ignored a manual score on {grade.name} that did not come from the formgrader")
+                grade.manual_score = None
+            if grade.name not in zeroed:
+                score += float(grade.auto_score or 0.0)
+    gradebook.db.commit()
+    return score, float(submission.max_score), manual_max, notes
+
+
+def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
+    lab, student = job.lab, job.student
+    header = [f"# {student} / {lab}: graded in {job.seconds:.1f} s", *[f"# flag: {f}" for f in job.copy.flags],
+              *[f"# note: {n}" for n in job.copy.notes]]
+    sandbox_log = job.folder / "sandbox.log"
+    sandbox_text = sandbox_log.read_text(encoding="utf-8", errors="replace")[-200_000:] if sandbox_log.is_file() else ""
+    nbgrader_log = course_root / "logs" / f"{lab}.nbgrader.log"
+    job.log.parent.mkdir(parents=True, exist_ok=True)
+    job.log.write_text("\n".join(header) + f"\n{job.output}\n# the sandbox's own output:\n{sandbox_text}\n"
+                       + (nbgrader_log.read_text(encoding="utf-8") if nbgrader_log.is_file() else ""), encoding="utf-8")
     try:
-        result = subprocess.run(command, cwd=course_root, env=env, capture_output=True, text=True, timeout=wall_limit)
-        returncode, stdout, stderr = result.returncode, result.stdout, result.stderr
-    except subprocess.TimeoutExpired as error:
-        returncode, stdout, stderr = None, error.stdout or "", (error.stderr or "") + f"\nkilled after {wall_limit} s"
-        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
-        stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
-    seconds = time.perf_counter() - start
-    header = [f"# {student} / {lab}: {' '.join(command)}", *[f"# flag: {f}" for f in copy_.flags],
-              *[f"# note: {n}" for n in copy_.notes]]
-    log_path.write_text("\n".join(header) + f"\n{stdout}\n{stderr}", encoding="utf-8")
-    autograded = course_root / "autograded" / student / lab / f"{lab}.ipynb"
-    try:
-        execute_report = json.loads((reports / "execute.json").read_text(encoding="utf-8"))
+        execute_report = json.loads((job.folder / "execute.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):
         execute_report = {}
-    guard_records = guard.read_report(reports / "guard.jsonl")
-    if returncode != 0 or not autograded.is_file():
-        why = "grading took too long and was stopped" if returncode is None else _last_error_line(stderr + stdout)
-        row = _failed_row(student, lab, course, f"nbgrader could not grade it: {why}", seconds, str(log_path))
-        row["flags"] = copy_.flags
+    events = _sandbox_events(job.folder / "sandbox.jsonl")
+    autograded = course_root / "autograded" / student / lab / f"{lab}.ipynb"
+    if job.returncode != 0 or not autograded.is_file():
+        why = _last_error_line(job.output) if job.returncode != 0 else "nbgrader autograde wrote no notebook"
+        row = _failed_row(student, lab, course, f"could not be graded: {why}", job.seconds, str(job.log))
+        row["flags"] = job.copy.flags
         return row
-    zeroed = dict(copy_.zeroed)
-    for record in guard_records:
-        if record["when"] == "while a cell ran" and record["cell"] in course.preambles:
-            zeroed.setdefault(record["cell"], f"the guard saw {', '.join(record['changes'][:3])} while it ran")
+    zeroed = dict(job.copy.zeroed)
     from nbgrader.api import Gradebook
 
     with Gradebook("sqlite:///" + str(course_root / "gradebook.db"), COURSE_ID) as gradebook:
         if zeroed:
             _zero(gradebook, lab, student, zeroed)
-        submission = gradebook.find_submission(lab, student)
-        score, max_score, manual = float(submission.score), float(submission.max_score), _manual_max_score(submission)
+        score, max_score, manual, notes = _scores(gradebook, lab, student, zeroed)
     failures, errors = _errors(autograded)
     for grade_id, why in zeroed.items():
         failures.setdefault(grade_id, f"0 points: {why}")
     cells = execute_report.get("cells", [])
     return {
         "student": student, "lab": lab, "status": "graded",
-        "reason": _reason(copy_.flags, zeroed, execute_report, guard_records, failures),
+        "reason": _reason(job.copy.flags, execute_report, events, notes),
         "score": score, "max_score": max_score, "manual_max_score": manual,
-        "failures": failures, "errors": errors, "flags": copy_.flags, "notes": copy_.notes, "zeroed": zeroed,
-        "seconds": seconds, "kernel_s": sum(c["seconds"] for c in cells),
-        "slowest_cell_s": max((c["seconds"] for c in cells), default=0.0), "log": str(log_path),
+        "failures": failures, "errors": errors, "flags": job.copy.flags, "notes": job.copy.notes, "zeroed": zeroed,
+        "events": events, "seconds": job.seconds, "kernel_s": sum(c["seconds"] for c in cells),
+        "slowest_cell_s": max((c["seconds"] for c in cells), default=0.0), "log": str(job.log),
     }
 
 
@@ -510,54 +714,141 @@ def autograde(
     feedback_dir: Path | None = None,
     log_dir: Path | None = None,
     progress: bool = False,
+    jobs: int = 1,
+    unsafe_no_sandbox: bool = False,
+    similarity: bool = False,
+    limits: sandbox.Limits | None = None,
 ) -> list[dict]:
     """Autograde ``{student: {lab: notebook_path}}``; return one row per (student, lab), sorted
     by student then lab, whatever the notebooks do:
 
     ``status`` ("graded", or "failed" when the file cannot be graded: missing, not JSON, not a
-    notebook, nbgrader itself failed), ``reason`` (why a row failed, and for a graded one what
-    happened: kernel deaths, timeouts, screened or changed cells, guard findings; "" when clean),
-    ``score``, ``max_score``, ``manual_max_score`` (the part of ``max_score`` graded by hand, not in
-    ``score`` yet), ``failures`` (graded test cells that earned nothing: ``"ErrorName: message"``),
-    ``errors`` (every code cell that raised), ``flags``, ``zeroed``, ``seconds`` (wall time of this
-    notebook's grading), ``kernel_s`` and ``slowest_cell_s`` (its cells), ``log`` (nbgrader's log).
+    notebook, its run failed), ``reason`` (why a row failed, and for a graded one what happened:
+    timeouts and deaths, values refused, references reached, changed or deleted cells, ignored
+    manual scores, similarity flags; "" when clean), ``score``, ``max_score``, ``manual_max_score``
+    (the part of ``max_score`` graded by hand, not in ``score`` yet), ``failures`` (graded test cells
+    that earned nothing: ``"ErrorName: message"``), ``errors`` (every code cell that raised), ``flags``,
+    ``zeroed``, ``seconds`` (wall time of this notebook's run), ``kernel_s`` and ``slowest_cell_s``
+    (its cells), ``log``.
 
-    ``course_dir``: build the nbgrader course there and keep it (graded copies, autograded
-    notebooks, gradebook) instead of in a temporary folder. ``quick``: MINILLM_QUICK=1.
+    ``course_dir``: build the nbgrader course there and keep it (graded copies, executed and
+    autograded notebooks, gradebook) instead of in a temporary folder. ``quick``: MINILLM_QUICK=1.
     ``cell_timeout_s``: per-cell limit (default: measured per lab, grading/quick_times.json).
     ``feedback_dir``: write ``<student>/<lab>/<lab>.html`` feedback there (no hidden test text).
-    ``log_dir``: keep each notebook's log there as ``<student>/<lab>.log``.
+    ``log_dir``: keep each notebook's log there as ``<student>/<lab>.log``. ``jobs``: notebooks run
+    at once, each with its share of the cores. ``unsafe_no_sandbox``: run the submissions without the
+    sandbox (SandboxUnavailable otherwise, where none can be made). ``similarity``: flag solution cells
+    close to the lab's references or to another student's (grading.similarity). ``limits``: the
+    sandbox's CPU, memory, file and process limits (default: grading.sandbox.default_limits).
     """
     submissions = {student: {lab: Path(p) for lab, p in by_lab.items()} for student, by_lab in submissions.items()}
     labs = _check_request(submissions, discover_labs(source_dir))
     if not labs:
         return []
+    if not unsafe_no_sandbox:
+        sandbox.require()
+    jobs = max(1, int(jobs))
+    limits = limits or sandbox.default_limits(jobs)
     times = quick_times()
+    run_id = uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
         course_root = Path(course_dir) if course_dir is not None else Path(tmp) / "course"
         if course_root.exists() and any(course_root.iterdir()):
             raise FileExistsError(f"course folder {course_root} is not empty; give a new folder")
-        courses = prepare_course(course_root, labs, source_dir)
+        # Outside the course folder: what the sandboxes see (their libraries, their scratch folders).
+        outside = Path(tmp) / "sandboxes"
+        courses = prepare_course(course_root, labs, source_dir, library_dir=outside / "libraries")
         logs = Path(log_dir) if log_dir is not None else course_root / "logs"
+        (course_root / "logs").mkdir(parents=True, exist_ok=True)
         env = _kernel_env(quick)
-        jobs = [(student, lab) for student in sorted(submissions) for lab in sorted(submissions[student])]
-        iterator = jobs
-        if progress:
+        threads = _threads_per_job(jobs)
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "MINILLM_GRADING_RUN": run_id})
+        rows: dict[tuple[str, str], dict] = {}
+        pending: list[_Job] = []
+        for student in sorted(submissions):
+            for lab in sorted(submissions[student]):
+                path, course = submissions[student][lab], courses[lab]
+                log = logs / student / f"{lab}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                if not path.is_file():
+                    log.write_text(f"no notebook at {path}\n", encoding="utf-8")
+                    rows[(student, lab)] = _failed_row(student, lab, course, f"no notebook at {path}", log=str(log))
+                    continue
+                try:
+                    submission = read_submission(path)
+                    graded = graded_copy(submission, course)
+                except (SubmissionError, OSError) as error:
+                    log.write_text(f"{path}: {error}\n", encoding="utf-8")
+                    rows[(student, lab)] = _failed_row(student, lab, course, str(error), log=str(log))
+                    continue
+                target = course_root / "submitted" / student / lab / f"{lab}.ipynb"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                nbformat.write(graded.notebook, target)
+                timestamp = path.parent / "timestamp.txt"  # nbgrader's submission time (late penalties, feedback)
+                if timestamp.is_file():
+                    shutil.copyfile(timestamp, target.parent / "timestamp.txt")
+                folder = course_root / "reports" / student / lab
+                (folder / "kernel").mkdir(parents=True, exist_ok=True)
+                scratch = outside / "scratch" / f"{student}-{lab}"
+                scratch.mkdir(parents=True, exist_ok=True)
+                nbformat.write(submission, scratch / f"{lab}.ipynb")  # the sandbox's copy of its notebook
+                executed = course_root / "executed" / lab / student / f"{lab}.ipynb"
+                executed.parent.mkdir(parents=True, exist_ok=True)
+                job = _Job(student, lab, path, target, executed, folder, log, graded)
+                timeout_s = cell_timeout_s if cell_timeout_s is not None else (
+                    cell_timeout_for(lab, times) if quick else DEFAULT_CELL_TIMEOUT_S)
+                (folder / "plan.json").write_text(json.dumps(course.plan), encoding="utf-8")
+                spec = _sandbox_spec(job, course, scratch, quick, timeout_s, threads, unsafe_no_sandbox, limits, run_id)
+                (folder / "sandbox.json").write_text(json.dumps(spec), encoding="utf-8")
+                pending.append(job)
+        progress_bar = None
+        lock = threading.Lock()
+        if progress and pending:
             from tqdm.auto import tqdm
 
-            iterator = tqdm(jobs, desc="autograde", unit="notebook")
-        rows = []
-        for student, lab in iterator:
-            timeout_s = cell_timeout_s if cell_timeout_s is not None else (cell_timeout_for(lab, times) if quick else DEFAULT_CELL_TIMEOUT_S)
-            path = submissions[student][lab]
-            rows.append(_grade_one(course_root, courses[lab], student, path, env, timeout_s, logs))
-            rows[-1]["submitted_dir"] = str(path.parent)
+            progress_bar = tqdm(total=len(pending), desc="autograde", unit="notebook")
+
+        def report(job: _Job) -> None:
+            with lock:
+                if progress_bar is not None:
+                    progress_bar.update(1)
+                    progress_bar.write(f"{job.student} / {job.lab}: ran in {job.seconds:.0f} s")
+
+        def run(job: _Job) -> _Job:
+            timeout_s = json.loads((job.folder / "sandbox.json").read_text(encoding="utf-8"))["cell_timeout_s"]
+            job_env = {**env, "MINILLM_SANDBOX_SPEC_PATH": str(job.folder / "sandbox.json")}
+            return _run_job(job, job_env, int(timeout_s), report)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(run, pending))
+        finally:
+            if progress_bar is not None:
+                progress_bar.close()
+            # Every sandbox is gone before anything is scored: whatever a submission started (a detached
+            # process of its own) is killed with its cgroup here.
+            killed = _sweep_sandboxes(run_id)
+        for job in pending:
+            if killed:
+                job.copy.notes.append(f"{len(killed)} leftover sandbox processes of this run were killed")
+        for lab in labs:
+            if any(job.lab == lab for job in pending):
+                _nbgrader_autograde(course_root, lab, env, course_root / "logs" / f"{lab}.nbgrader.log")
+        for job in pending:
+            rows[(job.student, job.lab)] = _row(job, courses[job.lab], course_root)
+        ordered = [rows[key] for key in sorted(rows)]
+        for row in ordered:
+            row["submitted_dir"] = str(submissions[row["student"]][row["lab"]].parent)
+        if similarity:
+            from grading import similarity as similarity_mod
+
+            similarity_mod.flag_rows(ordered, {lab: courses[lab] for lab in labs}, course_root)
         if feedback_dir is not None:
             from grading import feedback
 
-            for row in rows:
+            for row in ordered:
                 feedback.write(row, course_root, courses[row["lab"]], Path(feedback_dir))
-        return rows
+        return ordered
 
 
 # --- output ----------------------------------------------------------------------------------------

@@ -50,15 +50,16 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 # A plotly figure or a widget-heavy cell can print a lot; the graded copy does not need it all.
 c.LimitOutput.max_lines = 1000
 
-# Autograding runs nbgrader's steps with its Execute replaced by minillm's: a dead kernel costs
-# the cell that killed it (fresh kernel, earlier cells replayed), not the whole lab, and each
-# cell is timed. python grading/autograde.py sets the per-cell timeout per lab (quick_times.json).
+# Autograding never runs a kernel here: python grading/autograde.py runs each submission first (the
+# student's cells in a sandbox, the tests in the grader's kernel, grading.execute) and nbgrader then
+# scores the outputs it recorded (grading.execute.ReplayOutputs in place of nbgrader's Execute). A plain
+# `nbgrader autograde` would run student code with the instructor's rights: it finds no outputs here.
 from nbconvert.preprocessors import ClearMetadataPreprocessor  # noqa: E402
 from nbgrader.preprocessors import AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput, SaveAutoGrades  # noqa: E402
 
-from grading.execute import GradingExecute  # noqa: E402
+from grading.execute import ReplayOutputs  # noqa: E402
 
 c.Autograde.autograde_preprocessors = [
-    GradingExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
+    ReplayOutputs, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
     CheckCellMetadata,
 ]

@@ -1,0 +1,667 @@
+"""The grader's side of a sandboxed submission: run its cells there, reach its functions as data.
+
+This module runs in the graded kernel, which runs only the master's code: the locked cells and the
+tests with their hidden parts. The student's solution cells run in the sandbox (grading.sandbox,
+grading.sandbox_runner), one cell at a time, in step with the notebook. After a solution cell, each
+name the master's version of it binds is bound here too:
+
+- plain data (numbers, strings, tensors, lists and dicts of them) as a copy made here;
+- the learner's functions and classes as :class:`RemoteFunction` / :class:`RemoteClass`, their
+  objects as :class:`RemoteObject`: calling one sends the arguments as data, the sandbox runs the
+  learner's code, and the result comes back as data (arguments it changed in place are copied back);
+- anything else as :class:`Refused`, which fails every use with the reason.
+
+Tests then compare values made here, with references computed here, where no student code has run:
+nothing the submission does to its own interpreter can change a verdict. A cell that runs too long or
+kills the sandbox costs that cell; a fresh sandbox replays the cells before it and grading goes on.
+
+The graded copy's first cell calls :func:`start`; grading.execute turns each other cell into a call of
+:func:`learner_cell`, :func:`sandbox_cell` or :func:`refresh` (tests), so this module is all the
+graded kernel needs of the pipeline.
+"""
+
+from __future__ import annotations
+
+import builtins
+import fcntl
+import inspect
+import json
+import os
+import select
+import sys
+import time
+from pathlib import Path
+
+from grading import sandbox as sandbox_mod
+from grading import wire
+
+SPEC_ENV = "MINILLM_SANDBOX_SPEC_PATH"
+MAX_RESTARTS = 2
+
+# Exceptions of the learner's code that come back as the same builtin type (a check that expects a
+# ValueError for bad input sees one); any other comes back as LearnerError.
+BUILTIN_ERRORS = {name: getattr(builtins, name) for name in (
+    "ArithmeticError", "AssertionError", "AttributeError", "EOFError", "IndexError", "KeyError", "LookupError",
+    "MemoryError", "NameError", "NotImplementedError", "OverflowError", "RecursionError", "RuntimeError",
+    "StopIteration", "TypeError", "UnboundLocalError", "ValueError", "ZeroDivisionError", "FileNotFoundError",
+    "OSError", "ImportError", "ModuleNotFoundError", "IndentationError", "SyntaxError", "UnicodeError")}
+
+
+# The grader's objects a check may hand to the learner's code (a tokenizer, the engine), and what of them the
+# learner's code may use there: these methods (called here, with data) and these attributes (read here, sent
+# as data). Nothing else of the object is reachable: no other method, no attribute of an attribute's object.
+EXPOSED = {
+    "transformers:PreTrainedTokenizerBase": (
+        ("encode", "decode", "batch_decode", "convert_ids_to_tokens", "convert_tokens_to_ids", "tokenize",
+         "apply_chat_template", "__call__", "__len__"),
+        ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "vocab_size", "all_special_ids",
+         "eos_token", "bos_token", "pad_token", "chat_template")),
+    "minillm.llm:LLM": (
+        ("generate", "chat", "apply_chat_template", "chat_token_ids", "kv_bytes_per_token", "weight_bytes",
+         "with_levers", "reset_prefix_cache"),
+        ("stats", "config", "tokenizer", "model_config", "device", "dtype")),
+}
+
+
+def exposed(value) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(methods, attributes) the learner's code may use of a grader's object, or None."""
+    declared = getattr(type(value), "__sandbox_methods__", None)
+    if declared is not None:
+        return tuple(declared), tuple(getattr(type(value), "__sandbox_attributes__", ()))
+    for cls in type(value).__mro__:
+        for key, allowed in EXPOSED.items():
+            package, _, name = key.partition(":")
+            module = cls.__module__ or ""
+            if cls.__qualname__ == name and (module == package or module.startswith(package + ".")):
+                return allowed
+    return None
+
+
+class LearnerError(RuntimeError):
+    """The learner's code raised an exception that is not a builtin one (its name and message)."""
+
+
+class LearnerCellError(RuntimeError):
+    """A solution cell raised when it ran in the sandbox."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox timed out, died or broke the protocol while running the learner's code."""
+
+
+class StaleHandle(SandboxError):
+    """A handle from before the sandbox restarted."""
+
+
+def _log_event(event: dict) -> None:
+    if _SESSION is not None and _SESSION.report_path:
+        with open(_SESSION.report_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({**event, "cell": _SESSION.current_cell}) + "\n")
+
+
+# --------------------------------------------------------------------------- proxies
+class Refused:
+    """A name whose value in the submission is not plain data: every use fails, naming why."""
+
+    def __init__(self, name: str, reason: str):
+        object.__setattr__(self, "_reason", f"{name}: {reason}")
+
+    def _fail(self, *args, **kwargs):
+        reason = object.__getattribute__(self, "_reason")
+        _log_event({"event": "refused", "what": reason[:300]})
+        raise wire.NotData(f"{reason} (the grader takes numbers, strings, tensors, lists, tuples and dicts of them, "
+                           "and the learner's functions and objects)")
+
+    __call__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __float__ = __int__ = __index__ = _fail
+    __len__ = __iter__ = __getitem__ = __contains__ = __add__ = __radd__ = __sub__ = __mul__ = __truediv__ = _fail
+    __hash__ = None
+
+    def __getattr__(self, name):
+        self._fail()
+
+    def __repr__(self):
+        return f"<refused: {object.__getattribute__(self, '_reason')}>"
+
+
+class _Remote:
+    """A handle to an object in the sandbox, valid for one sandbox generation."""
+
+    def __init__(self, session: "Session", handle: int, info: dict):
+        object.__setattr__(self, "_session", session)
+        object.__setattr__(self, "_handle", handle)
+        object.__setattr__(self, "_generation", session.generation)
+        object.__setattr__(self, "_info", info)
+
+    def _check(self):
+        if self._generation != self._session.generation:
+            raise StaleHandle(f"{self._info.get('name', 'this object')} belongs to a sandbox that was restarted "
+                              "(an earlier call timed out or died)")
+
+
+class RemoteFunction(_Remote):
+    """The learner's function, called in the sandbox with data."""
+
+    def __init__(self, session, handle, info):
+        super().__init__(session, handle, info)
+        name = str(info.get("name", "function"))
+        object.__setattr__(self, "__name__", name)
+        object.__setattr__(self, "__qualname__", name)
+        object.__setattr__(self, "__doc__", str(info.get("doc", "")))
+        object.__setattr__(self, "__signature__", _signature(info.get("parameters")))
+
+    def __call__(self, *args, **kwargs):
+        self._check()
+        return self._session.call(self._handle, None, args, kwargs, self.__name__)
+
+    def __repr__(self):
+        return f"<the learner's {self.__name__}{self.__signature__ or '(...)'}, run in the sandbox>"
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"cannot set {name!r} on the learner's {self.__name__} (it lives in the sandbox)")
+
+
+class RemoteClass(RemoteFunction):
+    """The learner's class: calling it builds an object in the sandbox (a RemoteObject here)."""
+
+    def __getattr__(self, name):
+        members = self._info.get("members", {})
+        if name in members and members[name] == "method":
+            return _RemoteMethod(self, name)
+        if name in members:
+            self._check()
+            return self._session.getattr(self._handle, name)
+        raise AttributeError(f"the learner's class {self.__name__} has no attribute {name!r}")
+
+    def __repr__(self):
+        return f"<the learner's class {self.__name__}, in the sandbox>"
+
+
+class RemoteObject(_Remote):
+    """An object of a learner's class; methods run in the sandbox, attributes come back as data.
+    Comparisons and truth are this handle's own (identity): the learner's __eq__ never decides here."""
+
+    def __getattr__(self, name):
+        members = self._info.get("members", {})
+        if members.get(name) == "method":
+            return _RemoteMethod(self, name)
+        if name.startswith("__") or (name.startswith("_") and name not in members):
+            raise AttributeError(name)
+        self._check()
+        return self._session.getattr(self._handle, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"cannot set {name!r} on the learner's object here (it lives in the sandbox)")
+
+    def _dunder(self, name, *args):
+        self._check()
+        if self._info.get("members", {}).get(name) != "method":
+            raise TypeError(f"the learner's {self._info.get('name', 'object')} has no {name}")
+        return self._session.call(self._handle, name, args, {}, f"{self._info.get('name')}.{name}")
+
+    def __len__(self):
+        return self._dunder("__len__")
+
+    def __iter__(self):
+        return iter(self._dunder("__iter__"))
+
+    def __getitem__(self, key):
+        return self._dunder("__getitem__", key)
+
+    def __contains__(self, item):
+        return self._dunder("__contains__", item)
+
+    def __call__(self, *args, **kwargs):
+        self._check()
+        return self._session.call(self._handle, "__call__", args, kwargs, str(self._info.get("name")))
+
+    def __repr__(self):
+        return f"<the learner's {self._info.get('name', 'object')} object, in the sandbox>"
+
+
+class _RemoteMethod:
+    def __init__(self, owner: _Remote, name: str):
+        self._owner, self.__name__ = owner, name
+
+    def __call__(self, *args, **kwargs):
+        owner = self._owner
+        owner._check()
+        return owner._session.call(owner._handle, self.__name__, args, kwargs,
+                                   f"{owner._info.get('name', 'object')}.{self.__name__}")
+
+    def __repr__(self):
+        return f"<the learner's method {self.__name__}, in the sandbox>"
+
+
+def _signature(parameters):
+    if not isinstance(parameters, list):
+        return None
+    try:
+        return inspect.Signature([
+            inspect.Parameter(str(name), getattr(inspect.Parameter, str(kind)),
+                              **({"default": _Default(str(text))} if has_default else {}))
+            for name, kind, has_default, text in parameters])
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+class _Default:
+    """A default value as the sandbox printed it (never evaluated here)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+# --------------------------------------------------------------------------- the session
+class Session:
+    """The sandbox of one graded notebook: its process, its channel, what to replay after a restart."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.report_path = spec.get("report")
+        self.call_timeout_s = float(spec.get("call_timeout_s", 600))
+        self.cell_timeout_s = float(spec.get("cell_timeout_s", 600))
+        self.generation = 0
+        self.restarts = 0
+        self.gone: str | None = None          # after too many restarts: why nothing runs any more
+        self.history: list[tuple[str, str]] = []   # (cell name, source) run so far, in order
+        self.bound: dict[str, str] = {}       # name -> the cell whose run binds it (refreshed before each cell)
+        self.proxies: dict[int, _Remote] = {}
+        self.callbacks: dict[int, object] = {}
+        self._callback_ids: dict[int, int] = {}
+        self.current_cell = "start"
+        self.process = None
+        self.encoder = wire.Encoder(handle=self._encode_other)
+        self.decoder = wire.Decoder(handle=self._decode_handle)
+        self._start()
+
+    # ---- process ----
+    def _start(self) -> None:
+        spec = self.spec
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        for fd in (to_child_w, from_child_w):
+            try:
+                fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ: 1 MiB, fewer system calls per tensor
+            except OSError:
+                pass
+        sandbox_spec = sandbox_mod.Spec(
+            scratch=Path(spec["scratch"]), runner_dir=Path(spec["runner_dir"]),
+            package_binds=[tuple(pair) for pair in spec.get("package_binds", [])],
+            env={**spec.get("env", {}), "MINILLM_SANDBOX_SPEC": json.dumps(
+                {"fd_in": to_child_r, "fd_out": from_child_w, "bans": spec.get("bans", {})})},
+            limits=sandbox_mod.Limits(**spec.get("limits", {})),
+            cache_root=Path(spec["cache_root"]) if spec.get("cache_root") else None)
+        python = spec.get("python", sys.executable)
+        runner = (str(Path(spec["runner_dir"]) / "sandbox_runner.py") if spec.get("unsafe")
+                  else f"{sandbox_mod.RUNNER_DIR}/sandbox_runner.py")
+        try:
+            self.process = sandbox_mod.start(sandbox_spec, [python, runner], (to_child_r, from_child_w),
+                                             Path(spec["log"]), unsafe=bool(spec.get("unsafe")))
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self.fd_out, self.fd_in = to_child_w, from_child_r
+        self.generation += 1
+        self.proxies.clear()
+        self.callbacks.clear()
+        self._callback_ids.clear()
+        header, _ = self._read(deadline=time.monotonic() + float(spec.get("start_timeout_s", 120)))
+        if header.get("op") != "ready":
+            raise SandboxError(f"the sandbox did not start: {header}")
+
+    def close(self) -> None:
+        if self.process is not None:
+            for fd in (self.fd_out, self.fd_in):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.process.kill()
+            self.process = None
+
+    def _restart(self, why: str, failed_cell: str | None) -> None:
+        """A fresh sandbox with the state of the cells before this one (the failing cell is not replayed)."""
+        self.close()
+        self.restarts += 1
+        _log_event({"event": "restart", "why": why})
+        if self.restarts > MAX_RESTARTS:
+            self.gone = f"the sandbox failed {self.restarts} times, last: {why}"
+            return
+        if failed_cell is not None:
+            self.history = [(name, source) for name, source in self.history if name != failed_cell]
+        self._start()
+        for name, source in list(self.history):
+            try:
+                reply, _ = self._request({"op": "run", "source": source}, [], self.cell_timeout_s, replay=True)
+            except SandboxError as error:
+                self.gone = f"replaying cell {name} after a restart failed: {error}"
+                return
+
+    # ---- the channel ----
+    def _read(self, deadline: float):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([self.fd_in], [], [], min(left, 1.0))
+            if ready:
+                return wire.read_frame(self.fd_in)
+            if self.process is not None and not self.process.alive():
+                # let a last frame through, then report the death
+                ready, _, _ = select.select([self.fd_in], [], [], 0.1)
+                if ready:
+                    return wire.read_frame(self.fd_in)
+                raise wire.ChannelClosed(f"the sandbox exited (status {self.process.popen.returncode})")
+
+    def _request(self, header: dict, blobs: list[bytes], timeout_s: float, replay: bool = False):
+        """Send one request; answer the callbacks it makes; return its reply. A timeout, a death or a
+        malformed message restarts the sandbox (unless replaying) and raises SandboxError."""
+        if self.gone:
+            raise SandboxError(self.gone)
+        deadline = time.monotonic() + timeout_s
+        try:
+            wire.write_frame(self.fd_out, header, blobs)
+            while True:
+                reply, reply_blobs = self._read(deadline)
+                if reply.get("op") == "callback":
+                    self._answer_callback(reply, reply_blobs)
+                    continue
+                for used in reply.get("references", []) or []:
+                    _log_event({"event": "reference", "what": str(used)[:300]})
+                return reply, reply_blobs
+        except TimeoutError:
+            why = f"took longer than {timeout_s:.0f} s"
+        except (wire.ChannelClosed, BrokenPipeError, OSError) as error:
+            why = f"the sandbox died ({error})"
+        except wire.NotData as error:
+            why = f"the sandbox sent a malformed message ({error})"
+        except BaseException:  # interrupted (the cell's own timeout): the channel is out of step, start afresh
+            if not replay:
+                self._restart("the grader interrupted the call", header.get("op") == "run" and self.current_cell or None)
+            raise
+        if replay:
+            raise SandboxError(why)
+        failed = self.current_cell if header.get("op") == "run" else None
+        _log_event({"event": "timeout" if why.startswith("took") else "died", "why": why})
+        self._restart(why, failed)
+        raise SandboxError(f"{why}; the sandbox was restarted and the cells before this one replayed")
+
+    def _answer_callback(self, header: dict, blobs: list[bytes]) -> None:
+        target = self.callbacks.get(int(header.get("target", -1)))
+        method, attribute = header.get("method"), header.get("attribute")
+        try:
+            if target is None:
+                raise LookupError("no such callback")
+            methods, attributes = exposed(target) or ((), ())
+            if attribute is not None:
+                if attribute not in attributes:
+                    raise AttributeError(f"{attribute!r} is not one of {tuple(attributes)}")
+                result = getattr(target, attribute)
+                encoded, out_blobs = self.encoder.encode(result)
+                wire.write_frame(self.fd_out, {"op": "return", "value": encoded}, out_blobs)
+                return
+            if method is not None:
+                if method not in methods:
+                    raise AttributeError(f"{method!r} is not one of {tuple(methods)}")
+                function = getattr(target, method)
+            elif exposed(target) is not None and "__call__" not in methods:
+                raise TypeError(f"the grader's {type(target).__name__} is not callable here")
+            else:
+                function = target
+            args = self.decoder.decode(header.get("args", []), blobs)
+            kwargs = self.decoder.decode(header.get("kwargs", {"$dict": []}), blobs)
+            result = function(*args, **dict(kwargs))
+            encoded, out_blobs = self.encoder.encode(result)
+            wire.write_frame(self.fd_out, {"op": "return", "value": encoded}, out_blobs)
+        except Exception as error:  # noqa: BLE001 - the learner's code sees that the callback raised
+            wire.write_frame(self.fd_out, {"op": "raise", "ename": type(error).__name__, "evalue": str(error)[:2000]})
+
+    # ---- encoding ----
+    def _encode_other(self, value):
+        if isinstance(value, _Remote):
+            value._check()
+            return {"$remote": value._handle}
+        if isinstance(value, Refused):
+            value._fail()
+        allowed = exposed(value)
+        if allowed is not None:
+            methods, attributes = allowed
+            handle = self._callback_handle(value)
+            return {"$callback": handle, "name": type(value).__name__, "methods": [m for m in methods if m != "__call__"],
+                    "attributes": list(attributes), "callable": "__call__" in methods}
+        from collections.abc import Mapping
+
+        if isinstance(value, Mapping):  # a dict of the grader's own kind (a tokenizer's BatchEncoding): as a dict
+            return wire.Replace(dict(value.items()))
+        if callable(value):
+            handle = self._callback_handle(value)
+            return {"$callback": handle, "name": getattr(value, "__name__", type(value).__name__), "methods": [],
+                    "attributes": [], "callable": True}
+        raise wire.NotData(f"a {type(value).__module__}.{type(value).__qualname__} cannot be passed to the learner's "
+                           "code (the grader passes plain data, or a callable of its own)")
+
+    def _callback_handle(self, value) -> int:
+        handle = self._callback_ids.get(id(value))
+        if handle is None or self.callbacks.get(handle) is not value:
+            handle = len(self.callbacks) + 1
+            self.callbacks[handle] = value
+            self._callback_ids[id(value)] = handle
+        return handle
+
+    def _decode_handle(self, data: dict):
+        if "$refused" in data:
+            return Refused("the value", str(data["$refused"]))
+        if "$remote" in data:
+            handle = int(data["$remote"])
+            proxy = self.proxies.get(handle)
+            if proxy is None:
+                kind = data.get("kind")
+                cls = {"function": RemoteFunction, "class": RemoteClass}.get(kind, RemoteObject)
+                proxy = self.proxies[handle] = cls(self, handle, data)
+            return proxy
+        raise wire.NotData(f"malformed value {str(data)[:80]!r}")
+
+    # ---- requests ----
+    def run(self, name: str, source: str) -> dict:
+        self.current_cell = name
+        reply, _ = self._request({"op": "run", "source": source}, [], self.cell_timeout_s)
+        self.history.append((name, source))
+        return reply
+
+    def get(self, names: list[str]) -> dict:
+        reply, blobs = self._request({"op": "get", "names": names}, [], self.call_timeout_s)
+        if reply.get("op") != "values":
+            raise SandboxError(f"the sandbox answered {reply.get('op')!r} to a request for values: "
+                               f"{reply.get('ename')}: {reply.get('evalue')}")
+        values = self.decoder.decode(reply.get("value"), blobs)
+        if not isinstance(values, dict):
+            raise SandboxError("the sandbox answered a request for values with something else")
+        return values
+
+    def getattr(self, handle: int, name: str):
+        reply, blobs = self._request({"op": "getattr", "target": handle, "name": name}, [], self.call_timeout_s)
+        return self._result(reply, blobs, name)
+
+    def call(self, handle: int, method, args, kwargs, name: str):
+        args_json, blobs = self.encoder.encode(list(args))
+        kwargs_json, more = self.encoder.encode(dict(kwargs))
+        header = {"op": "call", "target": handle, "method": method, "args": args_json,
+                  "kwargs": wire.shift_blobs(kwargs_json, len(blobs))}
+        reply, reply_blobs = self._request(header, blobs + more, self.call_timeout_s)
+        stdout = reply.get("stdout")
+        if stdout:
+            sys.stdout.write(stdout)
+        result = self._result(reply, reply_blobs, name)
+        for change in reply.get("mutated", []) or []:
+            _copy_back(args, kwargs, change.get("path", []), self.decoder.decode(change.get("value"), reply_blobs), name)
+        return result
+
+    def _result(self, reply: dict, blobs, name: str):
+        op = reply.get("op")
+        if op == "return":
+            return self.decoder.decode(reply.get("value"), blobs)
+        if op == "raise":
+            ename, evalue = str(reply.get("ename", "Error")), str(reply.get("evalue", ""))
+            if ename == "NotData":
+                _log_event({"event": "refused", "what": f"{name}: {evalue}"})
+                raise wire.NotData(f"{name} returned something that is not plain data: {evalue}")
+            if ename == "AttributeError":
+                raise AttributeError(evalue)
+            kind = BUILTIN_ERRORS.get(ename) if reply.get("builtin") else None
+            if kind is not None:
+                raise kind(evalue)
+            raise LearnerError(f"{ename}: {evalue}")
+        raise SandboxError(f"the sandbox answered {op!r} to a call of {name}")
+
+
+def _copy_back(args, kwargs, path: list, value, name: str) -> None:
+    """Put a value the learner's code changed in place back into the grader's own argument."""
+    if not path:
+        return
+    head, *rest = path
+    container = args[head] if isinstance(head, int) and head < len(args) else kwargs.get(head) if isinstance(head, str) else None
+    if container is None:
+        return
+    parent, key = None, None
+    target = container
+    for step in rest:
+        parent, key = target, step
+        try:
+            target = target[step]
+        except (KeyError, IndexError, TypeError):
+            return
+    import torch
+
+    if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+        if target.shape != value.shape:
+            raise wire.NotData(f"{name} changed the shape of an argument in place ({tuple(target.shape)} -> "
+                               f"{tuple(value.shape)})")
+        target.copy_(value.to(target.dtype))
+    elif isinstance(target, torch.Generator) and isinstance(value, torch.Generator):
+        target.set_state(value.get_state())
+    elif isinstance(target, list) and isinstance(value, list):
+        target[:] = value
+    elif isinstance(target, dict) and isinstance(value, dict):
+        target.clear()
+        target.update(value)
+
+
+# --------------------------------------------------------------------------- what the graded cells call
+_SESSION: Session | None = None
+
+
+def start() -> None:
+    """The graded copy's first cell: the sandbox of this notebook, from the spec the grader wrote."""
+    global _SESSION
+    path = os.environ.get(SPEC_ENV)
+    if not path:
+        raise RuntimeError(f"{SPEC_ENV} is not set: this notebook must be graded by grading/autograde.py")
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    if _SESSION is not None:
+        _SESSION.close()
+    _SESSION = Session(spec)
+    import atexit
+
+    atexit.register(_SESSION.close)
+
+
+def _session() -> Session:
+    if _SESSION is None:
+        raise RuntimeError("the sandbox was not started (the graded copy's first cell starts it)")
+    return _SESSION
+
+
+def _show(outputs: list[dict]) -> None:
+    from IPython.display import display
+
+    for output in outputs:
+        if output.get("output_type") == "stream":
+            stream = sys.stderr if output.get("name") == "stderr" else sys.stdout
+            stream.write(str(output.get("text", "")))
+            stream.flush()
+        elif output.get("output_type") == "display_data":
+            data = {str(k): str(v) for k, v in (output.get("data") or {}).items()}
+            if data:
+                display(data, raw=True)
+
+
+def _bind(namespace: dict, names: list[str], cell: str) -> None:
+    session = _session()
+    for name in names:
+        session.bound[name] = cell
+    refresh(namespace)
+
+
+def learner_cell(namespace: dict, grade_id: str, source: str, names: list[str]) -> None:
+    """A solution cell: run the learner's source in the sandbox, show its output, bind ``names``."""
+    session = _session()
+    session.current_cell = grade_id
+    try:
+        reply = session.run(grade_id, source)
+    except SandboxError as error:
+        raise SandboxError(f"solution cell {grade_id}: {error}") from None
+    _show(reply.get("outputs", []))
+    _bind(namespace, names, grade_id)
+    error = reply.get("error")
+    if error:
+        raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
+
+
+def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show: bool) -> None:
+    """A locked cell the sandbox runs too (the learner's code may need its state). ``show``: it runs
+    only there, its output is the cell's and its ``names`` are bound here as data."""
+    session = _session()
+    session.current_cell = name
+    if session.gone:
+        if show:
+            raise SandboxError(session.gone)
+        return
+    try:
+        reply = session.run(name, source)
+    except SandboxError as error:
+        if show:
+            raise SandboxError(f"cell {name}: {error}") from None
+        return
+    error = reply.get("error")
+    if show:
+        _show(reply.get("outputs", []))
+        _bind(namespace, names, name)
+        if error:
+            raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
+    elif error:
+        _log_event({"event": "sandbox_error", "what": f"{error.get('ename')}: {str(error.get('evalue'))[:300]}"})
+
+
+def refresh(namespace: dict, cell: str | None = None) -> None:
+    """Before a cell of the grader's: every bound name gets the sandbox's current value (data or a
+    handle); a name the sandbox no longer has is removed."""
+    session = _session()
+    if cell is not None:
+        session.current_cell = cell
+    if not session.bound:
+        return
+    names = sorted(session.bound)
+    try:
+        values = session.get(names)
+    except SandboxError as error:
+        for name in names:
+            namespace[name] = Refused(name, f"the sandbox could not be asked for it ({error})")
+        return
+    for name in names:
+        if name in values:
+            value = values[name]
+            if isinstance(value, Refused):
+                value = Refused(name, object.__getattribute__(value, "_reason").split(": ", 1)[-1])
+            namespace[name] = value
+        else:
+            namespace.pop(name, None)
+
+
+def close() -> None:
+    global _SESSION
+    if _SESSION is not None:
+        _SESSION.close()
+        _SESSION = None

@@ -1,0 +1,328 @@
+"""The data-only channel between the grader and a sandboxed submission: frames of JSON and raw bytes.
+
+Both sides of grading.remote (the grader's kernel) and grading.sandbox_runner (the submission, in
+the sandbox) speak it; the runner gets a copy of this file, since the sandbox sees no repository.
+Nothing is pickled and nothing received is executed: a value is rebuilt from JSON and from the bytes
+of tensors, so an object the submission made can never reach the grader, only its data.
+
+Plain data is ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, lists, tuples,
+sets, dicts of them (any plain keys), ``torch.Tensor`` (CPU bytes; the device is kept), numpy arrays,
+``torch.dtype`` / ``torch.device`` / ``torch.Size``, ``slice``, ``Ellipsis``, a ``torch.Generator``'s
+state, and the dataclasses listed in ``DATA_CLASSES`` (rebuilt from their fields). Anything else is
+handed to the side's ``handle`` hook (the grader makes callbacks of its own callables, the runner makes
+handles of the learner's functions, classes and objects) or refused with :class:`NotData`.
+
+A frame: 8 bytes of total length, 4 of header length, the header (UTF-8 JSON with ``"blobs"``, the
+byte length of each tensor), then the tensors' bytes in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import struct
+import sys
+
+MAX_FRAME_BYTES = 1 << 31      # one message; a larger one is refused (the KV pool of a test engine is far smaller)
+MAX_DEPTH = 64                 # nesting of lists / dicts
+
+# Dataclasses rebuilt by field on the receiving side: pure data whose constructors only validate.
+DATA_CLASSES = {
+    "minillm.sampling:SamplingParams",
+    "minillm.structured:StructuredOutputs",
+    "minillm.layers.attention:AttentionMetadata",
+    "minillm.outputs:RequestOutput",
+    "minillm.outputs:CompletionOutput",
+    "minillm.outputs:Logprob",
+    "minillm.engine.metrics:RequestMetrics",
+    "minillm.engine.metrics:RunStats",
+    "minillm.engine.metrics:StepStats",
+    "minillm.engine.metrics:SpecStats",
+    "minillm.models.config:ModelConfig",
+    "minillm.config:EngineConfig",
+}
+
+
+class NotData(TypeError):
+    """A value that is not plain data crossed (or tried to cross) the channel."""
+
+
+class Replace:
+    """Returned by an encoder's ``handle`` hook: encode ``value`` in place of what was not data."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class ChannelClosed(EOFError):
+    """The other side closed the channel (it exited or died)."""
+
+
+def _type_name(value) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+# ----------------------------------------------------------------------------- encode
+class Encoder:
+    """``encode(value) -> (json_value, blobs)``; ``handle(value)`` is called for what is not data."""
+
+    def __init__(self, handle=None):
+        self.handle = handle
+
+    def encode(self, value) -> tuple[object, list[bytes]]:
+        blobs: list[bytes] = []
+        return self._enc(value, blobs, 0), blobs
+
+    def _enc(self, value, blobs, depth):
+        if depth > MAX_DEPTH:
+            raise NotData(f"nested deeper than {MAX_DEPTH} levels")
+        kind = type(value)
+        if value is None or kind is bool or kind is str:
+            return value
+        if kind is int:
+            return value if -(2 ** 53) < value < 2 ** 53 else {"$int": str(value)}
+        if kind is float:
+            return value if math.isfinite(value) else {"$float": repr(value)}
+        if kind is complex:
+            return {"$complex": [self._enc(value.real, blobs, depth), self._enc(value.imag, blobs, depth)]}
+        if kind is list:
+            return [self._enc(item, blobs, depth + 1) for item in value]
+        if kind is tuple:
+            return {"$tuple": [self._enc(item, blobs, depth + 1) for item in value]}
+        if kind in (set, frozenset):
+            return {"$set": [self._enc(item, blobs, depth + 1) for item in value], "frozen": kind is frozenset}
+        if kind is dict:
+            return {"$dict": [[self._enc(k, blobs, depth + 1), self._enc(v, blobs, depth + 1)] for k, v in value.items()]}
+        if kind is bytes or kind is bytearray:
+            blobs.append(bytes(value))
+            return {"$bytes": len(blobs) - 1}
+        if kind is slice:
+            return {"$slice": [self._enc(value.start, blobs, depth), self._enc(value.stop, blobs, depth),
+                               self._enc(value.step, blobs, depth)]}
+        if value is Ellipsis:
+            return {"$ellipsis": True}
+        torch = _torch()
+        if torch is not None:
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                return self._tensor(value, blobs)
+            if kind is torch.dtype:
+                return {"$dtype": str(value).removeprefix("torch.")}
+            if kind is torch.device:
+                return {"$device": str(value)}
+            if kind is torch.Size:
+                return {"$tuple": [int(n) for n in value]}
+            if kind is torch.Generator:
+                blobs.append(value.get_state().numpy().tobytes())
+                return {"$generator": len(blobs) - 1, "device": str(value.device)}
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            if kind is numpy.ndarray:
+                array = numpy.ascontiguousarray(value)
+                if array.dtype.hasobject:
+                    raise NotData("a numpy array of Python objects is not plain data")
+                blobs.append(array.tobytes())
+                return {"$ndarray": len(blobs) - 1, "dtype": array.dtype.str, "shape": list(array.shape)}
+            if isinstance(value, numpy.generic) and kind.__module__ == "numpy":
+                return self._enc(value.item(), blobs, depth)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            name = f"{kind.__module__}:{kind.__qualname__}"
+            if name in DATA_CLASSES:
+                fields = {f.name: self._enc(getattr(value, f.name), blobs, depth + 1)
+                          for f in dataclasses.fields(value) if f.init}
+                return {"$dataclass": name, "fields": fields}
+        if self.handle is not None:
+            handled = self.handle(value)
+            return self._enc(handled.value, blobs, depth + 1) if isinstance(handled, Replace) else handled
+        raise NotData(f"a {_type_name(value)} is not plain data")
+
+    def _tensor(self, tensor, blobs):
+        torch = _torch()
+        device = str(tensor.device)
+        flat = tensor.detach().to("cpu").contiguous()
+        if flat.dtype in (torch.bfloat16, torch.float16) or str(flat.dtype).startswith("torch.float8"):
+            raw = flat.view(torch.uint8) if flat.dim() else flat.reshape(1).view(torch.uint8)
+        else:
+            raw = flat
+        blobs.append(raw.numpy().tobytes() if raw.numel() else b"")
+        return {"$tensor": len(blobs) - 1, "dtype": str(flat.dtype).removeprefix("torch."),
+                "shape": list(flat.shape), "device": device}
+
+
+# ----------------------------------------------------------------------------- decode
+class Decoder:
+    """``decode(json_value, blobs) -> value``; ``handle(json_dict)`` rebuilds the side's handles."""
+
+    def __init__(self, handle=None, devices: bool = True):
+        self.handle = handle
+        self.devices = devices  # move tensors back to their device (both sides on one machine)
+
+    def decode(self, data, blobs: list[bytes]):
+        return self._dec(data, blobs, 0)
+
+    def _dec(self, data, blobs, depth):
+        if depth > MAX_DEPTH:
+            raise NotData(f"nested deeper than {MAX_DEPTH} levels")
+        if data is None or isinstance(data, (bool, str, int, float)):
+            return data
+        if isinstance(data, list):
+            return [self._dec(item, blobs, depth + 1) for item in data]
+        if not isinstance(data, dict) or len(data) == 0:
+            raise NotData(f"malformed value {str(data)[:80]!r}")
+        if "$int" in data:
+            return int(data["$int"])
+        if "$float" in data:
+            text = data["$float"]
+            if text not in ("nan", "inf", "-inf"):
+                raise NotData(f"malformed float {text!r}")
+            return float(text)
+        if "$complex" in data:
+            real, imag = (self._dec(part, blobs, depth) for part in data["$complex"])
+            return complex(real, imag)
+        if "$tuple" in data:
+            return tuple(self._dec(item, blobs, depth + 1) for item in data["$tuple"])
+        if "$set" in data:
+            items = [self._dec(item, blobs, depth + 1) for item in data["$set"]]
+            return frozenset(items) if data.get("frozen") else set(items)
+        if "$dict" in data:
+            return {self._dec(k, blobs, depth + 1): self._dec(v, blobs, depth + 1) for k, v in data["$dict"]}
+        if "$bytes" in data:
+            return _blob(blobs, data["$bytes"])
+        if "$slice" in data:
+            return slice(*(self._dec(part, blobs, depth) for part in data["$slice"]))
+        if "$ellipsis" in data:
+            return Ellipsis
+        if "$tensor" in data:
+            return self._tensor(data, blobs)
+        if "$dtype" in data:
+            return _dtype(data["$dtype"])
+        if "$device" in data:
+            import torch
+
+            return torch.device(str(data["$device"]))
+        if "$generator" in data:
+            import torch
+
+            generator = torch.Generator(device=str(data.get("device", "cpu")))
+            generator.set_state(torch.frombuffer(bytearray(_blob(blobs, data["$generator"])), dtype=torch.uint8))
+            return generator
+        if "$ndarray" in data:
+            import numpy
+
+            dtype = numpy.dtype(str(data["dtype"]))
+            if dtype.hasobject:
+                raise NotData("a numpy array of Python objects is not plain data")
+            return numpy.frombuffer(_blob(blobs, data["$ndarray"]), dtype=dtype).reshape(data["shape"]).copy()
+        if "$dataclass" in data:
+            name = str(data["$dataclass"])
+            if name not in DATA_CLASSES:
+                raise NotData(f"{name} is not one of the dataclasses that cross as data")
+            module, _, qualname = name.partition(":")
+            cls = getattr(importlib.import_module(module), qualname)
+            fields = {str(k): self._dec(v, blobs, depth + 1) for k, v in data["fields"].items()}
+            return cls(**fields)
+        if self.handle is not None:
+            return self.handle(data)
+        raise NotData(f"malformed value {str(data)[:80]!r}")
+
+    def _tensor(self, data, blobs):
+        import torch
+
+        dtype = _dtype(data["dtype"])
+        shape = [int(n) for n in data["shape"]]
+        raw = _blob(blobs, data["$tensor"])
+        if not raw:
+            tensor = torch.empty(shape, dtype=dtype)
+        elif dtype in (torch.bfloat16, torch.float16) or str(dtype).startswith("torch.float8"):
+            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        else:
+            tensor = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        device = str(data.get("device", "cpu"))
+        if self.devices and device != "cpu":
+            tensor = tensor.to(device)
+        return tensor
+
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",
+           "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+
+
+def _dtype(name: str):
+    import torch
+
+    if name not in _DTYPES or not hasattr(torch, name):
+        raise NotData(f"unknown tensor dtype {name!r}")
+    return getattr(torch, name)
+
+
+def _blob(blobs: list[bytes], index) -> bytes:
+    if not isinstance(index, int) or not 0 <= index < len(blobs):
+        raise NotData(f"a value refers to missing bytes #{index}")
+    return blobs[index]
+
+
+# ----------------------------------------------------------------------------- frames
+def write_frame(fd: int, header: dict, blobs: list[bytes] = ()) -> None:
+    """One message: ``header`` (JSON-able; its "blobs" key is set here) and the raw ``blobs``."""
+    header = {**header, "blobs": [len(b) for b in blobs]}
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    total = 4 + len(head) + sum(len(b) for b in blobs)
+    if total > MAX_FRAME_BYTES:
+        raise NotData(f"a message of {total:,} bytes is over the channel's limit of {MAX_FRAME_BYTES:,}")
+    _write_all(fd, struct.pack(">QI", total, len(head)) + head)
+    for blob in blobs:
+        _write_all(fd, blob)
+
+
+def read_frame(fd: int) -> tuple[dict, list[bytes]]:
+    """The next message as (header, blobs); ChannelClosed at end of file, NotData when malformed."""
+    total, head_len = struct.unpack(">QI", _read_exact(fd, 12))
+    if total > MAX_FRAME_BYTES or head_len > total - 4:
+        raise NotData(f"a message of {total:,} bytes (header {head_len:,}) is over the channel's limit")
+    try:
+        header = json.loads(_read_exact(fd, head_len).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise NotData(f"a message header is not JSON: {error}") from None
+    sizes = header.get("blobs", []) if isinstance(header, dict) else None
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes) \
+            or sum(sizes) != total - 4 - head_len:
+        raise NotData("a message's byte counts do not add up")
+    return header, [_read_exact(fd, n) for n in sizes]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            raise ChannelClosed("the other side closed the channel")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def shift_blobs(data, offset: int):
+    """``data`` (an encoded value) with its byte references moved by ``offset``: two encoded values sent
+    in one message share one list of blobs."""
+    if offset == 0:
+        return data
+    if isinstance(data, list):
+        return [shift_blobs(item, offset) for item in data]
+    if isinstance(data, dict):
+        return {key: (item + offset if key in ("$tensor", "$bytes", "$ndarray", "$generator") and isinstance(item, int)
+                      else shift_blobs(item, offset)) for key, item in data.items()}
+    return data
