@@ -54,14 +54,15 @@ def kernel_source(step: dict, source: str, name: str) -> str:
     """What the grader's kernel runs for a cell whose plan entry is ``step``."""
     kind = step.get("kind", "both")
     names = list(step.get("names", []))
-    if kind == "learner":
-        return f"{MODULE}.learner_cell(globals(), {name!r}, {source!r}, {names!r})"
+    if kind == "learner":  # the master's version's imports run here: the cells after it may use the modules
+        imports = "".join(f"{line}\n" for line in step.get("imports", []))
+        return f"{imports}{MODULE}.learner_cell(globals(), {name!r}, {source!r}, {names!r})"
     if kind == "sandbox":  # its imports run here too: the cells after it may use the modules
         imports = "".join(f"{line}\n" for line in step.get("imports", []))
         return f"{imports}{MODULE}.sandbox_cell(globals(), {name!r}, {source!r}, {names!r}, True)"
-    if kind == "both":
-        return (f"{MODULE}.sandbox_cell(globals(), {name!r}, {source!r}, [], False); "
-                f"{MODULE}.refresh(globals(), {name!r})\n{source}")
+    if kind == "both":  # the learner's names first, then the sandbox starts its copy while this one runs
+        return (f"{MODULE}.refresh(globals(), {name!r}); "
+                f"{MODULE}.sandbox_cell(globals(), {name!r}, {source!r}, [], False)\n{source}")
     if kind == "grader":
         return f"{MODULE}.refresh(globals(), {name!r})\n{source}"
     return source  # "start", "test" (its preamble refreshes), or a cell the plan does not know

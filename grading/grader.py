@@ -82,11 +82,12 @@ def _is_test(cell) -> bool:
 
 
 def _import_lines(master) -> list[str]:
-    """The top-level imports of the master's own code cells, to run again at the top of each test
-    cell (a name the tests use is then the module again, whatever a cell bound to it)."""
+    """The top-level imports of the master's code cells (its solution cells' too: a test may use a module
+    only the solution imports), to run again at the top of each test cell (a name the tests use is then
+    the module again, whatever a cell bound to it)."""
     lines: list[str] = []
     for cell in master.cells:
-        if cell.cell_type != "code" or _nbgrader(cell).get("solution"):
+        if cell.cell_type != "code":
             continue
         try:
             tree = ast.parse(cell.source)
@@ -202,7 +203,7 @@ def plan(grading_nb, master) -> dict[str, dict]:
     # The master's own names (llm, torch, lab02, ...) stay the grader's: a solution cell that rebinds one
     # changes the sandbox only. Imported modules are never data.
     locked = set().union(*(bound_names(c.source) for c in master.cells
-                           if c.cell_type == "code" and not _nbgrader(c).get("solution")))
+                           if c.cell_type == "code" and not _nbgrader(c).get("solution") and runs_in(c) != "sandbox"))
     steps = {}
     for index, cell in enumerate(grading_nb.cells):
         if cell.cell_type != "code":
@@ -213,7 +214,8 @@ def plan(grading_nb, master) -> dict[str, dict]:
         elif meta.get("solution"):
             solved = master_solutions.get(meta.get("grade_id"))
             source = solved.source if solved else ""
-            steps[str(index)] = {"kind": "learner", "names": sorted(bound_names(source) - locked - import_names(source))}
+            steps[str(index)] = {"kind": "learner", "names": sorted(bound_names(source) - locked - import_names(source)),
+                                 "imports": import_statements(source)}
         elif _is_test(cell):
             steps[str(index)] = {"kind": "test", "names": []}
         else:

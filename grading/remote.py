@@ -267,6 +267,7 @@ class Session:
         self.restarts = 0
         self.gone: str | None = None          # after too many restarts: why nothing runs any more
         self.history: list[tuple[str, str]] = []   # (cell name, source) run so far, in order
+        self.pending: tuple[str, str, float] | None = None  # a locked cell the sandbox runs while the kernel does
         self.bound: dict[str, str] = {}       # name -> the cell whose run binds it (refreshed before each cell)
         self.proxies: dict[int, _Remote] = {}
         self.callbacks: dict[int, object] = {}
@@ -313,6 +314,7 @@ class Session:
             raise SandboxError(f"the sandbox did not start: {header}")
 
     def close(self) -> None:
+        self.pending = None
         if self.process is not None:
             for fd in (self.fd_out, self.fd_in):
                 try:
@@ -359,11 +361,17 @@ class Session:
     def _request(self, header: dict, blobs: list[bytes], timeout_s: float, replay: bool = False):
         """Send one request; answer the callbacks it makes; return its reply. A timeout, a death or a
         malformed message restarts the sandbox (unless replaying) and raises SandboxError."""
+        if not replay:
+            self._drain()
         if self.gone:
             raise SandboxError(self.gone)
-        deadline = time.monotonic() + timeout_s
+        failed = self.current_cell if header.get("op") == "run" else None
+        return self._exchange(header, blobs, time.monotonic() + timeout_s, timeout_s, replay, failed)
+
+    def _exchange(self, header, blobs, deadline: float, timeout_s: float, replay: bool, failed: str | None):
         try:
-            wire.write_frame(self.fd_out, header, blobs)
+            if header is not None:
+                wire.write_frame(self.fd_out, header, blobs)
             while True:
                 reply, reply_blobs = self._read(deadline)
                 if reply.get("op") == "callback":
@@ -380,14 +388,45 @@ class Session:
             why = f"the sandbox sent a malformed message ({error})"
         except BaseException:  # interrupted (the cell's own timeout): the channel is out of step, start afresh
             if not replay:
-                self._restart("the grader interrupted the call", header.get("op") == "run" and self.current_cell or None)
+                self._restart("the grader interrupted the call", failed)
             raise
         if replay:
             raise SandboxError(why)
-        failed = self.current_cell if header.get("op") == "run" else None
         _log_event({"event": "timeout" if why.startswith("took") else "died", "why": why})
         self._restart(why, failed)
         raise SandboxError(f"{why}; the sandbox was restarted and the cells before this one replayed")
+
+    def start_run(self, name: str, source: str) -> None:
+        """Send a locked cell to the sandbox and return at once: the kernel runs its own copy meanwhile;
+        the reply is collected before the next request (:meth:`_drain`)."""
+        self._drain()
+        if self.gone:
+            return
+        self.current_cell = name
+        try:
+            wire.write_frame(self.fd_out, {"op": "run", "source": source}, [])
+        except OSError as error:
+            _log_event({"event": "died", "why": f"the sandbox died ({error})"})
+            self._restart(f"the sandbox died ({error})", name)
+            return
+        self.pending = (name, source, time.monotonic() + self.cell_timeout_s)
+
+    def _drain(self) -> None:
+        if self.pending is None:
+            return
+        name, source, deadline = self.pending
+        self.pending = None
+        previous, self.current_cell = self.current_cell, name
+        try:
+            reply, _ = self._exchange(None, [], deadline, self.cell_timeout_s, False, name)
+        except SandboxError:
+            return
+        finally:
+            self.current_cell = previous
+        self.history.append((name, source))
+        error = reply.get("error")
+        if error:
+            _log_event({"event": "sandbox_error", "what": f"{error.get('ename')}: {str(error.get('evalue'))[:300]}"})
 
     def _answer_callback(self, header: dict, blobs: list[bytes]) -> None:
         target = self.callbacks.get(int(header.get("target", -1)))
@@ -497,6 +536,8 @@ class Session:
         result = self._result(reply, reply_blobs, name)
         for change in reply.get("mutated", []) or []:
             _copy_back(args, kwargs, change.get("path", []), self.decoder.decode(change.get("value"), reply_blobs), name)
+        if reply.get("op") == "return" and isinstance(reply.get("returns_argument"), list):
+            return _argument(args, kwargs, reply["returns_argument"])
         return result
 
     def _result(self, reply: dict, blobs, name: str):
@@ -515,6 +556,15 @@ class Session:
                 raise kind(evalue)
             raise LearnerError(f"{ename}: {evalue}")
         raise SandboxError(f"the sandbox answered {op!r} to a call of {name}")
+
+
+def _argument(args, kwargs, path: list):
+    """The grader's own argument at ``path`` (the learner's code returned what it was given)."""
+    head, *rest = path
+    target = args[head] if isinstance(head, int) and 0 <= head < len(args) else kwargs.get(head)
+    for step in rest:
+        target = target[step]
+    return target
 
 
 def _copy_back(args, kwargs, path: list, value, name: str) -> None:
@@ -614,11 +664,12 @@ def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show
     """A locked cell the sandbox runs too (the learner's code may need its state). ``show``: it runs
     only there, its output is the cell's and its ``names`` are bound here as data."""
     session = _session()
+    if not show:
+        session.start_run(name, source)
+        return
     session.current_cell = name
     if session.gone:
-        if show:
-            raise SandboxError(session.gone)
-        return
+        raise SandboxError(session.gone)
     try:
         reply = session.run(name, source)
     except SandboxError as error:
@@ -626,13 +677,10 @@ def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show
             raise SandboxError(f"cell {name}: {error}") from None
         return
     error = reply.get("error")
-    if show:
-        _show(reply.get("outputs", []))
-        _bind(namespace, names, name)
-        if error:
-            raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
-    elif error:
-        _log_event({"event": "sandbox_error", "what": f"{error.get('ename')}: {str(error.get('evalue'))[:300]}"})
+    _show(reply.get("outputs", []))
+    _bind(namespace, names, name)
+    if error:
+        raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
 
 
 def refresh(namespace: dict, cell: str | None = None) -> None:

@@ -198,8 +198,14 @@ class Runner:
             wire.write_frame(self.fd_out, {**reply, "references": _references_used()})
             return
         sys.stdout, sys.stderr = stdout, stderr
-        self.send({"op": "return", "stdout": capture.getvalue()[-MAX_TEXT:], "references": _references_used()},
-                  result, _changed(watched), has_value=True)
+        header = {"op": "return", "stdout": capture.getvalue()[-MAX_TEXT:], "references": _references_used()}
+        same = next((path for path, value, kind, _ in watched if value is result and kind in ("tensor", "container")), None)
+        if same is not None and not isinstance(result, (int, float, str, bool, type(None))):
+            # the call returned one of its arguments (grown in place): the grader hands back its own object
+            header["returns_argument"] = same
+            self.send(header, None, _changed(watched), has_value=True)
+            return
+        self.send(header, result, _changed(watched), has_value=True)
 
 
 class Callback:

@@ -43,6 +43,7 @@ DATA_CLASSES = {
     "minillm.engine.metrics:SpecStats",
     "minillm.models.config:ModelConfig",
     "minillm.config:EngineConfig",
+    "minillm.fleet.simulate:FleetState",
 }
 
 
@@ -97,6 +98,9 @@ class Encoder:
             return [self._enc(item, blobs, depth + 1) for item in value]
         if kind is tuple:
             return {"$tuple": [self._enc(item, blobs, depth + 1) for item in value]}
+        if isinstance(value, tuple) and hasattr(kind, "_fields") and f"{kind.__module__}:{kind.__qualname__}" in DATA_CLASSES:
+            return {"$namedtuple": f"{kind.__module__}:{kind.__qualname__}",
+                    "fields": [self._enc(item, blobs, depth + 1) for item in tuple.__iter__(value)]}
         if kind in (set, frozenset):
             return {"$set": [self._enc(item, blobs, depth + 1) for item in value], "frozen": kind is frozenset}
         if kind is dict:
@@ -220,12 +224,11 @@ class Decoder:
             if dtype.hasobject:
                 raise NotData("a numpy array of Python objects is not plain data")
             return numpy.frombuffer(_blob(blobs, data["$ndarray"]), dtype=dtype).reshape(data["shape"]).copy()
+        if "$namedtuple" in data:
+            cls = _data_class(str(data["$namedtuple"]))
+            return cls(*(self._dec(item, blobs, depth + 1) for item in data["fields"]))
         if "$dataclass" in data:
-            name = str(data["$dataclass"])
-            if name not in DATA_CLASSES:
-                raise NotData(f"{name} is not one of the dataclasses that cross as data")
-            module, _, qualname = name.partition(":")
-            cls = getattr(importlib.import_module(module), qualname)
+            cls = _data_class(str(data["$dataclass"]))
             fields = {str(k): self._dec(v, blobs, depth + 1) for k, v in data["fields"].items()}
             return cls(**fields)
         if self.handle is not None:
@@ -248,6 +251,13 @@ class Decoder:
         if self.devices and device != "cpu":
             tensor = tensor.to(device)
         return tensor
+
+
+def _data_class(name: str):
+    if name not in DATA_CLASSES:
+        raise NotData(f"{name} is not one of the classes that cross as data")
+    module, _, qualname = name.partition(":")
+    return getattr(importlib.import_module(module), qualname)
 
 
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",

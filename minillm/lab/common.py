@@ -302,6 +302,23 @@ def require_kernel(kernel) -> None:
         raise NotImplementedError(f"{name} is still a stub: write its body (the exercise that defines {name})")
 
 
+CHECK_POOL_TOKENS = 1024  # KV slots of a check's engine: a few prompts of a few tokens fit with room to spare
+_CHECK_ENGINES: dict[int, object] = {}
+
+
+def check_engine(llm, tokens: int = CHECK_POOL_TOKENS):
+    """`llm` with a small KV pool (`tokens` slots), sharing its weights, made once per engine: the engine a
+    check plugs the learner's part into. When a grader runs the learner's code elsewhere and passes every
+    call's tensors across, a layer's pool of a thousand slots crosses in a blink; the default pool (the
+    machine's memory share) would be tens of megabytes per call."""
+    key = id(llm)
+    engine = _CHECK_ENGINES.get(key)
+    if engine is None or engine[0] is not llm:
+        engine = _CHECK_ENGINES[key] = (llm, llm.with_levers(kv_cache_bytes=tokens * llm.kv_bytes_per_token)
+                                        if llm.config.kv_cache else llm)
+    return engine[1]
+
+
 def greedy_tokens(llm, prompts: Sequence, max_tokens: int) -> list[list[int]]:
     """Each prompt's first ``max_tokens`` greedy tokens (EOS ignored): a run with the learner's part
     plugged in is compared with a reference run on these."""

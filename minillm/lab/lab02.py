@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import common
 from .common import CheckFailed, call_learner, call_repr, echo_prediction, expect_number, format_seconds, new_figure, passed
 
 GROWTHS = ("linear", "quadratic")
@@ -468,6 +469,7 @@ def check_in_engine(append_kv: Callable, attend_with_cache: Callable, llm, promp
     from .. import SamplingParams
 
     prompts = list(prompts)
+    llm = common.check_engine(llm)  # a small KV pool: each call of your functions gets one layer's pool
     expected = reference_tokens(llm, prompts, max_tokens)
     backend = CheckingBackend(append_kv, attend_with_cache)
     previous = llm.config.attention_backend
