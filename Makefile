@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model adapters lab test test-all test-slow labs labs-check labs-report bench bench-peers bench-batching bench-serve cost doctor browser-deps clean
+.PHONY: setup model adapters lab test test-all test-slow labs labs-check labs-report bench bench-peers bench-batching bench-serve cost doctor browser-deps sandbox-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,12 +29,15 @@ lab: model          ## the course: JupyterLab on labs/
 browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
 	@bash scripts/install_browser.sh
 
+sandbox-deps:       ## bubblewrap, the sandbox graded submissions run in (grading/sandbox.py)
+	@bash scripts/install_sandbox.sh
+
 # pytest-xdist workers: one per core here (each gets its share of torch's threads: tests/conftest.py);
 # each test file on one worker (its module fixtures built once), the longest files first.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Times the whole target, setup included, and prints it last, so every CI log shows how close it came.
-TIMED = start=$$(date +%s); $(MAKE) --no-print-directory setup model browser-deps && $(1); status=$$?; \
+TIMED = start=$$(date +%s); $(MAKE) --no-print-directory setup model browser-deps sandbox-deps && $(1); status=$$?; \
 	echo "make $@: $$(( $$(date +%s) - start )) s wall, setup included (exit $$status)"; exit $$status
 
 test:        ## the suite CI runs: everything but the tests marked slow (about 20 min on 2 cores, setup included)

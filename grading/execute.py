@@ -56,15 +56,16 @@ def kernel_source(step: dict, source: str, name: str) -> str:
     names = list(step.get("names", []))
     if kind == "learner":  # the master's version's imports run here: the cells after it may use the modules
         imports = "".join(f"{line}\n" for line in step.get("imports", []))
-        return f"{imports}{MODULE}.learner_cell(globals(), {name!r}, {source!r}, {names!r})"
+        kernels = list(step.get("kernels", []))
+        return f"{imports}{MODULE}.learner_cell(globals(), {name!r}, {source!r}, {names!r}, {kernels!r})"
     if kind == "sandbox":  # its imports run here too: the cells after it may use the modules
         imports = "".join(f"{line}\n" for line in step.get("imports", []))
         return f"{imports}{MODULE}.sandbox_cell(globals(), {name!r}, {source!r}, {names!r}, True)"
     if kind == "both":  # the learner's names first, then the sandbox starts its copy while this one runs
         return (f"{MODULE}.refresh(globals(), {name!r}); "
                 f"{MODULE}.sandbox_cell(globals(), {name!r}, {source!r}, [], False)\n{source}")
-    if kind == "grader":
-        return f"{MODULE}.refresh(globals(), {name!r})\n{source}"
+    if kind == "grader":  # runs here only; what it binds goes to the sandbox as data, before the next cell
+        return f"{MODULE}.refresh(globals(), {name!r}); {MODULE}.push_after(globals(), {name!r}, {names!r})\n{source}"
     return source  # "start", "test" (its preamble refreshes), or a cell the plan does not know
 
 

@@ -200,10 +200,11 @@ def plan(grading_nb, master) -> dict[str, dict]:
     "start", "learner" (a solution cell; ``names``: what the master's version binds), "both" / "sandbox"
     (``names``: what it binds, taken as data) / "grader" (locked cells), "test"."""
     master_solutions = {_nbgrader(c).get("grade_id"): c for c in master.cells if _nbgrader(c).get("solution")}
-    # The master's own names (llm, torch, lab02, ...) stay the grader's: a solution cell that rebinds one
-    # changes the sandbox only. Imported modules are never data.
+    # The names of the cells run in both places (llm, torch, lab02, ...) stay the grader's: a solution cell
+    # that rebinds one changes the sandbox only. Imported modules are never data.
     locked = set().union(*(bound_names(c.source) for c in master.cells
-                           if c.cell_type == "code" and not _nbgrader(c).get("solution") and runs_in(c) != "sandbox"))
+                           if c.cell_type == "code" and not _nbgrader(c).get("solution") and runs_in(c) == "both"))
+    kernel_exercises = master.metadata.get("minillm", {}).get("kernels", {})
     steps = {}
     for index, cell in enumerate(grading_nb.cells):
         if cell.cell_type != "code":
@@ -215,12 +216,13 @@ def plan(grading_nb, master) -> dict[str, dict]:
             solved = master_solutions.get(meta.get("grade_id"))
             source = solved.source if solved else ""
             steps[str(index)] = {"kind": "learner", "names": sorted(bound_names(source) - locked - import_names(source)),
-                                 "imports": import_statements(source)}
+                                 "imports": import_statements(source),
+                                 "kernels": list(kernel_exercises.get(meta.get("grade_id"), []))}
         elif _is_test(cell):
             steps[str(index)] = {"kind": "test", "names": []}
         else:
             where = runs_in(cell)
-            names = bound_names(cell.source) - import_names(cell.source) if where == "sandbox" else set()
+            names = bound_names(cell.source) - import_names(cell.source) if where in ("sandbox", "grader") else set()
             steps[str(index)] = {"kind": where, "names": sorted(names)}
             if where == "sandbox":
                 steps[str(index)]["imports"] = import_statements(cell.source)
@@ -331,14 +333,14 @@ def read_submission(path: Path) -> nbformat.NotebookNode:
 @dataclass
 class GradedCopy:
     notebook: nbformat.NotebookNode
-    flags: list[str]          # integrity findings: screened cells, changed or deleted locked cells
+    flags: list[str]          # integrity findings: changed or deleted locked cells, missing solution cells
     zeroed: dict[str, str]    # test grade_id -> why it scores 0 whatever it does
     notes: list[str]          # informational: extra cells not run
 
 
 def graded_copy(submission: nbformat.NotebookNode, lab: LabCourse) -> GradedCopy:
     """The notebook nbgrader runs: the grading release with the student's solution cells put in
-    (screened), the tests with their hidden parts and the checksums the gradebook holds."""
+    (to run in the sandbox), the tests with their hidden parts and the checksums the gradebook holds."""
     by_id: dict[str, object] = {}
     for cell in submission.cells:
         grade_id = _nbgrader(cell).get("grade_id")
@@ -638,6 +640,17 @@ def _scores(gradebook, lab: str, student: str, zeroed: Mapping[str, str]) -> tup
     return score, float(submission.max_score), manual_max, notes
 
 
+def _student_section(log: str, student: str) -> str:
+    """The lines of one lab's ``nbgrader autograde`` log about one student (it grades them in turn)."""
+    lines, keep = [], False
+    for line in log.splitlines():
+        if "Creating/updating student with ID" in line:
+            keep = f"'{student}'" in line
+        if keep:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
 def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
     lab, student = job.lab, job.student
     header = [f"# {student} / {lab}: graded in {job.seconds:.1f} s", *[f"# flag: {f}" for f in job.copy.flags],
@@ -645,9 +658,10 @@ def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
     sandbox_log = job.folder / "sandbox.log"
     sandbox_text = sandbox_log.read_text(encoding="utf-8", errors="replace")[-200_000:] if sandbox_log.is_file() else ""
     nbgrader_log = course_root / "logs" / f"{lab}.nbgrader.log"
+    nbgrader_text = _student_section(nbgrader_log.read_text(encoding="utf-8"), student) if nbgrader_log.is_file() else ""
     job.log.parent.mkdir(parents=True, exist_ok=True)
     job.log.write_text("\n".join(header) + f"\n{job.output}\n# the sandbox's own output:\n{sandbox_text}\n"
-                       + (nbgrader_log.read_text(encoding="utf-8") if nbgrader_log.is_file() else ""), encoding="utf-8")
+                       f"# nbgrader autograde:\n{nbgrader_text}", encoding="utf-8")
     try:
         execute_report = json.loads((job.folder / "execute.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):

@@ -22,10 +22,12 @@ graded kernel needs of the pipeline.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import fcntl
 import inspect
 import json
+import math
 import os
 import select
 import sys
@@ -232,6 +234,24 @@ class _RemoteMethod:
         return f"<the learner's method {self.__name__}, in the sandbox>"
 
 
+class RemoteKernel:
+    """The learner's ``@triton.jit`` kernel, run alone in the kernel sandbox (grading.kernels): the
+    launcher here calls ``kernel[grid](*args)`` as with a real one; every tensor argument comes back,
+    written as the kernel wrote it. ``src`` is the kernel's source (``require_kernel`` reads it)."""
+
+    def __init__(self, session: "Session", name: str, src: str):
+        self._session, self.__name__, self.src = session, name, src
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return self._session.launch(self.__name__, grid, args, kwargs)
+
+        return launch
+
+    def __repr__(self):
+        return f"<the learner's kernel {self.__name__}, run alone in the kernel sandbox>"
+
+
 def _signature(parameters):
     if not isinstance(parameters, list):
         return None
@@ -266,8 +286,10 @@ class Session:
         self.generation = 0
         self.restarts = 0
         self.gone: str | None = None          # after too many restarts: why nothing runs any more
-        self.history: list[tuple[str, str]] = []   # (cell name, source) run so far, in order
+        # what to replay after a restart, in order: (cell name, request, its blobs): cells run, data pushed
+        self.history: list[tuple[str, dict, list[bytes]]] = []
         self.pending: tuple[str, str, float] | None = None  # a locked cell the sandbox runs while the kernel does
+        self.pushes: list[tuple[dict, str, list[str]]] = []  # cells run here whose data the sandbox gets next
         self.bound: dict[str, str] = {}       # name -> the cell whose run binds it (refreshed before each cell)
         self.proxies: dict[int, _Remote] = {}
         self.callbacks: dict[int, object] = {}
@@ -333,11 +355,11 @@ class Session:
             self.gone = f"the sandbox failed {self.restarts} times, last: {why}"
             return
         if failed_cell is not None:
-            self.history = [(name, source) for name, source in self.history if name != failed_cell]
+            self.history = [entry for entry in self.history if entry[0] != failed_cell]
         self._start()
-        for name, source in list(self.history):
+        for name, request, blobs in list(self.history):
             try:
-                reply, _ = self._request({"op": "run", "source": source}, [], self.cell_timeout_s, replay=True)
+                reply, _ = self._request(request, blobs, self.cell_timeout_s, replay=True)
             except SandboxError as error:
                 self.gone = f"replaying cell {name} after a restart failed: {error}"
                 return
@@ -363,6 +385,7 @@ class Session:
         malformed message restarts the sandbox (unless replaying) and raises SandboxError."""
         if not replay:
             self._drain()
+            self._flush_pushes()
         if self.gone:
             raise SandboxError(self.gone)
         failed = self.current_cell if header.get("op") == "run" else None
@@ -377,8 +400,9 @@ class Session:
                 if reply.get("op") == "callback":
                     self._answer_callback(reply, reply_blobs)
                     continue
-                for used in reply.get("references", []) or []:
-                    _log_event({"event": "reference", "what": str(used)[:300]})
+                if header is not None:  # the learner's code ran (a locked cell's run in the background does not count)
+                    for used in reply.get("references", []) or []:
+                        _log_event({"event": "reference", "what": str(used)[:300]})
                 return reply, reply_blobs
         except TimeoutError:
             why = f"took longer than {timeout_s:.0f} s"
@@ -396,10 +420,24 @@ class Session:
         self._restart(why, failed)
         raise SandboxError(f"{why}; the sandbox was restarted and the cells before this one replayed")
 
+    def _flush_pushes(self) -> None:
+        while self.pushes:
+            namespace, cell, names = self.pushes.pop(0)
+            values = {name: namespace[name] for name in names if name in namespace}
+            if values and not self.gone:
+                previous, self.current_cell = self.current_cell, cell
+                try:
+                    self.push(values)
+                except SandboxError:
+                    pass
+                finally:
+                    self.current_cell = previous
+
     def start_run(self, name: str, source: str) -> None:
         """Send a locked cell to the sandbox and return at once: the kernel runs its own copy meanwhile;
         the reply is collected before the next request (:meth:`_drain`)."""
         self._drain()
+        self._flush_pushes()
         if self.gone:
             return
         self.current_cell = name
@@ -423,7 +461,7 @@ class Session:
             return
         finally:
             self.current_cell = previous
-        self.history.append((name, source))
+        self.history.append((name, {"op": "run", "source": source}, []))
         error = reply.get("error")
         if error:
             _log_event({"event": "sandbox_error", "what": f"{error.get('ename')}: {str(error.get('evalue'))[:300]}"})
@@ -507,7 +545,7 @@ class Session:
     def run(self, name: str, source: str) -> dict:
         self.current_cell = name
         reply, _ = self._request({"op": "run", "source": source}, [], self.cell_timeout_s)
-        self.history.append((name, source))
+        self.history.append((name, {"op": "run", "source": source}, []))
         return reply
 
     def get(self, names: list[str]) -> dict:
@@ -519,6 +557,35 @@ class Session:
         if not isinstance(values, dict):
             raise SandboxError("the sandbox answered a request for values with something else")
         return values
+
+    def push(self, values: dict) -> None:
+        """Bind these names in the sandbox to a copy of the grader's data (what a cell measured here)."""
+        data = {}
+        for name, value in values.items():
+            try:
+                wire.Encoder().encode(value)  # plain data only: no handles, no callbacks
+            except wire.NotData:
+                continue  # an object of the grader's (an engine, a figure): the sandbox keeps its own
+            data[name] = value
+        if data:
+            encoded, blobs = wire.Encoder().encode(data)
+            request = {"op": "set", "values": encoded}
+            self._request(request, blobs, self.call_timeout_s, replay=True)
+            self.history.append((f"{self.current_cell} (its data)", request, blobs))
+            for name in data:  # from now on the sandbox's copy is the learner's run: refreshed like their names
+                self.bound[name] = self.current_cell
+
+    def launch(self, name: str, grid, args, kwargs) -> None:
+        """kernel[grid](*args, **kwargs) in this (kernel) sandbox; tensor arguments are written back."""
+        launcher = self.get(["_minillm_launch"]).get("_minillm_launch")
+        if not isinstance(launcher, RemoteFunction):
+            raise SandboxError("the kernel sandbox lost its launcher")
+        returned = launcher(name, grid, list(args), dict(kwargs))
+        import torch
+
+        for original, written in zip(args, returned or []):
+            if isinstance(original, torch.Tensor) and isinstance(written, torch.Tensor) and written.shape == original.shape:
+                original.copy_(written.to(original.dtype))
 
     def getattr(self, handle: int, name: str):
         reply, blobs = self._request({"op": "getattr", "target": handle, "name": name}, [], self.call_timeout_s)
@@ -645,8 +712,56 @@ def _bind(namespace: dict, names: list[str], cell: str) -> None:
     refresh(namespace)
 
 
-def learner_cell(namespace: dict, grade_id: str, source: str, names: list[str]) -> None:
-    """A solution cell: run the learner's source in the sandbox, show its output, bind ``names``."""
+_KERNEL_SESSION: Session | None = None
+
+
+def _kernel_session() -> Session:
+    """A second sandbox for kernels alone (started at the first kernel cell, reseeded at each)."""
+    global _KERNEL_SESSION
+    if _KERNEL_SESSION is None:
+        spec = dict(_session().spec)
+        scratch = Path(spec["scratch"]) / "kernels"
+        scratch.mkdir(exist_ok=True)
+        interpret = os.environ.get("TRITON_INTERPRET", "")
+        spec.update(scratch=str(scratch), log=spec["log"] + ".kernels",
+                    env={**spec.get("env", {}), **({"TRITON_INTERPRET": interpret} if interpret else {})})
+        _KERNEL_SESSION = Session(spec)
+        import atexit
+
+        atexit.register(_KERNEL_SESSION.close)
+    return _KERNEL_SESSION
+
+
+def _bind_kernels(namespace: dict, grade_id: str, source: str, kernel_names: list[str]) -> None:
+    """The kernel cell's ``@triton.jit`` functions, checked as the student wrote them and run alone in the
+    kernel sandbox; each name here is then a RemoteKernel (or a refusal that says what is wrong)."""
+    from grading import kernels
+
+    found = kernels.extract(source, kernel_names)
+    if found.problems:
+        why = "; ".join(found.problems[:5])
+        _log_event({"event": "refused", "what": f"the kernel cell {grade_id}: {why}"[:300]})
+        for name in kernel_names:
+            namespace[name] = Refused(name, f"not a Triton kernel the grader can run: {why}")
+        return
+    session = _kernel_session()
+    session.current_cell = grade_id
+    session.history.clear()
+    reply = session.run(grade_id, found.source)
+    if reply.get("error"):
+        error = reply["error"]
+        for name in kernel_names:
+            namespace[name] = Refused(name, f"the kernel cell does not run: {error.get('ename')}: {error.get('evalue')}")
+        return
+    tree = ast.parse(source)
+    for name in kernel_names:
+        node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+        namespace[name] = RemoteKernel(session, name, ast.get_source_segment(source, node) or "")
+
+
+def learner_cell(namespace: dict, grade_id: str, source: str, names: list[str], kernel_names: list[str] = ()) -> None:
+    """A solution cell: run the learner's source in the sandbox, show its output, bind ``names``; a kernel
+    cell's kernels (``kernel_names``) run alone in the kernel sandbox."""
     session = _session()
     session.current_cell = grade_id
     try:
@@ -654,7 +769,9 @@ def learner_cell(namespace: dict, grade_id: str, source: str, names: list[str]) 
     except SandboxError as error:
         raise SandboxError(f"solution cell {grade_id}: {error}") from None
     _show(reply.get("outputs", []))
-    _bind(namespace, names, grade_id)
+    _bind(namespace, [n for n in names if n not in kernel_names], grade_id)
+    if kernel_names:
+        _bind_kernels(namespace, grade_id, source, list(kernel_names))
     error = reply.get("error")
     if error:
         raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
@@ -683,6 +800,13 @@ def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show
         raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
 
 
+def push_after(namespace: dict, cell: str, names: list[str]) -> None:
+    """A cell that runs only here (runs_in "grader"): once it has run, its names, where they are data, go to
+    the sandbox too (before the next request), so the learner's later cells compute from the grader's own
+    measurement."""
+    _session().pushes.append((namespace, cell, list(names)))
+
+
 def refresh(namespace: dict, cell: str | None = None) -> None:
     """Before a cell of the grader's: every bound name gets the sandbox's current value (data or a
     handle); a name the sandbox no longer has is removed."""
@@ -709,7 +833,8 @@ def refresh(namespace: dict, cell: str | None = None) -> None:
 
 
 def close() -> None:
-    global _SESSION
-    if _SESSION is not None:
-        _SESSION.close()
-        _SESSION = None
+    global _SESSION, _KERNEL_SESSION
+    for session in (_SESSION, _KERNEL_SESSION):
+        if session is not None:
+            session.close()
+    _SESSION = _KERNEL_SESSION = None

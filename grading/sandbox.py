@@ -310,7 +310,8 @@ def start(spec: Spec, argv: list[str], pass_fds: tuple[int, ...], log_path: Path
             popen = subprocess.Popen(argv, cwd=spec.scratch, env=env, pass_fds=pass_fds, stdin=subprocess.DEVNULL,
                                      stdout=log, stderr=log, start_new_session=True)
             return Process(popen, None, True)
-        cgroup = Cgroup.create(f"minillm-grading-{os.getpid()}-{_COUNTER[0]}", spec.limits)
+        run = os.environ.get("MINILLM_GRADING_RUN", "solo")  # the grader sweeps its run's groups at the end
+        cgroup = Cgroup.create(f"minillm-grading-{run}-{os.getpid()}-{_COUNTER[0]}", spec.limits)
         config = {"cgroup": [str(path / "cgroup.procs") for path in cgroup.paths] if cgroup else [],
                   "limits": dataclasses.asdict(spec.limits), "nproc_base": _user_processes() if cgroup is None else 0}
         shim = [sys.executable, "-S", "-c", _SHIM, json.dumps(config)]

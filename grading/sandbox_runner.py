@@ -44,6 +44,7 @@ class Runner:
         self.objects: dict[int, object] = {}
         self.ids: dict[int, int] = {}  # id(obj) -> handle, so one object keeps one handle
         self.next_id = 1
+        self.strict = False  # True while a call's result is encoded
         self.encoder = wire.Encoder(handle=self._handle)
         self.decoder = wire.Decoder(handle=self._callback)
         from IPython.core.interactiveshell import InteractiveShell
@@ -62,13 +63,13 @@ class Runner:
                                 types.BuiltinMethodType)) or type(value).__name__ == "partial":
             kind = "function"
         elif isinstance(value, types.ModuleType):
-            return {"$refused": f"a module ({getattr(value, '__name__', '?')}) is not plain data"}
+            return self._refuse(f"a module ({getattr(value, '__name__', '?')}) is not plain data")
         elif isinstance(value, types.GeneratorType):
-            return {"$refused": "a generator is not plain data: return a list"}
+            return self._refuse("a generator is not plain data: return a list")
         elif getattr(type(value), "__module__", None) == "__main__":
             kind = "object"
         else:
-            return {"$refused": f"a {type(value).__module__}.{type(value).__qualname__} object is not plain data"}
+            return self._refuse(f"a {type(value).__module__}.{type(value).__qualname__} object is not plain data")
         key = id(value)
         handle = self.ids.get(key)
         if handle is None or self.objects.get(handle) is not value:
@@ -77,6 +78,12 @@ class Runner:
             self.objects[handle] = value
             self.ids[key] = handle
         return {"$remote": handle, "kind": kind, **_describe(value, kind)}
+
+    def _refuse(self, reason: str):
+        """A name's value that is not data stays a refusal to report when used; a call's result is refused now."""
+        if self.strict:
+            raise wire.NotData(reason)
+        return {"$refused": reason}
 
     def _callback(self, data):
         if "$callback" in data:
@@ -130,6 +137,11 @@ class Runner:
                         if name in self.namespace:
                             values[name] = self.namespace[name]
                     self.send({"op": "values"}, values, has_value=True)
+                elif op == "set":  # data the grader measured, for the learner's cells after
+                    values = self.decoder.decode(header.get("values", {"$dict": []}), blobs)
+                    for name, value in values.items():
+                        self.namespace[str(name)] = value
+                    wire.write_frame(self.fd_out, {"op": "done"})
                 elif op == "call":
                     self.call(header, blobs)
                 elif op == "getattr":
@@ -199,6 +211,13 @@ class Runner:
             return
         sys.stdout, sys.stderr = stdout, stderr
         header = {"op": "return", "stdout": capture.getvalue()[-MAX_TEXT:], "references": _references_used()}
+        self.strict = True
+        try:
+            self._reply_to_call(header, result, watched)
+        finally:
+            self.strict = False
+
+    def _reply_to_call(self, header: dict, result, watched) -> None:
         same = next((path for path, value, kind, _ in watched if value is result and kind in ("tensor", "container")), None)
         if same is not None and not isinstance(result, (int, float, str, bool, type(None))):
             # the call returned one of its arguments (grown in place): the grader hands back its own object

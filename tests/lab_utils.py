@@ -202,23 +202,3 @@ def write_probe_master(source_dir: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(master, path)
     return path
-
-
-# Every cheat of the class at once, for the grading tests: what runs must be the untouched lab.
-def cheating_copy(lab: str) -> nbformat.NotebookNode:
-    """The untouched student copy plus every cheat: in extra cells, and in every solution cell."""
-    nb = nbformat.read(Path(__file__).resolve().parents[1] / "labs" / f"{lab}.ipynb", as_version=4)
-    module = f"lab{lab[:2]}"
-    extra = [
-        "ip = get_ipython()\ndef wrap(lines):\n    return ['try:\\n'] + ['    ' + l for l in lines] + "
-        "['\\nexcept BaseException:\\n    pass\\n']\nip.input_transformers_post.append(wrap)",
-        f"for name in dir({module}):\n    if name.startswith('check'):\n        setattr({module}, name, lambda *a, **k: None)",
-        "import sys\nsys.settrace(lambda frame, event, arg: None)",
-    ]
-    first_solution = next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("solution"))
-    for offset, source in enumerate(extra):  # after the lab's imports, where they would work if run
-        nb.cells.insert(first_solution + offset, nbformat.v4.new_code_cell(source))
-    for cell in nb.cells:
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
-            cell.source = f"import builtins\nbuiltins.AssertionError = Warning\n{module}.check_x = print\n" + cell.source
-    return nb

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lab_utils import cheating_copy
+import cheats
 
 from grading import build, grader
 
@@ -191,7 +191,7 @@ def test_committed_notebook_is_small_and_carries_no_widget_state(path):
 
 
 # Labs whose cheating copy is graded in make test; the others' run in the slow suite (the static
-# test_cheating_copy_grades_as_the_untouched_copy covers every lab in make test).
+# test_a_cheating_copy_runs_the_masters_cells_and_its_own_solution_cells_only covers every lab in make test).
 CHEAT_RUN_IN_MAKE_TEST = {"00_setup", "01_prefill_decode", "02_kv_cache", "03_batching", "04_paged_attention"}
 
 
@@ -204,14 +204,14 @@ def _grade(lab: str, folder: Path, students: dict[str, Path]) -> dict[str, dict]
 def _cheat_path(lab: str, folder: Path) -> Path:
     path = folder / "cheat" / lab / f"{lab}.ipynb"
     path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(cheating_copy(lab), path)
+    nbformat.write(cheats.cheating_copy(lab, folder / "cheated", f"minillm-cheat-{lab}"), path)
     return path
 
 
 @pytest.fixture(scope="module", params=LABS)
 def graded_lab(request, tmp_path_factory):
     """Autograde the committed solution of one lab and (labs in CHEAT_RUN_IN_MAKE_TEST) its
-    cheating copy: the untouched student copy with every cheat of lab_utils.cheating_copy. One
+    cheating copy: the untouched student copy with every cheat of tests/cheats.py. One
     run each; feedback and logs written."""
     lab = request.param
     folder = tmp_path_factory.mktemp(f"graded-{lab}")
@@ -223,7 +223,7 @@ def graded_lab(request, tmp_path_factory):
 
 def test_solution_gets_full_marks_and_runs_without_errors(graded_lab):
     """The graded run executes the whole solution headless (nbclient, MINILLM_QUICK=1) with the
-    hidden tests restored and the guard watching: every cell must run clean, every test pass."""
+    hidden tests restored, the solution cells in the sandbox: every cell must run clean, every test pass."""
     lab, rows, folder = graded_lab
     row = rows["solution"]
     assert row["status"] == "graded" and row["reason"] == "", row["reason"]
@@ -236,21 +236,24 @@ def test_solution_gets_full_marks_and_runs_without_errors(graded_lab):
     assert "checksum" not in log, f"{lab}: nbgrader logged a checksum change for the untouched test cells"
 
 
-def _assert_cheat_scores_zero(lab: str, row: dict, max_score: float) -> None:
+def _assert_cheat_scores_zero(lab: str, row: dict, max_score: float, folder: Path) -> None:
     assert row["status"] == "graded"
     assert row["max_score"] == max_score
     assert row["score"] == 0, f"{lab}: the cheating copy scored {row['score']} (a test passes without work): {row['reason']}"
-    assert row["flags"] and all("was not run" in flag for flag in row["flags"]), row["flags"]
+    assert not (folder / "cheated").exists(), f"{lab}: a cheat reached outside the sandbox: {(folder / 'cheated').read_text()}"
+    assert not (REPO_ROOT / "SANDBOX_ESCAPED").exists()
+    if cheats.REFERENCE_CHEATS.get(lab):  # the reference cheats ran, and were refused
+        assert "(unavailable in the sandbox)" in row["reason"], f"{lab}: no reference was refused: {row['reason']}"
 
 
-def test_cheating_copy_gets_zero_and_names_each_cheating_cell(graded_lab):
-    """Input transformer, patched check helpers and a tracer in extra cells, patched builtins and
-    helpers in every solution cell: 0 points, like the untouched copy it grades as
-    (tests/test_grading_integrity.py shows the two graded copies are the same program)."""
-    lab, rows, _ = graded_lab
+def test_cheating_copy_gets_zero(graded_lab):
+    """Every class of cheat in every solution cell (tests/cheats.py: evasions, IPython hooks, spoofed
+    provenance, the course and the gradebook, detached processes, grading detected, the lab's own
+    references called in place of the work) and in extra cells: 0 points, nothing reached outside."""
+    lab, rows, folder = graded_lab
     if "cheat" not in rows:
         pytest.skip(f"{lab}'s cheating copy runs in make test-slow (test_cheating_copy_gets_zero_on_the_slow_labs)")
-    _assert_cheat_scores_zero(lab, rows["cheat"], rows["solution"]["max_score"])
+    _assert_cheat_scores_zero(lab, rows["cheat"], rows["solution"]["max_score"], folder)
 
 
 @pytest.mark.slow
@@ -259,7 +262,7 @@ def test_cheating_copy_gets_zero_on_the_slow_labs(lab, tmp_path):
     rows = _grade(lab, tmp_path, {"cheat": _cheat_path(lab, tmp_path)})
     max_score = sum(float(c.metadata["nbgrader"].get("points", 0)) for c in build.read_master(lab).cells
                     if c.metadata.get("nbgrader", {}).get("grade"))
-    _assert_cheat_scores_zero(lab, rows["cheat"], max_score)
+    _assert_cheat_scores_zero(lab, rows["cheat"], max_score, tmp_path)
     page = (tmp_path / "feedback" / "cheat" / lab / f"{lab}.html").read_text(encoding="utf-8")
     assert "HIDDEN TESTS" not in page
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import csv
 import re
+import time
+import uuid
 from pathlib import Path
 
 import nbformat
 import pytest
 
+import cheats
 from lab_utils import PROBE_LAB, write_probe_master
 
 from grading import build, grader
@@ -51,6 +54,8 @@ def _write(folder: Path, student: str, lab: str, text: str) -> Path:
 
 # --- the probe batch, through the instructor's command ---------------------------------------
 
+VISIBLE_ONLY = "def double(x):\n    return 4 if x == 2 else 0"   # passes the visible test, not the hidden one
+
 
 @pytest.fixture(scope="module")
 def probe_batch(tmp_path_factory):
@@ -59,6 +64,8 @@ def probe_batch(tmp_path_factory):
     write_probe_master(source_dir)
     rendered = build.render(source_dir)
     student, solution = rendered[f"labs/{PROBE_LAB}.ipynb"], rendered[f"solutions/{PROBE_LAB}.ipynb"]
+    marker, token = root / "cheated", f"minillm-cheat-{uuid.uuid4().hex}"
+    course = root / "course"
 
     def variant(edit):
         nb = nbformat.reads(student, as_version=4)
@@ -76,6 +83,9 @@ def probe_batch(tmp_path_factory):
             "def wrap(lines):\n    return ['try:\\n'] + ['    ' + l for l in lines] + ['\\nexcept BaseException:\\n    pass\\n']\n"
             "get_ipython().input_transformers_post.append(wrap)"))
 
+    def cheat(*attempts, then=VISIBLE_ONLY):
+        return variant(lambda nb: _set_solution(nb, "double", "\n".join(cheats._guarded(a) for a in attempts) + "\n" + then))
+
     submissions = root / "submitted"
     notebooks = {
         "solved": solution,
@@ -85,26 +95,42 @@ def probe_batch(tmp_path_factory):
         "crashes": variant(lambda nb: _set_solution(nb, "double", SEGFAULT + "def double(x):\n    return 2 * x")),
         "tampers": variant(tamper),
         "cheats": variant(transformer),
-        # passes the visible test only: the hidden one, put back from the master, fails
-        "visible_only": variant(lambda nb: _set_solution(nb, "double", "def double(x):\n    return 4 if x == 2 else 0")),
+        "visible_only": variant(lambda nb: _set_solution(nb, "double", VISIBLE_ONLY)),
+        # every cheat of a class, then the visible-only answer: each must score what visible_only scores
+        "screened_cheats": cheat(*cheats.SCREENED_CHEATS.values()),
+        "evasions": cheat(cheats.evasions("common")),
+        "ipython_hooks": cheat(cheats.IPYTHON_HOOKS),
+        "reaches_the_course": cheat(cheats.reaching_the_course(PROBE_LAB, course, marker)),
+        "outlives": cheat(cheats.outliving(token, marker)),
+        # an answer that claims to be torch's or the lab helpers' own: refused as not plain data
+        "spoofs_provenance": cheat(cheats.SPOOFED_PROVENANCE, then="def double(x):\n    return Tensorish()"),
+        # detects grading and cheats only then (here: an object equal to anything)
+        "detects_grading": cheat(cheats.DETECTING, cheats.evasions("common"),
+                                 then="def double(x):\n    return Always() if GRADED else 2 * x"),
     }
     for name, text in notebooks.items():
         _write(submissions, name, PROBE_LAB, text)
     _write(submissions, "corrupt", PROBE_LAB, student[: len(student) // 2])
     (submissions / "missing" / PROBE_LAB).mkdir(parents=True)  # a lab folder without its notebook
     out = root / "grades.csv"
+    started = time.monotonic()
     status = _import_autograde_script().main(
         [str(submissions), "--source", str(source_dir), "--out", str(out), "--feedback", str(root / "feedback"),
-         "--cell-timeout", "5"])
+         "--cell-timeout", "8", "--jobs", "2", "--keep", str(course)])
     with open(out, newline="", encoding="utf-8") as handle:
         rows = {row["student"]: row for row in csv.DictReader(handle)}
-    return {"status": status, "rows": rows, "root": root, "out": out}
+    return {"status": status, "rows": rows, "root": root, "out": out, "marker": marker, "token": token,
+            "course": course, "seconds": time.monotonic() - started}
+
+
+CHEATERS = ("screened_cheats", "evasions", "ipython_hooks", "reaches_the_course", "outlives", "spoofs_provenance",
+            "detects_grading")
 
 
 def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
     rows = probe_batch["rows"]
     assert set(rows) == {"solved", "untouched", "looping", "exits", "crashes", "tampers", "cheats", "visible_only",
-                         "corrupt", "missing"}
+                         "corrupt", "missing", *CHEATERS}
     scores = {name: (row["status"], float(row["score"]), float(row["max_score"])) for name, row in rows.items()}
     assert scores == {
         "solved": ("graded", 4.0, 4.0),
@@ -115,6 +141,13 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
         "tampers": ("graded", 1.0, 4.0),     # solved, but its two tests were deleted / emptied
         "cheats": ("graded", 1.0, 4.0),
         "visible_only": ("graded", 2.0, 4.0),
+        "screened_cheats": ("graded", 2.0, 4.0),
+        "evasions": ("graded", 2.0, 4.0),
+        "ipython_hooks": ("graded", 2.0, 4.0),
+        "reaches_the_course": ("graded", 2.0, 4.0),
+        "outlives": ("graded", 2.0, 4.0),
+        "spoofs_provenance": ("graded", 1.0, 4.0),
+        "detects_grading": ("graded", 1.0, 4.0),
         "corrupt": ("failed", 0.0, 4.0),
         "missing": ("failed", 0.0, 4.0),
     }, scores
@@ -123,13 +156,45 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
     assert re.fullmatch(r"invalid notebook JSON at byte \d+ \(line \d+, column \d+\): .+", reasons["corrupt"]), reasons["corrupt"]
     assert reasons["missing"].startswith("no notebook at ")
     assert "cell visible timed out" in reasons["looping"] and "cell hidden timed out" in reasons["looping"]
-    assert "solution cell double was not run: line 1: imports os" in reasons["exits"]
-    assert reasons["crashes"] == "kernel died in cell double"
+    assert reasons["exits"] == "the sandbox died in cell double"
+    assert reasons["crashes"] == "the sandbox died in cell double"
     assert "locked cell visible was changed" in reasons["tampers"] and "locked cell hidden was deleted" in reasons["tampers"]
     assert reasons["visible_only"] == ""
+    assert "refused in visible: double returned something that is not plain data" in reasons["spoofs_provenance"] \
+        or "not plain data" in reasons["spoofs_provenance"], reasons["spoofs_provenance"]
     assert probe_batch["status"] == 2, "the exit status counts the notebooks that could not be graded"
     with open(probe_batch["out"], encoding="utf-8") as handle:
         assert handle.readline().strip() == ",".join(grader.CSV_FIELDS)
+
+
+def test_nothing_a_submission_did_outlives_its_grading_or_reaches_the_course(probe_batch):
+    """The detached processes of `outlives` (setsid, double fork) died with their sandbox: nothing of the batch
+    runs after it, and nothing wrote the marker (outside the sandbox) or the repository, then or later."""
+    import subprocess
+
+    left = max(0.0, 9.0 - probe_batch["seconds"])  # the cheats write after 6-7 s: wait past that
+    time.sleep(left)
+    running = subprocess.run(["pgrep", "-f", probe_batch["token"]], capture_output=True, text=True)
+    assert running.stdout.strip() == "", f"processes of a graded submission still run: {running.stdout}"
+    assert not probe_batch["marker"].exists(), probe_batch["marker"].read_text()
+    assert not (REPO_ROOT / "SANDBOX_ESCAPED").exists() and not (REPO_ROOT / "grades.csv").exists()
+    groups = list(Path("/sys/fs/cgroup/pids").glob("minillm-grading-*")) + list(Path("/sys/fs/cgroup").rglob("minillm-grading-*"))
+    assert not any((group / "cgroup.procs").read_text().split() for group in groups if (group / "cgroup.procs").exists())
+
+
+def test_scores_come_only_from_the_autograded_cells(probe_batch):
+    """A manual score in the gradebook that did not come from the formgrader (here written straight into the
+    kept course's gradebook, as a kernel that could reach it would have) is ignored and named."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook("sqlite:///" + str(probe_batch["course"] / "gradebook.db"), grader.COURSE_ID) as gradebook:
+        grade = gradebook.find_grade("hidden", PROBE_LAB, PROBE_LAB, "untouched")
+        assert grade.manual_score is None, "a manual score in a fresh gradebook"
+        grade.manual_score = 2.0
+        gradebook.db.commit()
+        score, max_score, manual_max, notes = grader._scores(gradebook, PROBE_LAB, "untouched", {})
+    assert (score, max_score, manual_max) == (1.0, 4.0, 0.0)
+    assert notes == ["ignored a manual score on hidden that did not come from the formgrader"]
 
 
 def test_the_batch_keeps_each_log_and_writes_feedback_without_hidden_tests(probe_batch):
@@ -145,7 +210,7 @@ def test_the_batch_keeps_each_log_and_writes_feedback_without_hidden_tests(probe
     nbgrader_log = (logs / "solved" / f"{PROBE_LAB}.log").read_text(encoding="utf-8")
     assert "AutogradeApp" in nbgrader_log and "checksum" not in nbgrader_log, "an untouched test cell logged a checksum change"
     crashed = (root / "feedback" / "crashes" / PROBE_LAB / f"{PROBE_LAB}.html").read_text(encoding="utf-8")
-    assert "kernel died in cell double" in crashed
+    assert "the sandbox died in cell double" in crashed
 
 
 # --- lab 00: partial work, a crash in one exercise ------------------------------------------------
@@ -184,11 +249,11 @@ def test_half_solved_lab_earns_exactly_its_points(lab00_batch):
 
 
 def test_a_kernel_death_costs_only_its_exercise(lab00_batch):
-    """The kernel dies in the first exercise; a fresh one replays the cells before it, and the
-    two later exercises still earn their points."""
+    """The sandbox dies in the first exercise; a fresh one replays the cells before it, and the
+    later exercises still earn their points."""
     row = lab00_batch["crash_first"]
     assert (row["status"], row["score"], row["max_score"]) == ("graded", 7.0, 9.0), row
-    assert row["reason"] == "kernel died in cell count_tokens"
+    assert row["reason"] == "the sandbox died in cell count_tokens"
     assert set(row["failures"]) == {"test_count_tokens", "test_count_tokens_engine"}
 
 
@@ -203,4 +268,5 @@ def test_a_looping_exercise_costs_only_its_tests(tmp_path):
     assert (row["status"], row["score"], row["max_score"]) == ("graded", 5.0, 9.0), row
     assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more", "test_measure_rates"}
     # a plain cell that calls it later times out too (it is named by position)
-    assert "cell test_tokens_per_second timed out; cell test_tokens_per_second_more timed out" in row["reason"]
+    assert ("cell test_tokens_per_second timed out in the sandbox; cell test_tokens_per_second_more timed out in the sandbox"
+            in row["reason"]), row["reason"]

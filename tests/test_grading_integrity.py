@@ -1,192 +1,438 @@
-"""The grader's defences, without running a notebook: the screen of solution cells, the runtime
-guard in an IPython shell, the graded copy built from a submission, the feedback page.
+"""The grader's defences, without a whole notebook: the data-only channel, the sandbox's walls, the
+references stubbed in it, the proxies the tests see, the similarity report, the graded copy, the feedback.
 
-The round trips that execute real submissions live in tests/test_grading.py and tests/test_course.py.
+The round trips that grade real submissions (the probe batch with every class of cheat, lab 00, each lab's
+solution and cheating copy) live in tests/test_grading.py and tests/test_course.py.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
-from lab_utils import cheating_copy
+import cheats
 
-from grading import build, feedback, grader, screen
+from grading import build, feedback, grader, references, remote, sandbox, similarity, wire
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LABS = build.discover_labs()
 
-# Every cheat of the class: code that changes how later cells run or what the checks see.
-CHEATS = {
-    "input transformer": "ip = get_ipython()\nip.input_transformers_post.append(lambda lines: ['try:\\n'] + lines)",
-    "ast transformer": "get_ipython().ast_transformers.append(object())",
-    "patched helper": "lab02.check_in_engine = lambda *a, **k: None",
-    "patched helper via setattr": "setattr(lab02, 'check_in_engine', print)",
-    "patched check function": "torch.allclose = lambda *a, **k: True",
-    "patched math": "math.isclose = lambda *a, **k: True",
-    "tracer": "import sys\nsys.settrace(lambda *a: None)",
-    "tracer from a function": "def double(x):\n    import sys\n    sys.settrace(None)\n    return 2 * x",
-    "patched builtin": "import builtins\nbuiltins.isinstance = lambda *a: True",
-    "rebound builtin": "def isinstance(*args):\n    return True",
-    "rebound exception": "AssertionError = Exception",
-    "dunder route": "().__class__.__base__.__subclasses__()",
-    "globals route": "globals()['lab02'] = None",
-    "exec route": "exec('import sys')",
-    "import route": "__import__('sys').settrace(None)",
-    "importlib": "import importlib\nimportlib.import_module('sys')",
-    "kernel exit": "import os\nos._exit(0)",
-    "environment": "import os\nos.environ['MINILLM_QUICK'] = '0'",
-    "object equal to anything": "class Yes:\n    def __eq__(self, other):\n        return True\nanswer = Yes()",
-    "float that lies": "class Liar(float):\n    def __float__(self):\n        return 1.0",
-    "shadowed test input": "llm = None",
-    "shadowed module": "torch = None",
-    "global rebinding": "def f():\n    global llm\n    llm = None",
-    "magic": "%time 1",
-    "shell escape": "!rm -rf /",
-    "custom exception handler": "get_ipython().set_custom_exc((Exception,), lambda *a, **k: None)",
-    "torch function mode": "import torch.overrides\nclass M(torch.overrides.TorchFunctionMode):\n    pass",
-    "open a file": "open('grades.csv', 'w')",
-    "module dict write": "lab02.__dict__['check_in_engine'] = print",
-    "metaclass": "class A(metaclass=type):\n    pass",
-    "patched test input": "llm.tokenizer.encode = lambda text: [0]",
-    "rewritten measurement": "decode['ttft_s'] = 0.0",
-    "patched test input from a function": "def double(x):\n    llm.tokenizer = None\n    return 2 * x",
-    "the grader's guard": "from grading import guard\nguard.verify(None)",
-    "the grader's guard by its path": "import grading.guard as g",
+
+# --- the channel: data only ----------------------------------------------------------------------
+
+
+def _round_trip(value):
+    encoded, blobs = wire.Encoder().encode(value)
+    return wire.Decoder().decode(json.loads(json.dumps(encoded)), blobs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                                   torch.int32, torch.int64, torch.bool])
+def test_tensors_cross_bit_for_bit(dtype):
+    tensor = (torch.randn(3, 5, 7) * 100).to(dtype)
+    back = _round_trip({"t": tensor, "view": tensor[:, 1:, ::2]})
+    assert back["t"].dtype == dtype and torch.equal(back["t"], tensor)
+    assert torch.equal(back["view"], tensor[:, 1:, ::2]) and back["view"].is_contiguous()
+
+
+def test_plain_data_crosses_as_itself():
+    from minillm import SamplingParams
+    from minillm.fleet.simulate import FleetState
+
+    value = [None, True, 3, -2 ** 70, 1.5, math.inf, "é", b"\x00\xff", (1, (2,)), {1: "a", (2, 3): [4]}, {5, 6},
+             frozenset({7}), slice(1, None, 2), Ellipsis, 2 + 3j, torch.float16, torch.device("cpu"), torch.Size([2, 3]),
+             SamplingParams(max_tokens=3, temperature=0.5), FleetState(1.0, 1, 0, (1,), 0, 1, 1, 2, ())]
+    back = _round_trip(value)
+    assert back == value and type(back[8]) is tuple and type(back[12]) is slice
+    assert math.isnan(_round_trip(float("nan")))
+    generator = torch.Generator().manual_seed(5)
+    assert torch.equal(_round_trip(generator).get_state(), generator.get_state())
+
+
+class _Anything:
+    def __eq__(self, other):
+        return True
+
+
+@pytest.mark.parametrize("value", [_Anything(), object(), math, lambda x: x, type("Claims", (float,), {"__module__": "torch"})(1.0),
+                                   torch.nn.Linear(2, 2), iter([1])])
+def test_what_is_not_data_is_refused(value):
+    with pytest.raises(wire.NotData, match="not plain data"):
+        wire.Encoder().encode([1, {"x": value}])
+
+
+def test_a_dataclass_not_listed_does_not_cross_and_malformed_frames_are_refused():
+    with pytest.raises(wire.NotData, match="not one of the classes"):
+        wire.Decoder().decode({"$dataclass": "os:system", "fields": {}}, [])
+    with pytest.raises(wire.NotData, match="missing bytes"):
+        wire.Decoder().decode({"$tensor": 3, "dtype": "float32", "shape": [1]}, [])
+    with pytest.raises(wire.NotData, match="unknown tensor dtype"):
+        wire.Decoder().decode({"$tensor": 0, "dtype": "object", "shape": [1]}, [b"1234"])
+    import os
+
+    r, w = os.pipe()
+    os.write(w, (100).to_bytes(8, "big") + (200).to_bytes(4, "big"))
+    with pytest.raises(wire.NotData, match="over the channel"):
+        wire.read_frame(r)
+    os.close(r)
+    os.close(w)
+
+
+# --- the sandbox -------------------------------------------------------------------------------------
+
+PROBE_REFERENCES = {"attend": ["minillm.lab.lab02:reference_attend", "minillm.layers.attention:TorchAttentionBackend",
+                               "aten::scaled_dot_product_attention", "torch._decomp.decompositions:scaled_dot_product_flash_attention_for_cpu"]}
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return references.prepare("lab 02", PROBE_REFERENCES, tmp_path_factory.mktemp("library"))
+
+
+def _session(tmp_path, library, unsafe=False, env=None, **extra):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    from minillm.config import cache_root
+
+    spec = {"scratch": str(scratch), "runner_dir": str(library.runner_dir), "package_binds": library.package_binds,
+            "bans": library.bans, "env": {"OMP_NUM_THREADS": "1", **(env or {})}, "cache_root": str(cache_root()),
+            "log": str(tmp_path / "sandbox.log"), "report": str(tmp_path / "events.jsonl"), "cell_timeout_s": 20,
+            "call_timeout_s": 20, "unsafe": unsafe, "python": sys.executable, "limits": vars(sandbox.Limits(**extra))}
+    return remote.Session(spec)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, library):
+    if not sandbox.status().available:
+        pytest.fail(f"make test needs the sandbox: {sandbox.status().reason}")
+    session = _session(tmp_path_factory.mktemp("session"), library)
+    remote._SESSION = session
+    yield session
+    session.close()
+    remote._SESSION = None
+
+
+def _run(session, source: str) -> dict:
+    reply = session.run("cell", source)
+    return reply
+
+
+def _value(session, source: str, name: str = "result"):
+    reply = _run(session, source)
+    assert reply.get("error") is None, reply["error"]
+    return session.get([name])[name]
+
+
+def test_the_sandbox_sees_no_course_no_repository_and_no_network(session, tmp_path):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        found = _value(session, f"""
+import os, socket
+def tries(fn):
+    try:
+        fn()
+        return True
+    except Exception:
+        return False
+result = {{
+    "repo": tries(lambda: os.listdir({str(REPO_ROOT)!r} + "/grading")),
+    "masters": tries(lambda: open({str(REPO_ROOT / "grading" / "source" / "02_kv_cache" / "02_kv_cache.ipynb")!r})),
+    "host tmp": tries(lambda: os.listdir({str(tmp_path)!r})),
+    "grader's port": tries(lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2)),
+    "dns": tries(lambda: socket.getaddrinfo("pypi.org", 443)),
+    "write the venv": tries(lambda: open({sys.prefix!r} + "/pwned", "w")),
+    "write the model": tries(lambda: open(os.environ["MINILLM_CACHE"] + "/models/pwned", "w")),
+    "C kernels source": tries(lambda: open(os.path.dirname(__import__("minillm").__file__) + "/kernels/cpu_kernels.c")),
+    "own scratch": tries(lambda: open("scratch.txt", "w").write("mine")),
+    "model": tries(lambda: os.listdir(os.environ["MINILLM_CACHE"] + "/models")),
+    "pid 1": open("/proc/1/cmdline").read().split(chr(0))[0],
+}}
+""")
+    finally:
+        server.close()
+    assert found.pop("own scratch") and found.pop("model"), found
+    assert "bwrap" in found.pop("pid 1") and not any(found.values()), found
+
+
+def test_the_sandbox_dies_whole_and_keeps_to_its_process_limit(tmp_path, library):
+    token = f"minillm-sandbox-{uuid.uuid4().hex}"
+    session = _session(tmp_path, library, processes=64)
+    try:
+        reply = _run(session, f"""
+import os, subprocess
+subprocess.Popen(["setsid", "sh", "-c", "sleep 60 # {token}"], start_new_session=True)
+children = 0
+try:
+    for _ in range(200):
+        if os.fork() == 0:
+            import time; time.sleep(60); os._exit(0)
+        children += 1
+except OSError:
+    pass
+result = children
+""")
+        assert reply.get("error") is None, reply
+        children = session.get(["result"])["result"]
+        assert children < 64, f"{children} processes forked past a limit of 64"
+        assert subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0, "the detached child never ran"
+    finally:
+        session.close()
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 1, "a detached process outlived its sandbox"
+
+
+def test_the_references_are_stubbed_in_the_sandbox_and_not_outside(session):
+    found = _value(session, """
+import torch, importlib, inspect
+import torch.nn.functional as F
+from minillm.lab import lab02
+from minillm.layers.attention import TorchAttentionBackend
+q = torch.randn(1, 2, 3, 4)
+def tries(fn):
+    try:
+        fn()
+        return "ran"
+    except Exception as error:
+        return type(error).__name__ + ": " + str(error)
+tries(lambda: importlib.reload(F))   # a fresh copy of the module reaches the same refused operator
+result = {
+    "helper": tries(lambda: lab02.reference_attend(q[0], q[0, :1], q[0, :1], 0.5, 0)),
+    "engine": tries(lambda: TorchAttentionBackend().attend(q[0], q[0, :1], q[0, :1], 0.5, 0)),
+    "sdpa": tries(lambda: F.scaled_dot_product_attention(q, q, q)),
+    "C route": tries(lambda: torch._C._nn.scaled_dot_product_attention(q, q, q)),
+    "ops route": tries(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)),
+    "math route": tries(lambda: torch.ops.aten._scaled_dot_product_attention_math(q, q, q)),
+    "decomposition": tries(lambda: __import__("torch._decomp.decompositions", fromlist=["x"]).scaled_dot_product_flash_attention_for_cpu(q, q, q)),
+    "source": inspect.getsource(lab02.reference_attend),
+    "other helpers": tries(lambda: lab02.users_that_fit("Llama-2-7B (MHA, 32 KV heads)", 4000, 2, 80e9)),
 }
-PROTECTED = {"llm", "torch", "math", "lab02", "np", "decode"}
-MODULES = {"torch", "math", "lab02", "np"}
+""")
+    for route in ("helper", "engine", "sdpa", "C route", "ops route", "math route", "decomposition"):
+        assert found[route].startswith("ReferenceUnavailable: ") and "lab 02" in found[route] and "attend" in found[route], \
+            (route, found[route])
+    assert "scaled_dot_product_attention" not in found["source"] and "refuse" in found["source"]
+    assert found["other helpers"] == "ran"
+    from minillm.lab import lab02  # the grader keeps the real ones
+
+    q = torch.randn(2, 2, 4)
+    assert lab02.reference_attend(q, q[:1], q[:1], 0.5, 0).shape == (2, 2, 4)
 
 
-@pytest.mark.parametrize("name", sorted(CHEATS))
-def test_screen_refuses_every_cheat_of_the_class(name):
-    findings = screen.screen_source(CHEATS[name], PROTECTED, MODULES)
-    assert findings, f"the screen let {name!r} through:\n{CHEATS[name]}"
-    assert all(str(finding) for finding in findings)
+def test_undoing_an_operator_ban_gets_no_implementation_back(session):
+    reply = _run(session, """
+import torch
+q = torch.randn(1, 2, 3, 4)
+lib = torch.library.Library("aten", "IMPL")
+torch.library._impls.clear()
+lib.impl("_scaled_dot_product_flash_attention_for_cpu", lambda *a, **k: (q, q), "CPU")
+result = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[0] is q   # their own, not attention
+try:
+    torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    result = "the attention came back"
+except Exception as error:
+    pass
+""")
+    assert reply.get("error") is None, reply["error"]
+    assert session.get(["result"])["result"] is True
 
 
-@pytest.mark.parametrize("lab", LABS)
-def test_screen_passes_every_committed_solution(lab):
-    """The screen is strict, but not against the solutions learners are shown."""
-    protected, modules = grader.protected_names(build.read_master(lab))
-    solution = nbformat.read(REPO_ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
-    for cell in solution.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and meta.get("solution"):
-            assert screen.screen_source(cell.source, protected, modules) == [], meta["grade_id"]
+def test_the_learner_objects_reach_the_grader_only_as_data(session):
+    reply = _run(session, """
+import torch
+class Yes:
+    def __eq__(self, other):
+        return True
+    def __bool__(self):
+        return True
+    def twice(self, x):
+        return 2 * x
+def liar():
+    return Yes()
+def grow(table, n):
+    table.extend(range(n))
+    return table
+def scale_(t):
+    t.mul_(2)
+def module():
+    return torch
+def calls_back(clock, tokenizer):
+    return [clock(), clock(), tokenizer.encode("hi"), hasattr(tokenizer, "save_pretrained")]
+""")
+    assert reply.get("error") is None, reply["error"]
+    names = session.get(["liar", "grow", "scale_", "module", "calls_back", "Yes"])
+    yes = names["liar"]()
+    assert isinstance(yes, remote.RemoteObject) and yes != 5 and not (yes == 5) and yes.twice(21) == 42
+    table = [7]
+    assert names["grow"](table, 2) is table and table == [7, 0, 1]
+    t = torch.ones(3)
+    assert names["scale_"](t) is None and torch.equal(t, torch.full((3,), 2.0))
+    with pytest.raises(wire.NotData, match="not plain data"):
+        names["module"]()
+    ticks = iter([1.0, 3.5])
+    from transformers import AutoTokenizer
+    from minillm import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path(progress=False))
+    got = names["calls_back"](lambda: next(ticks), tokenizer)
+    assert got == [1.0, 3.5, tokenizer.encode("hi"), False]
 
 
-def test_screen_allows_ordinary_solution_code():
-    source = (
-        "import torch\nimport triton\nimport triton.language as tl\nfrom dataclasses import dataclass\n"
-        "@dataclass\nclass Block:\n    size: int\n    def __post_init__(self):\n        assert self.size > 0\n"
-        "class Cache:\n    def __init__(self, n):\n        super().__init__()\n        self.slots = list(range(n))\n"
-        "    @property\n    def free(self):\n        return len(self.slots)\n"
-        "def attend(q, k, v, scale):\n    w = torch.softmax((q @ k.T) * scale, dim=-1)\n    return w @ v\n"
-        "llama_tokens_per_s = 3.35e12 / (6.74e9 * 2)\nresult = [x * 2 for x in range(4)]\n"
-    )
-    assert screen.screen_source(source, PROTECTED, MODULES) == []
+def test_a_learner_cell_that_loops_or_dies_costs_its_own_cell(tmp_path, library):
+    session = _session(tmp_path, library)
+    session.cell_timeout_s = session.call_timeout_s = 3
+    try:
+        assert session.run("first", "x = 41\ndef spin():\n    while True:\n        pass").get("error") is None
+        with pytest.raises(remote.SandboxError, match="longer than 3 s"):
+            session.get(["spin"])["spin"]()
+        assert session.get(["x"])["x"] == 41, "the cells before were replayed"
+        with pytest.raises(remote.SandboxError, match="died"):
+            session.run("second", "import os\nos._exit(3)")
+        assert session.get(["x"])["x"] == 41
+    finally:
+        session.close()
 
 
-def test_screen_lets_a_local_name_shadow_a_lab_name_inside_a_function():
-    assert screen.screen_source("def f(llm):\n    llm = llm + 1\n    return llm", PROTECTED, MODULES) == []
-    assert screen.screen_source("def f(decode):\n    decode['x'] = 1\n    out = {}\n    out['y'] = 2\n    return decode",
-                                PROTECTED, MODULES) == []
-    assert screen.screen_source("llm = 1", PROTECTED, MODULES)
+def test_without_a_sandbox_autograde_refuses_unless_told(monkeypatch, tmp_path):
+    monkeypatch.setattr(sandbox, "status", lambda: sandbox.Status(False, "bubblewrap is not installed: install it", ""))
+    with pytest.raises(sandbox.SandboxUnavailable, match="bubblewrap is not installed"):
+        grader.autograde({"ada": {"00_setup": tmp_path / "nb.ipynb"}})
+    script = REPO_ROOT / "grading" / "autograde.py"
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("autograde_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "ada" / "00_setup").mkdir(parents=True)
+    (tmp_path / "ada" / "00_setup" / "00_setup.ipynb").write_text("{}")
+    assert module.main([str(tmp_path), "--out", str(tmp_path / "g.csv")]) == 2
+    assert module.main(["--check-sandbox"]) == 2
 
 
-def test_screen_leaves_syntax_errors_to_python():
-    assert screen.screen_source("def f(:\n  pass", PROTECTED, MODULES) == []
+def test_the_cheats_work_where_nothing_contains_them(tmp_path):
+    """The control: outside a sandbox the same attempts do what they aim at (so the grading tests that see
+    them change nothing are not passing by accident)."""
+    marker, token = tmp_path / "marker", f"minillm-control-{uuid.uuid4().hex}"
+    course = tmp_path / "course"
+    course.mkdir()
+    import sqlite3
 
-
-# --- the runtime guard, in a real IPython shell -------------------------------------------------
-
-
-@pytest.fixture
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    from grading import guard
-
-    ip = InteractiveShell.instance()
-    guard._GUARD = None
-    ip.run_cell("import grading.guard as _minillm_guard; _minillm_guard.install(get_ipython())")
-    yield ip
-    for event in ("pre_run_cell", "post_run_cell"):
-        for callback in list(ip.events.callbacks[event]):
-            if getattr(callback, "__self__", None) is guard._GUARD:
-                ip.events.unregister(event, callback)
-    guard._GUARD = None
-    ip.input_transformers_post.clear()
-    ip.ast_transformers.clear()
-
-
-def _test_cell(ip, body: str, name: str = "test_x"):
-    return ip.run_cell(f"import grading.guard as _minillm_guard; _minillm_guard.verify({name!r})\n{body}")
-
-
-def test_graded_kernel_finds_the_guard_from_the_course_folder(tmp_path):
-    """The graded kernel runs in a throwaway course folder, and grading/ is no part of minillm: the
-    grader's environment makes `grading.guard` importable there (its first cell imports it)."""
-    import subprocess
-    import sys
-
-    env = grader._kernel_env(quick=True)
-    source = grader.GUARD_SOURCE.split("\n")[0] + "; print(_minillm_guard.__file__)"
-    done = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, env=env, capture_output=True, text=True)
+    db = sqlite3.connect(course / "gradebook.db")
+    db.execute("CREATE TABLE grade (manual_score REAL)")
+    db.execute("INSERT INTO grade VALUES (NULL)")
+    db.commit()
+    code = "\n".join([cheats.reaching_the_course("02_kv_cache", course, marker), cheats.outliving(token, tmp_path / "later", 1)])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()) == REPO_ROOT / "grading" / "guard.py"
+    assert marker.read_text() in ("imported the grader", "wrote the gradebook") or marker.read_text().startswith("read ")
+    assert db.execute("SELECT manual_score FROM grade").fetchone() == (100.0,)
+    time.sleep(3)
+    assert (tmp_path / "later").is_file(), "the detached child never wrote"
 
 
-def test_guard_passes_an_honest_run(shell):
-    assert shell.run_cell("import math\nfrom minillm.lab import common\nx = math.sqrt(4)").success
-    result = _test_cell(shell, "assert x == 2")
-    assert result.success, result.error_in_exec
+ADD_KERNEL = '''import triton
+import triton.language as tl
+import torch
+SCALE = 2.0
 
 
-@pytest.mark.parametrize(
-    "cheat, what",
-    [
-        ("get_ipython().input_transformers_post.append(lambda lines: ['try:\\n'] + ['    ' + l for l in lines] + "
-         "['\\nexcept BaseException:\\n    pass\\n'])", "input_transformers_post"),
-        ("import sys\ndef skip(frame, event, arg):\n    return None\nsys.settrace(skip)", "trace"),
-        ("import builtins\nbuiltins.isinstance = lambda *a: True", "isinstance"),
-        ("from minillm.lab import common\ncommon.format_si = lambda *a, **k: 'ok'", "format_si"),
-        ("import math\nmath.isclose = lambda *a, **k: True", "math.isclose"),
-        ("get_ipython().set_custom_exc((Exception,), lambda *a, **k: None)", "custom exception"),
-    ],
-)
-def test_guard_restores_and_fails_every_later_test(shell, cheat, what):
-    import math
-
-    from minillm.lab import common
-
-    isclose, format_si = math.isclose, common.format_si
-    assert shell.run_cell(cheat).success
-    result = _test_cell(shell, "assert 1 == 2")
-    assert not result.success
-    assert type(result.error_in_exec).__name__ == "GradingIntegrityError", result.error_in_exec
-    assert what in str(result.error_in_exec) or what in str(_guard_records())
-    assert math.isclose is isclose and common.format_si is format_si
-    assert not shell.input_transformers_post and shell.custom_exceptions == ()
-    import sys
-
-    assert sys.gettrace() is None or "coverage" in type(sys.gettrace()).__module__
+@triton.jit
+def add_kernel(out_ptr, x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, SCALE * (tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask)),
+             mask=mask)
 
 
-def _guard_records():
-    from grading import guard
+def launcher_the_student_rewrote(x, y):
+    return torch.zeros_like(x)
+'''
 
-    return guard._GUARD.violations
+
+def test_a_kernel_runs_alone_from_its_source_and_nothing_else_of_the_cell(tmp_path, library):
+    from grading import kernels
+
+    found = kernels.extract(ADD_KERNEL, ["add_kernel"])
+    assert found.problems == [] and found.names == ["add_kernel"] and "launcher_the_student_rewrote" not in found.source
+    assert "import torch" not in found.source.split("def _minillm_launch")[0]
+    cheats_in_the_body = ADD_KERNEL.replace("mask = offsets < n", "mask = offsets < n\n    import os\n    z = torch.softmax(x_ptr, 0).__class__")
+    problems = kernels.extract(cheats_in_the_body, ["add_kernel"]).problems
+    assert any("import" in p for p in problems) and any("torch" in p for p in problems) and any("__class__" in p for p in problems)
+    assert kernels.extract("x = 1", ["add_kernel"]).problems == ["the cell defines no @triton.jit add_kernel"]
+    session = _session(tmp_path, library, env={"TRITON_INTERPRET": "1"})
+    try:
+        assert session.run("kernel", found.source).get("error") is None
+        kernel = remote.RemoteKernel(session, "add_kernel", "")
+        x, y, out = torch.arange(10.0), torch.ones(10), torch.full((10,), float("nan"))
+        kernel[(3,)](out, x, y, 10, BLOCK=4)
+        assert torch.equal(out, 2 * (x + y)), out
+        kernel[lambda meta: (triton_cdiv(10, meta["BLOCK"]),)](out.zero_(), y, y, 10, BLOCK=8)   # a grid from the grader
+        assert torch.equal(out, torch.full((10,), 4.0))
+    finally:
+        session.close()
 
 
-def test_guard_names_a_change_made_while_a_test_cell_ran(shell):
-    shell.run_cell("def sneaky():\n    import math\n    math.pi = 3\n    return True")
-    _test_cell(shell, "assert sneaky()", name="test_sneaky")
-    records = _guard_records()
-    assert {"when": "while a cell ran", "cell": "test_sneaky", "changes": ["math.pi"]} in records
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+# --- similarity ---------------------------------------------------------------------------------------
+
+ATTEND = '''def attend_with_cache(q, k, v, scale, num_cached):
+    num_q, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = (q.transpose(0, 1) @ k.transpose(1, 2)) * scale
+    q_pos = num_cached + torch.arange(num_q).unsqueeze(1)
+    k_pos = torch.arange(k.shape[1]).unsqueeze(0)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+'''
+RENAMED = ATTEND.replace("scores", "s").replace("q_pos", "rows").replace("group", "g") + "# my own work\n"
+DIFFERENT = '''def attend_with_cache(q, k, v, scale, num_cached):
+    out = []
+    for i in range(q.shape[0]):
+        keys = k.repeat_interleave(q.shape[1] // k.shape[0], 0)[:, :num_cached + i + 1]
+        vals = v.repeat_interleave(q.shape[1] // k.shape[0], 0)[:, :num_cached + i + 1]
+        weights = torch.einsum("hd,hkd->hk", q[i], keys).mul(scale).softmax(-1)
+        out.append(torch.einsum("hk,hkd->hd", weights, vals))
+    return torch.stack(out)
+'''
+
+
+def test_similarity_flags_copies_not_independent_work():
+    reference = ("minillm.lab.lab02.reference_attend", ATTEND.replace("attend_with_cache", "reference_attend"))
+    matches = similarity.compare({"ada": {"attend": ATTEND}, "bob": {"attend": RENAMED}, "eve": {"attend": DIFFERENT}},
+                                 {"attend": [reference]}, {}, "02_kv_cache")
+    flagged = {(m.student, m.other) for m in matches}
+    assert ("ada", "student bob") in flagged and ("bob", "student ada") in flagged
+    assert ("bob", "the reference minillm.lab.lab02.reference_attend") in flagged
+    assert not any(m.student == "eve" or m.other == "student eve" for m in matches), matches
+    short = similarity.compare({"a": {"x": "def f(a, b):\n    return 2 * a * b"}, "b": {"x": "def g(x, y):\n    return 2 * x * y"}},
+                               {}, {}, "lab")
+    assert short == [], "a short cell everyone writes alike is not flagged"
+
+
+def test_every_declared_reference_exists(tmp_path):
+    problems = [p for lab in LABS for p in references.problems(lab, build.read_master(lab))]
+    assert problems == []
+    for lab in LABS:
+        declared = references.declared(build.read_master(lab))
+        references.prepare(lab, declared, tmp_path / lab)  # every one is stubbed without error
 
 
 # --- the graded copy --------------------------------------------------------------------------
@@ -200,12 +446,12 @@ def courses(tmp_path_factory):
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_cheating_copy_grades_as_the_untouched_copy(courses, lab):
-    """Whatever the cheats, what runs is the untouched lab: extra cells dropped, every cheating
-    solution cell replaced by the stub (and named), every test from the master."""
+def test_a_cheating_copy_runs_the_masters_cells_and_its_own_solution_cells_only(courses, lab, tmp_path):
+    """Of a cheating copy, only its solution cells are its own (to run in the sandbox): extra cells are
+    dropped, every locked cell and test comes from the master, nothing is zeroed."""
     course = courses[lab]
     untouched = grader.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
-    cheat = grader.graded_copy(cheating_copy(lab), course)
+    cheat = grader.graded_copy(cheats.cheating_copy(lab, tmp_path / "marker", "token"), course)
     assert untouched.flags == [] and untouched.zeroed == {}
     assert len(cheat.notebook.cells) == len(untouched.notebook.cells)
     solution_ids = [c.metadata["nbgrader"]["grade_id"] for c in untouched.notebook.cells
@@ -213,10 +459,9 @@ def test_cheating_copy_grades_as_the_untouched_copy(courses, lab):
     assert solution_ids
     for mine, theirs in zip(cheat.notebook.cells, untouched.notebook.cells):
         if mine.source != theirs.source:
-            assert mine.source == grader.STUB and "raise NotImplementedError()" in theirs.source
-    assert sum(f.startswith("solution cell") and "not run" in f for f in cheat.flags) == len(solution_ids)
+            assert mine.metadata["nbgrader"]["solution"] and "get_ipython().run_cell(" in mine.source
     assert any("not part of the lab" in note for note in cheat.notes)
-    assert cheat.zeroed == {}
+    assert cheat.flags == [] and cheat.zeroed == {}
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -226,7 +471,7 @@ def test_graded_copy_carries_the_gradebook_source_and_checksums(courses, lab):
 
     course = courses[lab]
     copy_ = grader.graded_copy(nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4), course)
-    assert copy_.notebook.cells[0].source == grader.GUARD_SOURCE
+    assert copy_.notebook.cells[0].source == grader.START_SOURCE
     tests = [c for c in copy_.notebook.cells if grader._is_test(c)]
     assert tests and any(grader.HIDDEN_BEGIN in c.source for c in tests)
     for cell in copy_.notebook.cells:
@@ -234,7 +479,8 @@ def test_graded_copy_carries_the_gradebook_source_and_checksums(courses, lab):
         if meta.get("locked"):
             assert compute_checksum(cell) == meta["checksum"] == course.sources[meta["grade_id"]][1], meta["grade_id"]
     for cell in tests:
-        assert cell.source.startswith(f"import grading.guard as _minillm_guard; _minillm_guard.verify({cell.metadata['nbgrader']['grade_id']!r})")
+        assert cell.source.startswith("import grading.remote as _minillm_sandbox; _minillm_sandbox.refresh(globals(), "
+                                      f"{cell.metadata['nbgrader']['grade_id']!r})")
 
 
 def test_deleted_and_replaced_test_cells_are_zeroed_and_flagged(courses):
