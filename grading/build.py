@@ -422,13 +422,38 @@ def model_answer_problems(lab: str, nb) -> list[str]:
     return problems
 
 
+def grading_metadata_problems(lab: str, nb) -> list[str]:
+    """The grader's metadata in a master (grading/README.md, "What a score is worth"): each locked code
+    cell's ``runs_in``, the references each exercise rebuilds (they must exist), the kernel exercises."""
+    from grading import references
+
+    problems = []
+    for cell in nb.cells:
+        where = cell.metadata.get("minillm", {}).get("runs_in")
+        if where is not None:
+            if where not in ("both", "sandbox", "grader"):
+                problems.append(f"{lab}: cell {cell.get('id')}: runs_in={where!r}, not one of 'both', 'sandbox', 'grader'")
+            if cell.cell_type != "code" or cell.metadata.get("nbgrader", {}).get("solution") \
+                    or cell.metadata.get("nbgrader", {}).get("grade"):
+                problems.append(f"{lab}: cell {cell.get('id')}: runs_in is for locked code cells, not solution or test cells")
+    problems += references.problems(lab, nb)
+    solutions = {c.metadata.get("nbgrader", {}).get("grade_id"): c for c in nb.cells
+                 if c.metadata.get("nbgrader", {}).get("solution")}
+    for grade_id, names in nb.metadata.get("minillm", {}).get("kernels", {}).items():
+        cell = solutions.get(grade_id)
+        if cell is None or not all(f"def {name}(" in cell.source for name in names):
+            problems.append(f"{lab}: kernels: {grade_id} is no solution cell defining {names}")
+    return problems
+
+
 def check_masters(labs: list[str], source_dir: Path = SOURCE_DIR) -> None:
     """Raise ValueError listing every problem :func:`markdown_problems` and
     :func:`autograded_cell_problems` find in the masters of ``labs``."""
     problems: list[str] = []
     for lab in labs:
         nb = read_master(lab, source_dir)
-        problems += markdown_problems(lab, nb) + autograded_cell_problems(lab, nb) + model_answer_problems(lab, nb)
+        problems += (markdown_problems(lab, nb) + autograded_cell_problems(lab, nb) + model_answer_problems(lab, nb)
+                     + grading_metadata_problems(lab, nb))
     if problems:
         raise ValueError(f"{len(problems)} problem(s) in grading/source; fix the masters, then run `make labs`:\n"
                          + "\n".join(f"  {problem}" for problem in problems))

@@ -85,20 +85,24 @@ def problems(lab: str, master) -> list[str]:
     found = []
     exercises = {c.metadata.get("nbgrader", {}).get("grade_id") for c in master.cells
                  if c.metadata.get("nbgrader", {}).get("solution")}
-    for exercise, refs in declared(master).items():
-        if exercise not in exercises:
-            found.append(f"{lab}: references of {exercise!r}, which is not a solution cell")
-        for ref in refs:
-            if ref.startswith("aten::"):
-                continue
-            module, _, qualname = ref.partition(":")
-            path = _module_file(module)
-            if path is None:
-                found.append(f"{lab}: reference {ref!r}: no module {module}")
-                continue
-            if qualname != "*" and not _find(ast.parse(path.read_text(encoding="utf-8")), qualname.split(".")):
-                found.append(f"{lab}: reference {ref!r}: {module} defines no {qualname}")
+    references = declared(master)
+    found += [f"{lab}: references of {exercise!r}, which is not a solution cell" for exercise in references
+              if exercise not in exercises]
+    for _, ref, module, qualname, path in _python_references(references):
+        if path is None:
+            found.append(f"{lab}: reference {ref!r}: no module {module}")
+        elif qualname != "*" and not _find(ast.parse(path.read_text(encoding="utf-8")), qualname.split(".")):
+            found.append(f"{lab}: reference {ref!r}: {module} defines no {qualname}")
     return found
+
+
+def _python_references(references: dict[str, list[str]]):
+    """(exercise, reference, module, qualname, the module's file or None) of each Python reference."""
+    for exercise, refs in references.items():
+        for ref in refs:
+            if not ref.startswith("aten::"):
+                module, _, qualname = ref.partition(":")
+                yield exercise, ref, module, qualname, _module_file(module)
 
 
 def _module_file(module: str) -> Path | None:
@@ -213,24 +217,18 @@ def reference_sources(references: dict[str, list[str]]) -> dict[str, list[tuple[
     """``{exercise: [(reference name, its source)]}`` of the declared Python references (for the
     similarity report: a solution cell close to a reference's source is flagged)."""
     found: dict[str, list[tuple[str, str]]] = {}
-    for exercise, refs in references.items():
-        for ref in refs:
-            if ref.startswith("aten::"):
-                continue
-            module, _, qualname = ref.partition(":")
-            path = _module_file(module)
-            if path is None:
-                continue
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-            nodes = [tree] if qualname in ("", "*") else [_find(tree, qualname.split("."))]
-            for node in nodes:
-                if node is None:
-                    continue
-                functions = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else [
-                    n for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-                for function in functions:
-                    segment = ast.get_source_segment(source, function)
-                    if segment:
-                        found.setdefault(exercise, []).append((f"{module}.{function.name}", segment))
+    for exercise, _, module, qualname, path in _python_references(references):
+        if path is None:
+            continue
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        node = tree if qualname in ("", "*") else _find(tree, qualname.split("."))
+        if node is None:
+            continue
+        functions = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else [
+            n for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for function in functions:
+            segment = ast.get_source_segment(source, function)
+            if segment:
+                found.setdefault(exercise, []).append((f"{module}.{function.name}", segment))
     return found

@@ -421,7 +421,9 @@ class Session:
         raise SandboxError(f"{why}; the sandbox was restarted and the cells before this one replayed")
 
     def _flush_pushes(self) -> None:
-        while self.pushes:
+        """Send the data of the grader's cells that have finished: a call of the learner's code made while such
+        a cell still runs must not send its half-made values."""
+        while self.pushes and self.pushes[0][1] != self.current_cell:
             namespace, cell, names = self.pushes.pop(0)
             values = {name: namespace[name] for name in names if name in namespace}
             if values and not self.gone:

@@ -44,6 +44,8 @@ DATA_CLASSES = {
     "minillm.models.config:ModelConfig",
     "minillm.config:EngineConfig",
     "minillm.fleet.simulate:FleetState",
+    "minillm.bench.cost:CostRow",
+    "minillm.bench.cost:CostStage",
 }
 
 

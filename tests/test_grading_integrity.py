@@ -427,6 +427,27 @@ def test_similarity_flags_copies_not_independent_work():
     assert short == [], "a short cell everyone writes alike is not flagged"
 
 
+def test_similarity_flags_rows_from_the_graded_copies(tmp_path):
+    """What --similarity adds to the grades: the published solution copied, a reference renamed, a classmate's cell."""
+    lab = "02_kv_cache"
+    solution = nbformat.read(REPO_ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    renamed = nbformat.read(REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4)
+    for cell in renamed.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == "attend_with_cache":
+            cell.source = RENAMED
+    for student, nb in (("copies", solution), ("renames", renamed), ("twin", renamed), ("honest", nbformat.read(
+            REPO_ROOT / "labs" / f"{lab}.ipynb", as_version=4))):
+        path = tmp_path / "submitted" / student / lab / f"{lab}.ipynb"
+        path.parent.mkdir(parents=True)
+        nbformat.write(nb, path)
+    rows = [{"student": s, "lab": lab, "reason": ""} for s in ("copies", "renames", "twin", "honest")]
+    similarity.flag_rows(rows, {}, tmp_path)
+    reasons = {row["student"]: row["reason"] for row in rows}
+    assert "attend_with_cache is 100% like the published solution's" in reasons["copies"], reasons["copies"]
+    assert "attend_with_cache is 100% like student twin's" in reasons["renames"], reasons["renames"]
+    assert reasons["honest"] == "", "the untouched stubs are not compared"
+
+
 def test_every_declared_reference_exists(tmp_path):
     problems = [p for lab in LABS for p in references.problems(lab, build.read_master(lab))]
     assert problems == []
