@@ -27,7 +27,6 @@ import builtins
 import fcntl
 import inspect
 import json
-import math
 import os
 import select
 import sys
@@ -644,10 +643,8 @@ def _copy_back(args, kwargs, path: list, value, name: str) -> None:
     container = args[head] if isinstance(head, int) and head < len(args) else kwargs.get(head) if isinstance(head, str) else None
     if container is None:
         return
-    parent, key = None, None
     target = container
     for step in rest:
-        parent, key = target, step
         try:
             target = target[step]
         except (KeyError, IndexError, TypeError):

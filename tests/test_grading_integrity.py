@@ -12,7 +12,6 @@ import math
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -189,8 +188,10 @@ result = children
         children = session.get(["result"])["result"]
         assert children < 64, f"{children} processes forked past a limit of 64"
         assert subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0, "the detached child never ran"
+        groups = session.process.cgroup.paths if session.process.cgroup is not None else []
     finally:
         session.close()
+    assert not any(group.exists() for group in groups), "the sandbox's cgroup outlived it"
     time.sleep(0.5)
     assert subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 1, "a detached process outlived its sandbox"
 
