@@ -596,7 +596,10 @@ def graded_namespace(llm, llm_no_cache) -> dict:
     the measurement, a made-up kv on/off run in place of a real one."""
     from minillm import SamplingParams
 
-    seed = {"lab02": lab02, "torch": torch, "statistics": __import__("statistics"), "SamplingParams": SamplingParams,
+    from minillm.lab import common
+
+    seed = {"lab02": lab02, "common": common, "torch": torch, "statistics": __import__("statistics"),
+            "SamplingParams": SamplingParams,
             "llm": llm, "llm_no_cache": llm_no_cache, "cfg": llm.model_config, "KV_BYTES_PER_VALUE": 4,
             "CHECK_PROMPTS": lab02.DEFAULT_CHECK_PROMPTS[:2], "CHECK_TOKENS": 6, "kv_result": _fake_result()}
     return run_solution_cells(MASTER, seed)
@@ -611,7 +614,8 @@ def test_graded_check_fails_on_a_plausible_mistake(graded_namespace, grade_id, m
 
 
 def llm_backend_restored(namespace) -> bool:
-    return namespace["llm"].config.attention_backend == "torch"
+    """The check's engine (the same weights, a small KV pool) has the engine's own backend again."""
+    return lab02.common.check_engine(namespace["llm"]).config.attention_backend == "torch"
 
 
 def test_speedup_check_on_made_up_runs(passes):
