@@ -37,7 +37,8 @@ from grading import sandbox as sandbox_mod
 from grading import wire
 
 SPEC_ENV = "MINILLM_SANDBOX_SPEC_PATH"
-MAX_RESTARTS = 2
+MAX_DEATHS = 2     # a sandbox that dies (a crash, os._exit) this often more is given up: the rest is not run
+MAX_TIMEOUTS = 10  # one stopped for running too long is restarted more often (the notebook's wall limit still holds)
 
 # Exceptions of the learner's code that come back as the same builtin type (a check that expects a
 # ValueError for bad input sees one); any other comes back as LearnerError.
@@ -283,7 +284,8 @@ class Session:
         self.call_timeout_s = float(spec.get("call_timeout_s", 600))
         self.cell_timeout_s = float(spec.get("cell_timeout_s", 600))
         self.generation = 0
-        self.restarts = 0
+        self.restarts = 0                     # deaths (and interruptions) so far
+        self.timeouts = 0
         self.gone: str | None = None          # after too many restarts: why nothing runs any more
         # what to replay after a restart, in order: (cell name, request, its blobs): cells run, data pushed
         self.history: list[tuple[str, dict, list[bytes]]] = []
@@ -345,13 +347,16 @@ class Session:
             self.process.kill()
             self.process = None
 
-    def _restart(self, why: str, failed_cell: str | None) -> None:
+    def _restart(self, why: str, failed_cell: str | None, timed_out: bool = False) -> None:
         """A fresh sandbox with the state of the cells before this one (the failing cell is not replayed)."""
         self.close()
-        self.restarts += 1
+        if timed_out:
+            self.timeouts += 1
+        else:
+            self.restarts += 1
         _log_event({"event": "restart", "why": why})
-        if self.restarts > MAX_RESTARTS:
-            self.gone = f"the sandbox failed {self.restarts} times, last: {why}"
+        if self.restarts > MAX_DEATHS or self.timeouts > MAX_TIMEOUTS:
+            self.gone = f"the sandbox failed {self.restarts + self.timeouts} times, last: {why}"
             return
         if failed_cell is not None:
             self.history = [entry for entry in self.history if entry[0] != failed_cell]
@@ -415,8 +420,9 @@ class Session:
             raise
         if replay:
             raise SandboxError(why)
-        _log_event({"event": "timeout" if why.startswith("took") else "died", "why": why})
-        self._restart(why, failed)
+        timed_out = why.startswith("took")
+        _log_event({"event": "timeout" if timed_out else "died", "why": why})
+        self._restart(why, failed, timed_out)
         raise SandboxError(f"{why}; the sandbox was restarted and the cells before this one replayed")
 
     def _flush_pushes(self) -> None:

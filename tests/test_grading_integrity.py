@@ -307,6 +307,19 @@ def test_a_learner_cell_that_loops_or_dies_costs_its_own_cell(tmp_path, library)
         session.close()
 
 
+def test_the_unsafe_mode_runs_the_same_program_without_walls(tmp_path, library):
+    """--unsafe-no-sandbox: the runner as a plain process (it sees the repository), the same channel."""
+    session = _session(tmp_path, library, unsafe=True)
+    try:
+        reply = session.run("cell", f"import os\nsees_repo = os.path.isdir({str(REPO_ROOT / 'grading')!r})\n"
+                                    "def double(x):\n    return 2 * x")
+        assert reply.get("error") is None, reply
+        names = session.get(["sees_repo", "double"])
+        assert names["sees_repo"] is True and names["double"](21) == 42
+    finally:
+        session.close()
+
+
 def test_without_a_sandbox_autograde_refuses_unless_told(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "status", lambda: sandbox.Status(False, "bubblewrap is not installed: install it", ""))
     with pytest.raises(sandbox.SandboxUnavailable, match="bubblewrap is not installed"):
