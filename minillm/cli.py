@@ -9,28 +9,16 @@ import subprocess
 import sys
 import textwrap
 
+from .levers import parse_levers
+
 
 def _parse_levers(pairs: list[str]) -> dict:
-    """['kv_cache=false', 'max_num_seqs=8'] -> {'kv_cache': False, 'max_num_seqs': 8}."""
-    levers = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise SystemExit(f"--set takes NAME=VALUE, got {pair!r}")
-        name, value = pair.split("=", 1)
-        low = value.lower()
-        if low in ("true", "false"):
-            levers[name] = low == "true"
-        elif low in ("none", "null"):
-            levers[name] = None
-        else:
-            try:
-                levers[name] = int(value)
-            except ValueError:
-                try:
-                    levers[name] = float(value)
-                except ValueError:
-                    levers[name] = value
-    return levers
+    """['kv_cache=false', 'max_num_seqs=8'] -> {'kv_cache': False, 'max_num_seqs': 8} (minillm/levers.py reads each
+    value by its field's type); a bad pair stops the command with the reason."""
+    try:
+        return parse_levers(pairs)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 # ------------------------------------------------------------------ generate

@@ -42,55 +42,77 @@ MAX_TENSOR_PARALLEL = 64                 # tensor_parallel_size: ranks at most
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
 
+def lever(default, help: str):
+    """An EngineConfig field with its help text (`minillm serve --help`, `minillm ... --set`)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
     """The levers. Names are the public API: `LLM(model, **fields)`."""
 
-    model: str | None = None            # None -> the default model (SmolLM2-135M-Instruct)
-    dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"                # auto: cuda when available, else cpu
-    seed: int = 0                       # seeds requests that do not bring their own seed
+    model: str | None = lever(None,
+        "None: the default model (SmolLM2-135M-Instruct); a local directory, a hub id or 'random:<preset>'")
+    dtype: str = lever("auto", 'activation and weight dtype; auto: float32 on a CPU, bfloat16 on CUDA')
+    device: str = lever("auto", 'auto: cuda when available, else cpu')
+    seed: int = lever(0, 'seeds the requests that bring no seed of their own')
 
     # KV cache lever: False recomputes the whole prefix at every step (quadratic work).
-    kv_cache: bool = True
-    max_model_len: int | None = None    # None -> the model's max_position_embeddings
-    block_size: int = 16                # KV pool granularity, in tokens
-    kv_cache_bytes: int | None = None   # KV pool size in bytes; None -> enough for the batch, capped
-    kv_cache_memory_fraction: float | None = None  # or: this fraction of the device's free memory
-    paged: bool = True                  # True: blocks on demand (PagedAttention); False: max_model_len reserved per request
+    kv_cache: bool = lever(True,
+        'keep K/V between steps; False recomputes the whole prefix at every step (quadratic work)')
+    max_model_len: int | None = lever(None, "None: the model's max_position_embeddings")
+    block_size: int = lever(16, 'KV pool granularity, in tokens')
+    kv_cache_bytes: int | None = lever(None, 'KV pool size in bytes; None: enough for the batch, capped')
+    kv_cache_memory_fraction: float | None = lever(None,
+        "or: this fraction of the device's free memory after the weights")
+    paged: bool = lever(True, 'True: KV blocks on demand (PagedAttention); False: max_model_len reserved per request')
 
     # Batching lever.
-    batching: str = "continuous"
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 8192
+    batching: str = lever("continuous",
+        'continuous: requests join and leave the running batch; static: hold the batch until its longest ends')
+    max_num_seqs: int = lever(16, 'sequences in one step at most')
+    max_num_batched_tokens: int = lever(8192, 'tokens in one step at most (prompt chunks with chunked_prefill)')
 
     # Kernels.
-    attention_backend: Any = "auto"     # "auto" | "torch" | "triton" | "cpu" | an object of an attention protocol
-                                        # (minillm/seams.py); "auto": "cpu" for fp32 on the CPU with the kernels built
-    cpu_threads: Any = "auto"           # CPU threads: "auto" = torch's, one fewer per core other processes keep busy
-                                        # (engine/thread_policy.py, re-decided each second); or a fixed count
+    attention_backend: Any = lever("auto",
+        'auto | torch | triton | cpu | an object of an attention protocol (minillm/seams.py); auto: cpu for '
+        'fp32 on a CPU with the kernels built, else torch')
+    cpu_threads: Any = lever("auto",
+        "auto: torch's threads, one fewer per core other processes keep busy (re-decided each second); or a "
+        'fixed count')
 
     # Cost model.
-    gpu_hourly_usd: float | None = None  # None -> DEFAULT_GPU_HOURLY_USD on GPU, DEFAULT_CPU_HOURLY_USD on CPU
+    gpu_hourly_usd: float | None = lever(None,
+        'USD per device hour for the cost model; None: 2.50 on a GPU, 0.08 on a CPU')
 
     # Levers of the later labs (chunked prefill, quantization, prefix caching, speculative decoding).
     # Every value listed is built; anything else is refused at construction with the allowed values.
-    chunked_prefill: bool = False
-    weight_dtype: str | None = None     # built: None (model dtype) | "int8" | "int4" | "fp8" (see minillm/quant)
-    weight_group_size: int = 128        # int4 only: input channels per scale and zero
-    weight_calibration: str | None = None  # "awq": activation-aware scales + clipping; "gptq" (int4): down_proj's input and the norm outputs Hadamard-rotated per group, AWQ scales + GPTQ, layer by layer, on 4,096 tokens of the autoround text (~2 min); "gptq-tuned" (int4): "gptq", then the group scales and zeros and the input scales tuned end to end against the int8 head (~40 min once, then cached); "autoround" (int4): down_proj's input Hadamard-rotated per group, AWQ, then learned rounding per layer, then the group scales and zeros tuned end to end, on calibration.txt + calibration_generated.txt (~60 min once, then cached); None: round-to-nearest
-    weight_head_dtype: str = "auto"     # lm_head: "auto" (int8 under int4, else weight_dtype) | "model" (model dtype) | "int8" | "int4" | "fp8"
-    kv_dtype: str | None = None         # built: None (model dtype) | "int8" | "fp8": K/V stored with a scale per token and head
-    prefix_caching: bool = False        # built: reuse the K/V of full blocks another request already computed
-    speculative: str | None = None      # built: "ngram" (prompt lookup) | "self" (early-exit draft) | "draft" (draft_model); None: off
-    num_speculative_tokens: int = 4
-    draft_model: str | None = None      # speculative="draft": a smaller model sharing the tokenizer (path, hub id or "random:<preset>")
-    draft_num_layers: int | None = None  # speculative="self": the target's first layers that draft (None: a quarter)
-    cuda_graphs: bool = False           # built: GPU decode steps replay CUDA graphs (needs attention_backend="triton")
-    enable_lora: bool = False           # built: per-request LoRA adapters (LoRARequest), batched together
-    max_loras: int = 4                  # enable_lora: adapters resident at once (slots; LRU-evicted when unused)
-    max_lora_rank: int = 16             # enable_lora: the largest adapter rank r a slot holds
-    tensor_parallel_size: int = 1       # built: shard the model over N processes (Megatron: heads, MLP, vocabulary; two all-reduces per layer) on torch.distributed, gloo on CPU / NCCL on CUDA; N must divide the query and KV head counts (SmolLM2-135M: 1 or 3)
+    chunked_prefill: bool = lever(False,
+        'split long prompts into chunks of max_num_batched_tokens, beside the running decodes')
+    weight_dtype: str | None = lever(None, 'None (the model dtype) | int8 | int4 | fp8 (minillm/quant)')
+    weight_group_size: int = lever(128, 'int4: input channels per scale and zero (32, 64 or 128)')
+    weight_calibration: str | None = lever(None,
+        "None: round-to-nearest | awq | gptq | gptq-tuned | autoround (int4, calibrated on the course's text; "
+        'see docs/PERFORMANCE.md)')
+    weight_head_dtype: str = lever("auto",
+        'lm_head: auto (int8 under int4, else weight_dtype) | model (the model dtype) | int8 | int4 | fp8')
+    kv_dtype: str | None = lever(None,
+        'None (the model dtype) | int8 | fp8: K/V stored with a scale per token and head')
+    prefix_caching: bool = lever(False, 'reuse the K/V of full blocks another request already computed')
+    speculative: str | None = lever(None,
+        'None: off | ngram (prompt lookup) | self (an early-exit draft) | draft (draft_model)')
+    num_speculative_tokens: int = lever(4, 'tokens proposed per speculative step')
+    draft_model: str | None = lever(None,
+        'speculative=draft: a smaller model sharing the tokenizer (path, hub id or random:<preset>)')
+    draft_num_layers: int | None = lever(None,
+        "speculative=self: the target's first layers that draft (None: a quarter)")
+    cuda_graphs: bool = lever(False, 'GPU decode steps replay CUDA graphs (needs attention_backend=triton)')
+    enable_lora: bool = lever(False, 'per-request LoRA adapters (LoRARequest), batched together')
+    max_loras: int = lever(4, 'enable_lora: adapters resident at once (slots, LRU-evicted when unused)')
+    max_lora_rank: int = lever(16, 'enable_lora: the largest adapter rank a slot holds')
+    tensor_parallel_size: int = lever(1,
+        'shard the model over N processes (Megatron; gloo on a CPU, NCCL on CUDA); N divides the query and KV '
+        'head counts')
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,6 +1,7 @@
 """The command line: generate streams, bench prints its table, doctor explains, model provisions."""
 
 import json
+import re
 
 import pytest
 
@@ -9,8 +10,25 @@ from minillm.cli import _parse_levers, main
 
 
 def test_parse_levers_types():
-    assert _parse_levers(["kv_cache=false", "max_num_seqs=4", "gpu_hourly_usd=2.5", "dtype=float32", "model=none"]) == {
-        "kv_cache": False, "max_num_seqs": 4, "gpu_hourly_usd": 2.5, "dtype": "float32", "model": None}
+    assert _parse_levers(["kv_cache=false", "max_num_seqs=4", "gpu_hourly_usd=2.5", "dtype=float32", "model=none",
+                          "max_model_len=32k", "cpu_threads=2", "weight_dtype=int8"]) == {
+        "kv_cache": False, "max_num_seqs": 4, "gpu_hourly_usd": 2.5, "dtype": "float32", "model": None,
+        "max_model_len": 32000, "cpu_threads": 2, "weight_dtype": "int8"}
+
+
+@pytest.mark.parametrize("pair, says", [("kv_cashe=true", "'kv_cashe' is no lever; the levers are"),
+                                        ("max_num_seqs=four", "max_num_seqs='four': expected an integer"),
+                                        ("kv_cache=maybe", "kv_cache='maybe': expected true or false"),
+                                        ("kv_cache", "--set takes NAME=VALUE")])
+def test_parse_levers_names_the_bad_pair(pair, says):
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        _parse_levers([pair])
+
+
+def test_every_lever_has_help_text():
+    from minillm import levers
+
+    assert all(levers.help_text(f.name) for f in levers.fields())
 
 
 def test_percentile_matches_numpy_linear():

@@ -750,9 +750,9 @@ AUTOSCALE_FLAGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "u
 
 def fleet_kwargs(args: argparse.Namespace) -> dict:
     """start_fleet's keyword arguments from the parsed flags; ValueError naming a bad value or a conflict."""
-    from ..cli import _parse_levers
+    from ..levers import parse_levers
 
-    levers = _parse_levers(args.set or [])
+    levers = parse_levers(args.set or [])
     if args.model is not None:
         levers["model"] = args.model
     given = {name: getattr(args, name) for name in AUTOSCALE_FLAGS if getattr(args, name) is not None}

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
-import re
 import sys
 
+from .. import levers
 from ..config import EngineConfig
 from ..sampling import MAX_LOGPROBS
 
@@ -32,59 +31,21 @@ SCHEME = ("Every EngineConfig field is a flag: max_num_seqs -> --max-num-seqs 16
 SERVER_FLAGS = ("host", "port", "served_model_name", "log_level", "lora_modules")
 
 
-def _field_comments() -> dict[str, str]:
-    """The comment beside each field in config.py, used as its --help text."""
-    try:
-        source = inspect.getsource(EngineConfig)
-    except (OSError, TypeError):
-        return {}
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^#\n]*#\s*(.*)$", source, re.M)}
-
-
-def human_readable_int(text: str) -> int:
-    """'8192', '32k' (x 1000), '32K' (x 1024), '1.5g' (x 1e9), '2G' (x 2**30): vLLM's spelling of big counts."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
-    if not match:
-        raise ValueError(text)
-    number, suffix = match.groups()
-    if not suffix:
-        return int(number)
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if "." in number:
-        raise ValueError(f"{text}: a binary suffix ({suffix} = 1024^n) takes a whole number; {number}{suffix.lower()} "
-                         "means powers of 1000")
-    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
-
-
-HUMAN_READABLE_INT_FIELDS = ("max_model_len", "max_num_batched_tokens", "kv_cache_bytes")   # '32k' as vLLM takes
-VLLM_DTYPES = {"half": "float16", "float": "float32"}   # vLLM's other --dtype spellings, same meaning
-
-
 def _converter(name: str, annotation: str):
-    """Parse a flag's text by the field's annotation ('int | None' -> int or 'none')."""
-    parts = [p.strip() for p in str(annotation).split("|")]
-    optional = "None" in parts or "Optional" in str(annotation)
-    base = next((p for p in parts if p != "None"), "str")
-    kind = {"int": int, "float": float}.get(base, str)
-    if kind is int and name in HUMAN_READABLE_INT_FIELDS:
-        kind = human_readable_int
-    elif name == "dtype":
-        kind = lambda text: VLLM_DTYPES.get(text, text)   # noqa: E731 (vLLM's 'half' / 'float')
+    """argparse's type for a lever's flag: minillm/levers.py reads the text by the field's annotation."""
+    convert = levers.converter(name, annotation)
 
-    def convert(text: str):
-        if optional and text.lower() in ("none", "null"):
-            return None
+    def flag_type(text: str):
         try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r}: expected "
-                                             f"{'an integer' if base == 'int' else 'a number'}"
-                                             f"{' (like 8192, 32k or 32K)' if name in HUMAN_READABLE_INT_FIELDS else ''}"
-                                             f"{' or none' if optional else ''}") from None
+            return convert(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"--{error}".replace(f"--{name}=", f"--{name.replace('_', '-')}=", 1)) from None
 
-    convert.__name__ = base + (" or none" if optional else "")
-    return convert
+    flag_type.__name__ = convert.__name__
+    return flag_type
+
+
+human_readable_int = levers.human_readable_int
 
 
 def engine_fields() -> list[dataclasses.Field]:
@@ -339,15 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LoRA adapters (PEFT directories) served beside the base model: a request's `model` "
                              "field selects one by NAME (implies --enable-lora)")
     engine = parser.add_argument_group("engine (every field of minillm.EngineConfig)", SCHEME)
-    comments = _field_comments()
     short_names = {"tensor_parallel_size": ["-tp"]}   # vLLM's short spelling
     for f in engine_fields():
         names = [flag_name(f.name), *short_names.get(f.name, [])]
-        help_text = comments.get(f.name, "")
+        help_text = levers.help_text(f.name)
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{help_text} (default: {default!r})" if help_text else f"(default: {default!r})"
-        if f.name == "model":
-            help_text = "HF directory, hub id or random:<preset>; " + help_text
         if f.type in (bool, "bool"):
             engine.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
