@@ -54,6 +54,8 @@ SOLUTION_MARKERS = ("BEGIN SOLUTION", "END SOLUTION")
 MODEL_ANSWER_MARKERS = ("BEGIN MODEL ANSWER", "END MODEL ANSWER")
 MODEL_ANSWER_STUB = "YOUR ANSWER HERE"
 REMOVED_REGIONS = (("BEGIN HIDDEN TESTS", "END HIDDEN TESTS"), ("BEGIN MARK SCHEME", "END MARK SCHEME"))
+HIDDEN_BEGIN, HIDDEN_END = REMOVED_REGIONS[0]  # the hidden tests' markers, cut out of labs/ and solutions/
+COURSE_ID = "minillm"
 
 # Per-cell metadata that records a past session rather than the lab (nbconvert's ClearOutput
 # drops the first two; JupyterLab writes "execution" timings when recording them is on).
@@ -74,6 +76,34 @@ def discover_labs(source_dir: Path = SOURCE_DIR) -> list[str]:
         for entry in source_dir.iterdir()
         if LAB_NAME.fullmatch(entry.name) and (entry / f"{entry.name}.ipynb").is_file()
     )
+
+
+def hidden_line_numbers(source: str) -> set[int]:
+    """1-based numbers of the lines of a test cell's hidden-test regions, marker lines included."""
+    numbers, inside = set(), False
+    for number, line in enumerate(source.split("\n"), 1):
+        if HIDDEN_BEGIN in line:
+            inside = True
+        if inside:
+            numbers.add(number)
+        if HIDDEN_END in line:
+            inside = False
+    return numbers
+
+
+def find_submissions(submissions_dir: Path) -> dict[str, dict[str, Path]]:
+    """``SUBMISSIONS_DIR/<student_id>/<NN_topic>/<NN_topic>.ipynb`` as ``{student: {lab: path}}``
+    (also nbgrader's own submitted/ folder). A lab folder without the notebook is listed too, with
+    the missing path, so that student gets a row saying so."""
+    submissions_dir = Path(submissions_dir)
+    if not submissions_dir.is_dir():
+        raise FileNotFoundError(f"no submissions folder at {submissions_dir}")
+    found: dict[str, dict[str, Path]] = {}
+    for lab_dir in sorted(submissions_dir.glob("*/*")):
+        if not lab_dir.is_dir() or lab_dir.name.startswith(".") or lab_dir.parent.name.startswith("."):
+            continue
+        found.setdefault(lab_dir.parent.name, {})[lab_dir.name] = lab_dir / f"{lab_dir.name}.ipynb"
+    return found
 
 
 def read_master(lab: str, source_dir: Path = SOURCE_DIR) -> nbformat.NotebookNode:

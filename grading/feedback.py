@@ -17,7 +17,7 @@ from pathlib import Path
 
 import nbformat
 
-from grading.grader import hidden_line_numbers
+from grading.build import COURSE_ID, hidden_line_numbers
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 CELL_LINE = re.compile(r"(?:Cell In\s*\[\d*\]|<ipython-input-[^>]*>|/tmp/ipykernel_\d+/\d+\.py)\D{0,12}?(\d+)")
@@ -64,8 +64,6 @@ def render(row: dict, cells: list[dict]) -> str:
 def cell_results(row: dict, course_root: Path, lab_course) -> list[dict]:
     """Per graded cell of a graded row: points from the gradebook, the visible result."""
     from nbgrader.api import Gradebook, MissingEntry
-
-    from grading.grader import COURSE_ID
 
     lab, student = row["lab"], row["student"]
     autograded = course_root / "autograded" / student / lab / f"{lab}.ipynb"

@@ -47,18 +47,17 @@ from pathlib import Path
 import nbformat
 
 from grading import references, sandbox
-from grading.build import (GRADING_DIR, REMOVED_REGIONS, REPO_ROOT, SOURCE_DIR, discover_labs, dumps, generate_assignments,
-                           make_course, read_master, without_model_answers)
+from grading.build import (COURSE_ID, GRADING_DIR, HIDDEN_BEGIN, HIDDEN_END, REPO_ROOT, SOURCE_DIR,  # noqa: F401
+                           discover_labs, dumps, find_submissions, generate_assignments, hidden_line_numbers, make_course,
+                           read_master, without_model_answers)
 from grading.execute import EXECUTED_ENV, START_SOURCE
 
 STUDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
-COURSE_ID = "minillm"
 # The interpreter that runs nbgrader also runs the kernel ("python3" kernelspec -> sys.executable).
 PYTHON = sys.executable
 
 SANDBOX_CELL_ID = "minillm_grading_sandbox"
 STUB = "raise NotImplementedError(\"minillm grading: this solution cell was not run (the grade's reason says why)\")"
-HIDDEN_BEGIN, HIDDEN_END = REMOVED_REGIONS[0]  # the markers build.py cuts out of labs/ and solutions/
 
 # Per-cell limit and quick-mode reference per lab, measured by `python grading/autograde.py --measure`.
 QUICK_TIMES = GRADING_DIR / "quick_times.json"
@@ -254,19 +253,6 @@ class LabCourse:
             lines += [numbered[n - 1].strip() for n in sorted(hidden_line_numbers(source))
                       if numbered[n - 1].strip() and HIDDEN_BEGIN not in numbered[n - 1] and HIDDEN_END not in numbered[n - 1]]
         return lines
-
-
-def hidden_line_numbers(source: str) -> set[int]:
-    """1-based numbers of the lines of a test cell's hidden-test regions, marker lines included."""
-    numbers, inside = set(), False
-    for number, line in enumerate(source.split("\n"), 1):
-        if HIDDEN_BEGIN in line:
-            inside = True
-        if inside:
-            numbers.add(number)
-        if HIDDEN_END in line:
-            inside = False
-    return numbers
 
 
 def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE_DIR,
@@ -703,21 +689,6 @@ def _check_request(submissions: Mapping[str, Mapping[str, Path]], known_labs: li
         if not STUDENT_ID.fullmatch(student):
             raise ValueError(f"student id {student!r} must match {STUDENT_ID.pattern} (it becomes a folder name)")
     return labs
-
-
-def find_submissions(submissions_dir: Path) -> dict[str, dict[str, Path]]:
-    """``SUBMISSIONS_DIR/<student_id>/<NN_topic>/<NN_topic>.ipynb`` as ``{student: {lab: path}}``
-    (also nbgrader's own submitted/ folder). A lab folder without the notebook is listed too, with
-    the missing path, so that student gets a row saying so."""
-    submissions_dir = Path(submissions_dir)
-    if not submissions_dir.is_dir():
-        raise FileNotFoundError(f"no submissions folder at {submissions_dir}")
-    found: dict[str, dict[str, Path]] = {}
-    for lab_dir in sorted(submissions_dir.glob("*/*")):
-        if not lab_dir.is_dir() or lab_dir.name.startswith(".") or lab_dir.parent.name.startswith("."):
-            continue
-        found.setdefault(lab_dir.parent.name, {})[lab_dir.name] = lab_dir / f"{lab_dir.name}.ipynb"
-    return found
 
 
 def autograde(

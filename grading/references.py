@@ -175,7 +175,7 @@ def prepare(lab: str, references: dict[str, list[str]], out_dir: Path) -> Sandbo
     library = SandboxLibrary()
     package = Path(minillm.__file__).resolve().parent
     copy = out_dir / "minillm"
-    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "cpu_kernels.c", "*.so"))
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.c", "*.h", "*.so"))
     library.package_binds.append((str(copy), str(package)))
     by_module: dict[str, list[tuple[str, str, str]]] = {}
     for exercise, refs in references.items():

@@ -229,14 +229,14 @@ def flag_rows(rows: list[dict], courses: dict, course_root: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import nbformat
 
-    from grading import build, grader
+    from grading import build
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("submissions_dir", type=Path, help="folder of <student_id>/<NN_topic>/<NN_topic>.ipynb")
     parser.add_argument("--labs", nargs="+", metavar="NN_topic")
     parser.add_argument("--csv", type=Path, help="also write the matches to this CSV")
     args = parser.parse_args(argv)
-    submissions = grader.find_submissions(args.submissions_dir)
+    submissions = build.find_submissions(args.submissions_dir)
     labs = set(args.labs or build.discover_labs())
     matches: list[Match] = []
     for lab in sorted(labs):

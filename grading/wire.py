@@ -43,7 +43,7 @@ DATA_CLASSES = {
     "minillm.engine.metrics:SpecStats",
     "minillm.models.config:ModelConfig",
     "minillm.config:EngineConfig",
-    "minillm.fleet.simulate:FleetState",
+    "minillm.fleet.policies:FleetState",
     "minillm.bench.cost:CostRow",
     "minillm.bench.cost:CostStage",
 }

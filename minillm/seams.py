@@ -20,8 +20,9 @@ calls the methods the protocol names and nothing else: it never probes a part wi
 
 The engine's own implementations are the references: TorchAttentionBackend and
 TritonAttentionBackend (layers/attention.py), BlockManager (engine/block_manager.py),
-ContinuousBatching / StaticBatching (engine/scheduler.py), NgramProposer / SelfDraftProposer /
-DraftModelProposer and SpecVerifier (engine/speculative.py), TorchSampler (layers/sampler.py).
+ContinuousBatching / StaticBatching (engine/scheduler.py), NgramProposer (speculative/ngram.py),
+SelfDraftProposer / DraftModelProposer (speculative/draft.py) and SpecVerifier (speculative/verify.py),
+TorchSampler (layers/sampler.py).
 
 Floor 0: this module imports nothing of minillm (the annotations name types of higher floors
 as strings only).

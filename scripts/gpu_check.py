@@ -635,7 +635,9 @@ def quant_gemv_rows(args, dev, copy_bw: float) -> list[dict]:
     """Batch-1 matrix-vector time of bf16 (torch), int8, int4 (g128) and fp8 on 8B-shaped layers."""
     import torch.nn.functional as F
 
-    from minillm.kernels import quant_matmul as qm
+    from minillm.kernels.channel_matmul import (fp8_matmul, fp8_matmul_reference, fp8_supported, int8_matmul,
+                                                int8_matmul_reference)
+    from minillm.kernels.int4_matmul import int4_matmul, int4_matmul_reference
     from minillm.quant import pack_int4, quantize_fp8, quantize_int4, quantize_int8
 
     if args.dry_run:
@@ -652,18 +654,18 @@ def quant_gemv_rows(args, dev, copy_bw: float) -> list[dict]:
             formats[f"{dname} (torch F.linear)"] = ((w,), n * k * w.element_size(), lambda t: F.linear(x, t[0]),
                                                    None)
             q8, s8 = quantize_int8(w)
-            formats["int8"] = ((q8, s8), n * k + 4 * n, lambda t: qm.int8_matmul(x, *t),
-                               lambda t: qm.int8_matmul_reference(x, *t))
+            formats["int8"] = ((q8, s8), n * k + 4 * n, lambda t: int8_matmul(x, *t),
+                               lambda t: int8_matmul_reference(x, *t))
             q4, s4, z4 = quantize_int4(F.pad(w, (0, (-k) % group)), group)  # zero columns up to the group size
             t4 = (pack_int4(q4), s4.to(torch.bfloat16), z4.to(torch.bfloat16))
             del q4
             kp = k + (-k) % group
             formats[f"int4 g{group}"] = (t4, n * kp // 2 + 2 * 2 * n * (kp // group),  # + bf16 scales and zeros
-                                         lambda t: qm.int4_matmul(x, *t, group),
-                                         lambda t: qm.int4_matmul_reference(x, *t, group))
-            if qm.fp8_supported(dev):
-                formats["fp8 e4m3"] = (quantize_fp8(w), n * k + 4 * n, lambda t: qm.fp8_matmul(x, *t),
-                                       lambda t: qm.fp8_matmul_reference(x, *t))
+                                         lambda t: int4_matmul(x, *t, group),
+                                         lambda t: int4_matmul_reference(x, *t, group))
+            if fp8_supported(dev):
+                formats["fp8 e4m3"] = (quantize_fp8(w), n * k + 4 * n, lambda t: fp8_matmul(x, *t),
+                                       lambda t: fp8_matmul_reference(x, *t))
             else:
                 rows.append({"layer": label, "N x K": f"{n} x {k}", "weights": "fp8 e4m3",
                              "note": "skipped: the fp8 kernels run on sm_90+ (QuantizedLinear keeps its dequantize path)"})

@@ -254,9 +254,9 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "answer_break_even": "answer_break_even = lab06.break_even_requests()",
     },
     "07_speculative_decoding": {
-        "greedy_verify": "from minillm.spec.verify import greedy_verify",
-        "ngram_propose": "from minillm.spec.ngram import ngram_propose",
-        "rejection_sample": "from minillm.spec.verify import rejection_sample as _rs\n" + _fn(
+        "greedy_verify": "from minillm.speculative.verify import greedy_verify",
+        "ngram_propose": "from minillm.speculative.ngram import ngram_propose",
+        "rejection_sample": "from minillm.speculative.verify import rejection_sample as _rs\n" + _fn(
             "rejection_sample(proposal, draft_probs, target_probs, generator=None)",
             "return _rs(proposal, draft_probs, target_probs, generator)"),
         "measure_chi_square": _fn("chi_square_test(counts, probs)", "return lab07._ref_chi_square(counts, probs)"),

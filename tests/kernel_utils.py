@@ -56,7 +56,7 @@ def quantized_pools(k_cache, v_cache, kv_dtype, gen):
     """Quantize a NaN-poisoned fp32 pool (scattered_pool's): owned slots quantized, unowned slots random
     bytes with NaN scales (so a kernel that reads a slot it does not own returns NaN).
     Returns k_q, k_scale, v_q, v_scale (CPU)."""
-    from minillm.quant.kv import quantize_kv
+    from minillm.kernels.kv_quant import quantize_kv
 
     owned = ~k_cache[..., 0].isnan()                                    # [heads, slots]
     out = []
@@ -178,7 +178,7 @@ def case_store_kv(shape, dtype, seq_len, device, gen, kv_dtype=None):
     """37 new tokens (every 5th a padding slot of -1, written nowhere) into a pool; int8 / fp8 pools
     get codes and per-token scales."""
     from minillm.kernels.store_kv import store_kv, store_kv_reference
-    from minillm.quant.kv import KV_STORAGE
+    from minillm.kernels.kv_quant import KV_STORAGE
 
     hkv, hd = shape["num_kv_heads"], shape["head_dim"]
     num_slots, num_tokens = 32 * BLOCK_SIZE, 37
@@ -434,15 +434,16 @@ def quant_matmul_name(kind: str, group: int) -> str:
 
 def case_quant_matmul(kind: str, m: int, model: str, dtype, group: int, device) -> Compared:
     """x [m, K] (fresh, seeded by m) times the model's quantized layer: kernel vs reference."""
-    from minillm.kernels import quant_matmul as qm
+    from minillm.kernels.channel_matmul import fp8_matmul, fp8_matmul_reference, int8_matmul, int8_matmul_reference
+    from minillm.kernels.int4_matmul import int4_matmul, int4_matmul_reference
 
     tensors = quantized_weights(model, group, str(device))
     x = _draw(torch.Generator().manual_seed(50 + m), m, quant_matmul_layer(GPU_MODEL_SHAPES[model])[1],
               dtype=dtype, device=device)
     if kind == "int8":
-        return Compared(qm.int8_matmul(x, *tensors["int8"]), qm.int8_matmul_reference(x, *tensors["int8"]))
+        return Compared(int8_matmul(x, *tensors["int8"]), int8_matmul_reference(x, *tensors["int8"]))
     if kind == "int4":
-        return Compared(qm.int4_matmul(x, *tensors["int4"], group), qm.int4_matmul_reference(x, *tensors["int4"], group))
+        return Compared(int4_matmul(x, *tensors["int4"], group), int4_matmul_reference(x, *tensors["int4"], group))
     w8a8 = kind == "fp8 x fp8"
-    return Compared(qm.fp8_matmul(x, *tensors["fp8"], fp8_activations=w8a8),
-                    qm.fp8_matmul_reference(x, *tensors["fp8"], fp8_activations=w8a8))
+    return Compared(fp8_matmul(x, *tensors["fp8"], fp8_activations=w8a8),
+                    fp8_matmul_reference(x, *tensors["fp8"], fp8_activations=w8a8))

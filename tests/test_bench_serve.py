@@ -15,6 +15,7 @@ import pytest
 
 from app_thread import AppInThread
 from minillm.bench import serve as bs
+from minillm.bench import serve_dataset as sd
 
 FIRST_DELAY_S = 0.08   # server: request -> first text chunk
 GAP_S = 0.03           # server: between text chunks
@@ -175,22 +176,22 @@ def test_connection_refused_does_not_crash():
 
 
 def test_poisson_gaps_have_the_rate_as_mean():
-    gaps = bs.arrival_gaps(4001, request_rate=10.0, seed=3)
+    gaps = sd.arrival_gaps(4001, request_rate=10.0, seed=3)
     assert gaps[0] == 0.0 and all(g > 0 for g in gaps[1:])
     mean = statistics.fmean(gaps[1:])
     assert mean == pytest.approx(0.1, rel=0.05)
     assert statistics.pstdev(gaps[1:]) / mean == pytest.approx(1.0, rel=0.07)   # exponential: std == mean
-    assert gaps == bs.arrival_gaps(4001, 10.0, seed=3) and gaps != bs.arrival_gaps(4001, 10.0, seed=4)
-    assert bs.arrival_gaps(5, float("inf")) == [0.0] * 5
+    assert gaps == sd.arrival_gaps(4001, 10.0, seed=3) and gaps != sd.arrival_gaps(4001, 10.0, seed=4)
+    assert sd.arrival_gaps(5, float("inf")) == [0.0] * 5
     with pytest.raises(ValueError, match="request_rate=0"):
-        bs.arrival_gaps(5, 0)
+        sd.arrival_gaps(5, 0)
 
 
 def test_requests_are_sent_at_their_arrival_times():
     with FakeServer(first_delay_s=0.01, gap_s=0.005) as fake:
         r = bs.run_benchmark(fake.base_url, "m", num_prompts=6, request_rate=20.0, seed=1, max_tokens=2,
                              dataset=DATASET, progress=False)
-    gaps = bs.arrival_gaps(6, 20.0, seed=1)
+    gaps = sd.arrival_gaps(6, 20.0, seed=1)
     starts = [x.start_s for x in r.records]
     expected = [sum(gaps[:i + 1]) for i in range(6)]
     for got, want in zip(starts, expected):
@@ -222,30 +223,30 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 
 def test_goodput_and_percentile_parsing():
-    assert bs.parse_goodput(["ttft:200", "e2el:5000"]) == {"ttft": 200.0, "e2el": 5000.0}
-    assert bs.parse_goodput("tpot:50") == {"tpot": 50.0}
+    assert sd.parse_goodput(["ttft:200", "e2el:5000"]) == {"ttft": 200.0, "e2el": 5000.0}
+    assert sd.parse_goodput("tpot:50") == {"tpot": 50.0}
     with pytest.raises(ValueError, match="'itl' is not one of"):
-        bs.parse_goodput(["itl:5"])
+        sd.parse_goodput(["itl:5"])
     with pytest.raises(ValueError, match="ttft:-1"):
-        bs.parse_goodput({"ttft": -1})
+        sd.parse_goodput({"ttft": -1})
     with pytest.raises(ValueError, match="NAME:MILLISECONDS"):
-        bs.parse_goodput(["ttft"])
-    assert bs.parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
+        sd.parse_goodput(["ttft"])
+    assert sd.parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
     with pytest.raises(ValueError, match="101"):
-        bs.parse_percentiles("50,101")
+        sd.parse_percentiles("50,101")
 
 
 def test_shipped_dataset_is_the_generators_output():
     from importlib import resources
 
-    text = resources.files("minillm").joinpath(bs.DATASET_FILE).read_text()
+    text = resources.files("minillm").joinpath(sd.DATASET_FILE).read_text()
     records = [json.loads(line) for line in text.splitlines()]
-    assert records == bs.build_serve_dataset()
+    assert records == sd.build_serve_dataset()
     assert len(records) >= 200
     assert all(1 <= r["output_tokens"] <= 160 and r["prompt"] for r in records)
-    assert bs.load_dataset() == records
+    assert sd.load_dataset() == records
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        bs.load_dataset("nope.jsonl")
+        sd.load_dataset("nope.jsonl")
 
 
 def test_bad_arguments_are_explained():

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from minillm.bench.runner import percentile
 from minillm.cli import _parse_levers, main
+from minillm.serve.client import percentile
 
 
 def test_parse_levers_types():

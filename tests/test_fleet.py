@@ -16,8 +16,10 @@ import httpx
 import pytest
 
 from minillm import SamplingParams
-from minillm.fleet.ray_fleet import (REPLICA_HEADER, AutoscalingConfig, autoscale_demo, build_parser, fleet_kwargs,
-                                     main, replica_count_path, start_fleet)
+from minillm.fleet.autoscale_demo import autoscale_demo, replica_count_path
+from minillm.fleet.autoscaling import AutoscalingConfig
+from minillm.fleet.ray_fleet import build_parser, fleet_kwargs, main, start_fleet
+from minillm.fleet.replicas import REPLICA_HEADER
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8

@@ -79,7 +79,7 @@ def test_fp8_kv_cache_in_the_triton_kernels_needs_sm89(fake_card, capability, re
 
 @pytest.mark.parametrize("capability,on_kernels", [("8.9", False), ("9.0", True), ("10.0", True)])
 def test_fp8_weight_kernels_run_on_sm90_and_newer(fake_card, capability, on_kernels):
-    from minillm.kernels.quant_matmul import fp8_supported
+    from minillm.kernels.channel_matmul import fp8_supported
 
     fake_card(capability)
     assert fp8_supported(CUDA) is on_kernels

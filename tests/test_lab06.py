@@ -466,8 +466,9 @@ def graded_namespace(default_llm, experiments) -> dict:
     run_with_hash, the model as llm, and hash_run from two chat questions on the solution's hash_link."""
     namespace = run_solution_cells(MASTER, {"lab06": lab06, "shared": STUB_SHARED})
     namespace.update(experiments, llm=default_llm)
-    prompts = lab06.chat_prompts(default_llm, "You are a careful assistant for a lighthouse museum. Answer in one "
-                                 "short sentence, and say so when you do not know.", ["Who kept the light?", "When?"])
+    prompts = lab06.chat_prompts(default_llm, lab06.system_conversations(
+        "You are a careful assistant for a lighthouse museum. Answer in one short sentence, and say so when you do "
+        "not know.", ["Who kept the light?", "When?"]))
     namespace["hash_run"] = experiments["run_with_hash"](default_llm, namespace["hash_link"], prompts, max_tokens=1)
     return namespace
 

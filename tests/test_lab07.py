@@ -212,17 +212,17 @@ def test_toy_reproduces_three_rounds_twelve_tokens_three_passes(llm, experiments
 
 
 def test_engine_on_the_solution_and_restored_afterwards(llm, solution, experiments):
-    from minillm.engine import speculative as spec_mod
+    from minillm.speculative import ngram, verify
 
-    before = (spec_mod.ngram_propose, spec_mod.greedy_verify, spec_mod.rejection_sample)
+    before = (ngram.ngram_propose, verify.greedy_verify, verify.rejection_sample)
     result = experiments["run_plugged"](llm, solution["greedy_verify"], solution["ngram_propose"],
                                         [lab07.repeat_prompt(llm), lab07.open_prompt(llm)], k=3, max_tokens=10)
     assert result["equal"] and result["record"]["verify_calls"] > 0 and result["accepted"] > 0
     lab07.check_plugged(result)
-    assert (spec_mod.ngram_propose, spec_mod.greedy_verify, spec_mod.rejection_sample) == before
+    assert (ngram.ngram_propose, verify.greedy_verify, verify.rejection_sample) == before
     with pytest.raises(RuntimeError), lab07.plugged(verify=_no_bonus):
         raise RuntimeError("boom")
-    assert (spec_mod.ngram_propose, spec_mod.greedy_verify, spec_mod.rejection_sample) == before
+    assert (ngram.ngram_propose, verify.greedy_verify, verify.rejection_sample) == before
 
 
 def test_engine_with_a_wrong_verifier_fails_the_check(llm, solution, experiments):

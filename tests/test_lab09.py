@@ -148,7 +148,7 @@ def test_chi_square_p_value():
 
 # --------------------------------------------------------------------- the engine
 def test_engine_on_the_solution_and_on_a_wrong_function(llm, solution, experiments, capsys, process_source):
-    prompts = lab09.chat_prompts(llm)
+    prompts = lab09.chat_prompts(llm, [lab09.STORY_MESSAGES, lab09.LIST_MESSAGES])
     result = experiments["run_with_sampler"](llm, solution["process_logits"], prompts, max_tokens=6)
     assert result["greedy"]["equal"] and result["sampled"]["equal"] and result["calls"] == 2 * 2 * 6
     lab09.check_engine_run(result)
@@ -395,7 +395,7 @@ def graded_namespace(llm, experiments) -> dict:
     ns = run_solution_cells(MASTER, {"lab09": lab09, "torch": torch})
     ns.update(llm=llm, LearnerSampler=experiments["LearnerSampler"], run_with_sampler=experiments["run_with_sampler"],
               sweep=STUB_SWEEP)
-    ns["engine_run"] = ns["run_with_sampler"](llm, ns["process_logits"], lab09.chat_prompts(llm), max_tokens=6)
+    ns["engine_run"] = ns["run_with_sampler"](llm, ns["process_logits"], lab09.chat_prompts(llm, [lab09.STORY_MESSAGES, lab09.LIST_MESSAGES]), max_tokens=6)
     return ns
 
 

@@ -43,7 +43,9 @@ def tiny_llm():
 @pytest.fixture(scope="module")
 def fleet_namespace() -> dict:
     """The names the notebook's fleet cells define, in quick mode, on the example profile."""
-    from minillm.fleet.simulate import FleetConfig, RayServePolicy, daily_traffic, day_requests, simulate, simulate_day
+    from minillm.fleet.policies import RayServePolicy
+    from minillm.fleet.simulate import FleetConfig, simulate, simulate_day
+    from minillm.fleet.traffic import daily_traffic, day_requests
 
     traffic = daily_traffic(peak_rps=4.0, spike_rps=8.0, ramp_min=1.0, prompt_tokens=(16, 96), output_tokens=(16, 64))
     window = (11.9, 12.6)

@@ -14,8 +14,9 @@ import torch
 from conftest import tokenizer_files
 
 from minillm import LLM
-from minillm.bench import peers
-from minillm.bench.peers import Run, best_minillm_vs, compare_peers, format_peers, summarize
+from minillm.bench import peer_engines, peer_rows, peers
+from minillm.bench.peer_rows import Run, best_minillm_vs, format_peers, summarize
+from minillm.bench.peers import compare_peers
 
 GB = 1e9
 
@@ -56,7 +57,7 @@ def test_rows_and_ratios_from_fake_timings():
                          best_minillm_vs(rows)})
     assert "best minillm (minillm int8) / CTranslate2 int8: 1.07x" in text
     assert "llama.cpp" in text and "not installed" in text
-    md = peers.format_peers_markdown({"prompts": 2, "new_tokens": n, "rounds": 2, "cpu": "test cpu", "threads": 2,
+    md = peer_rows.format_peers_markdown({"prompts": 2, "new_tokens": n, "rounds": 2, "cpu": "test cpu", "threads": 2,
                                       "torch": "x", "bandwidth_gb_s": 20.0, "rows": rows,
                                       "best_minillm_vs_ct2_int8": best_minillm_vs(rows)})
     assert "| minillm int8 | 100.0 | 40.0 | 200 | 20% | 2.67x | 1/2 |" in md, md
@@ -120,7 +121,7 @@ def test_minillm_rows_run_on_a_tiny_random_model(tiny_llm, tmp_path):
     assert "no local model directory" in rows["transformers fp32"].skipped
     assert rows["CTranslate2 int8"].skipped and rows["llama.cpp"].skipped
     path = tmp_path / "peers.json"
-    path.write_text(json.dumps(peers.result_json(result)))
+    path.write_text(json.dumps(peer_rows.result_json(result)))
     saved = json.loads(path.read_text())
     assert saved["rows"][0]["engine"] == "minillm fp32" and saved["rows"][0]["tok_s"] > 0
 
@@ -160,13 +161,13 @@ def test_all_rows_on_a_tiny_checkpoint(tmp_path, monkeypatch, default_model_dir)
         assert rows[name].tok_s > 0 and rows[name].pct_of_bound > 0, rows[name]
     # fp32 everywhere: the same greedy tokens (CTranslate2's end_token=[] lets EOS through as ignore_eos does)
     assert rows["transformers fp32"].agree == 2 and rows["CTranslate2 float32"].agree == 2
-    converted = peers.ct2_model_dir(str(path), "int8")
+    converted = peer_engines.ct2_model_dir(str(path), "int8")
     assert converted.parent == tmp_path / "cache" / "ctranslate2" and (converted / "model.bin").is_file()
     assert rows["CTranslate2 int8"].weight_bytes == (converted / "model.bin").stat().st_size
     assert rows["CTranslate2 int8"].weight_bytes < rows["CTranslate2 float32"].weight_bytes
     assert result["best_minillm_vs_ct2_int8"][1] > 0
     written = (converted / "model.bin").stat().st_mtime_ns
-    assert peers.convert_for_ct2(str(path), "int8") == converted   # cached: not converted again
+    assert peer_engines.convert_for_ct2(str(path), "int8") == converted   # cached: not converted again
     assert (converted / "model.bin").stat().st_mtime_ns == written
 
 

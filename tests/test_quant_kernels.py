@@ -1,4 +1,4 @@
-"""The low-bit matmul kernels (minillm/kernels/quant_matmul.py) against their torch references,
+"""The low-bit matmul kernels (minillm/kernels/channel_matmul.py, int4_matmul.py) against their torch references,
 under the interpreter on the CPU: int8 / int4 / fp8 weight-only GEMV (decode, M <= 16, split-K)
 and GEMM (prefill, tl.dot), fp8 x fp8 dots, and QuantizedLinear's "triton" path.
 
@@ -26,7 +26,10 @@ import torch.nn.functional as F
 
 from kernel_utils import DEVICE, DTYPES, max_error  # first: picks the interpreter before triton is imported
 
-from minillm.kernels import quant_matmul as qm
+from minillm.kernels.channel_matmul import (channel_gemm, channel_gemv, fp8_matmul, fp8_matmul_reference, int8_matmul,
+                                            int8_matmul_reference)
+from minillm.kernels.int4_matmul import int4_gemm, int4_gemv, int4_matmul, int4_matmul_reference
+from minillm.kernels.quant_launch import GEMV_MAX_M, PROGRAMS_PER_SM, choose_split_k
 from minillm.quant import (QuantizedLinear, dequantize_fp8, dequantize_int4, dequantize_int8, pack_int4,
                            quantize_fp8, quantize_int4, quantize_int8, unpack_int4)
 
@@ -71,10 +74,10 @@ def test_int8_matmul_matches_reference(m, n, k, group, dtype):
     x, w = draw(m, n, k, dtype, seed=m * 1000 + n + k)
     q, scale = quantize_int8(w)
     x, q, scale = on_device(x, q, scale)
-    want = qm.int8_matmul_reference(x, q, scale)
+    want = int8_matmul_reference(x, q, scale)
     # The reference is the quantizer's own matrix: x @ dequantize_int8(q, scale)^T.
     torch.testing.assert_close(want.float(), (x.float() @ dequantize_int8(q, scale).t()).to(dtype).float())
-    check(qm.int8_matmul(x, q, scale), want, f"int8_matmul M={m} {dtype}")
+    check(int8_matmul(x, q, scale), want, f"int8_matmul M={m} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -84,10 +87,10 @@ def test_int4_matmul_matches_reference(m, n, k, group, dtype):
     packed, scale, zero = int4_layout(w, group)
     scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)  # as QuantizedLinear stores them
     x, packed, scale, zero = on_device(x, packed, scale, zero)
-    want = qm.int4_matmul_reference(x, packed, scale, zero, group)
+    want = int4_matmul_reference(x, packed, scale, zero, group)
     w_plain = dequantize_int4(unpack_int4(packed), scale, zero, dtype)[:, :k]
     torch.testing.assert_close(want.float(), (x.float() @ w_plain.float().t()).to(dtype).float())
-    check(qm.int4_matmul(x, packed, scale, zero, group), want, f"int4_matmul M={m} g={group} {dtype}")
+    check(int4_matmul(x, packed, scale, zero, group), want, f"int4_matmul M={m} g={group} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -96,9 +99,9 @@ def test_fp8_matmul_matches_reference(m, n, k, group, dtype):
     x, w = draw(m, n, k, dtype, seed=m * 1000 + n + k + 2)
     q, scale = quantize_fp8(w)
     x, q, scale = on_device(x, q, scale)
-    want = qm.fp8_matmul_reference(x, q, scale)
+    want = fp8_matmul_reference(x, q, scale)
     torch.testing.assert_close(want.float(), (x.float() @ dequantize_fp8(q, scale).t()).to(dtype).float())
-    check(qm.fp8_matmul(x, q, scale), want, f"fp8_matmul M={m} {dtype}")
+    check(fp8_matmul(x, q, scale), want, f"fp8_matmul M={m} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -109,11 +112,11 @@ def test_fp8_activations_dot_matches_reference(m, n, k, dtype):
     x[1] *= 50.0  # rows of very different ranges: each gets its own scale
     q, scale = quantize_fp8(w)
     x, q, scale = on_device(x, q, scale)
-    want = qm.fp8_matmul_reference(x, q, scale, fp8_activations=True)
-    check(qm.fp8_matmul(x, q, scale, fp8_activations=True), want, f"fp8 x fp8 M={m} {dtype}")
+    want = fp8_matmul_reference(x, q, scale, fp8_activations=True)
+    check(fp8_matmul(x, q, scale, fp8_activations=True), want, f"fp8 x fp8 M={m} {dtype}")
     # It is W8A8, not weight-only: it differs from the weight-only result by e4m3's rounding of x
     # (<= 1/16 of each |x|), well above the summation error it is compared with above.
-    weight_only = qm.fp8_matmul_reference(x, q, scale).float()
+    weight_only = fp8_matmul_reference(x, q, scale).float()
     assert 0 < (want.float() - weight_only).abs().max() <= weight_only.abs().max() / 4
 
 
@@ -128,24 +131,24 @@ def test_gemv_split_k_slices_add_up(kind, split_k):
     if kind == "int4":
         packed, scale, zero = on_device(*int4_layout(w, group))
         x = x.to(DEVICE)
-        got = qm.int4_gemv(x, packed, scale, zero, group, split_k=split_k, out=out)
-        want = qm.int4_matmul_reference(x, packed, scale, zero, group)
+        got = int4_gemv(x, packed, scale, zero, group, split_k=split_k, out=out)
+        want = int4_matmul_reference(x, packed, scale, zero, group)
     else:
         q, scale = (quantize_int8 if kind == "int8" else quantize_fp8)(w)
         x, q, scale = on_device(x, q, scale)
-        got = qm.channel_gemv(x, q, scale, split_k=split_k, out=out)
-        want = (qm.int8_matmul_reference if kind == "int8" else qm.fp8_matmul_reference)(x, q, scale)
+        got = channel_gemv(x, q, scale, split_k=split_k, out=out)
+        want = (int8_matmul_reference if kind == "int8" else fp8_matmul_reference)(x, q, scale)
     assert got.data_ptr() == out.data_ptr()
     check(got, want, f"{kind} GEMV split_k={split_k}")
 
 
 def test_split_k_heuristic_fills_the_gpu_and_never_splits_finer_than_a_step():
     # Llama-3-8B o_proj at batch 1: 4096 / 32 = 128 column tiles, 16 K steps -> 4 slices, 512 programs.
-    split, per = qm.choose_split_k(4096, 4096, 32, 256, 132)
-    assert (split, per) == (4, 1024) and 128 * split >= qm.PROGRAMS_PER_SM * 132 * 0.9
-    assert qm.choose_split_k(128256, 4096, 32, 256, 132) == (1, 4096)  # the head: enough tiles already
-    assert qm.choose_split_k(80, 200, 32, 256, 132) == (1, 256)       # one step: nothing to split
-    split, per = qm.choose_split_k(80, 600, 16, 64, 132)
+    split, per = choose_split_k(4096, 4096, 32, 256, 132)
+    assert (split, per) == (4, 1024) and 128 * split >= PROGRAMS_PER_SM * 132 * 0.9
+    assert choose_split_k(128256, 4096, 32, 256, 132) == (1, 4096)  # the head: enough tiles already
+    assert choose_split_k(80, 200, 32, 256, 132) == (1, 256)       # one step: nothing to split
+    split, per = choose_split_k(80, 600, 16, 64, 132)
     assert per % 64 == 0 and split * per >= 600 and (split - 1) * per < 600
 
 
@@ -155,11 +158,11 @@ def test_gemm_writes_every_output_element():
     packed, s4, z4 = int4_layout(w, 64)
     x, q, scale, packed, s4, z4 = on_device(x, q, scale, packed, s4, z4)
     out = torch.full((37, 131), float("nan"), dtype=torch.float16, device=DEVICE)
-    assert qm.channel_gemm(x, q, scale, out=out).data_ptr() == out.data_ptr()
-    check(out, qm.int8_matmul_reference(x, q, scale), "int8 GEMM into out")
+    assert channel_gemm(x, q, scale, out=out).data_ptr() == out.data_ptr()
+    check(out, int8_matmul_reference(x, q, scale), "int8 GEMM into out")
     out.fill_(float("nan"))
-    qm.int4_gemm(x, packed, s4, z4, 64, out=out)
-    check(out, qm.int4_matmul_reference(x, packed, s4, z4, 64), "int4 GEMM into out")
+    int4_gemm(x, packed, s4, z4, 64, out=out)
+    check(out, int4_matmul_reference(x, packed, s4, z4, 64), "int4 GEMM into out")
 
 
 @pytest.mark.parametrize("m", [3, 37], ids=["gemv", "gemm"])
@@ -170,8 +173,8 @@ def test_row_strided_activations(m):
     assert x.stride(0) == 205
     q, scale = on_device(*quantize_int8(w[:, :200]))
     packed, s4, z4 = on_device(*int4_layout(w[:, :200], 64))
-    check(qm.int8_matmul(x, q, scale), qm.int8_matmul_reference(x.contiguous(), q, scale), "int8, strided x")
-    check(qm.int4_matmul(x, packed, s4, z4, 64), qm.int4_matmul_reference(x.contiguous(), packed, s4, z4, 64),
+    check(int8_matmul(x, q, scale), int8_matmul_reference(x.contiguous(), q, scale), "int8, strided x")
+    check(int4_matmul(x, packed, s4, z4, 64), int4_matmul_reference(x.contiguous(), packed, s4, z4, 64),
           "int4, strided x")
 
 
@@ -180,23 +183,23 @@ def test_bad_inputs_are_refused_with_the_value_and_the_allowed_range():
     q, scale = quantize_int8(w)
     packed, s4, z4 = int4_layout(w, 32)
     with pytest.raises(ValueError, match=r"x has K=63 columns but the weight expects K=64"):
-        qm.int8_matmul(x[:, :63].contiguous(), q, scale)
+        int8_matmul(x[:, :63].contiguous(), q, scale)
     with pytest.raises(ValueError, match=r"x dtype torch.float64 is not one of fp32 / bf16 / fp16"):
-        qm.int8_matmul(x.double(), q, scale)
+        int8_matmul(x.double(), q, scale)
     with pytest.raises(ValueError, match=r"q must be \[N, K\] torch.int8"):
-        qm.int8_matmul(x, q.float(), scale)
+        int8_matmul(x, q.float(), scale)
     with pytest.raises(ValueError, match=r"scale must have shape \(32,\), got \(31,\)"):
-        qm.int8_matmul(x, q, scale[:31])
+        int8_matmul(x, q, scale[:31])
     with pytest.raises(ValueError, match=r"group_size=48 must be a power of two >= 32"):
-        qm.int4_matmul(x, packed, s4, z4, 48)
+        int4_matmul(x, packed, s4, z4, 48)
     with pytest.raises(ValueError, match=r"Kp - group_size < K <= Kp = 64"):
-        qm.int4_matmul(torch.randn(2, 20), packed, s4, z4, 32)
+        int4_matmul(torch.randn(2, 20), packed, s4, z4, 32)
     with pytest.raises(ValueError, match=r"split_k=0 must be an integer >= 1"):
-        qm.channel_gemv(x, q, scale, split_k=0)
+        channel_gemv(x, q, scale, split_k=0)
     with pytest.raises(ValueError, match=r"x has M=17 rows; the GEMV takes 1..16"):
-        qm.channel_gemv(torch.randn(17, 64), q, scale)
+        channel_gemv(torch.randn(17, 64), q, scale)
     with pytest.raises(ValueError, match=r"fp8_activations=True needs float8_e4m3fn weights, got int8"):
-        qm.channel_gemm(x, q, scale, fp8_activations=True)
+        channel_gemm(x, q, scale, fp8_activations=True)
 
 
 # ------------------------------------------------------------------ QuantizedLinear's "triton" path
@@ -229,10 +232,10 @@ def test_a_lab_style_int4_kernel_hook_keeps_the_engine_s_greedy_tokens():
     def kernel(x2d, layer):
         launches.append(x2d.shape[0])
         packed, scale, zero = layer.int4_parts()
-        return qm.int4_matmul(x2d, packed, scale, zero, layer.group_size)
+        return int4_matmul(x2d, packed, scale, zero, layer.group_size)
 
     assert llm.set_quantized_matmul(kernel) >= 8
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.set_quantized_matmul(None)
     assert got == ref
-    assert max(launches) > qm.GEMV_MAX_M >= min(launches)  # prefill ran the GEMM, decode the GEMV
+    assert max(launches) > GEMV_MAX_M >= min(launches)  # prefill ran the GEMM, decode the GEMV

@@ -24,7 +24,8 @@ import torch
 from conftest import assert_engine_idle
 from minillm import LLM, EngineConfig, SamplingParams
 from minillm.serve import AsyncEngine, build_app, serve_in_thread
-from minillm.serve.cli import build_parser, config_from_argv, engine_fields, engine_kwargs, flag_name
+from minillm.serve.cli import build_parser, config_from_argv
+from minillm.serve.flags import engine_fields, engine_kwargs, flag_name
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8

@@ -7,9 +7,11 @@ import random
 
 import pytest
 
-from minillm.fleet.simulate import (FixedReplicas, FleetConfig, FleetState, RayServePolicy, ReplicaProfile,
-                                    SimRequest, Traffic, daily_traffic, day_requests, simulate, simulate_day,
-                                    warm_replicas_for_p99)
+from minillm.fleet.policies import FixedReplicas, FleetState, RayServePolicy
+from minillm.fleet.replica_profile import ReplicaProfile
+from minillm.fleet.simulate import FleetConfig, simulate, simulate_day
+from minillm.fleet.sizing import warm_replicas_for_p99
+from minillm.fleet.traffic import SimRequest, Traffic, daily_traffic, day_requests
 
 
 def flat_profile(decode_s=0.1, prefill_s=0.5, max_batch=16, startup_s=0.0, overhead_s=0.0):
@@ -356,7 +358,8 @@ def test_warm_command_answers_a_number_of_replicas(profile_file, capsys):
 
 
 def test_validation_ramp_and_tolerance():
-    from minillm.bench.fleet import TOLERANCE_ABS_S, TOLERANCE_REL, ramp_requests, within
+    from minillm.bench.fleet_report import TOLERANCE_ABS_S, TOLERANCE_REL, within
+    from minillm.bench.fleet_validate import ramp_requests
 
     plan = ramp_requests(600.0, 0.5, 2.0, seed=1)
     first = sum(t < 200 for t, _, _ in plan) / 200
@@ -400,7 +403,7 @@ def test_replay_predicts_a_saved_validation_report_again(tmp_path, capsys):
 
 
 def test_gap_statistics_split_decode_gaps_from_prefill_stalls():
-    from minillm.bench.fleet import gap_statistics
+    from minillm.bench.fleet_report import gap_statistics
 
     stats = gap_statistics([0.1] * 8 + [0.5, 0.9])   # median 0.1: the two gaps over 0.3 hold a prefill step
     assert stats["decode_gap_s"] == pytest.approx(0.1) and stats["stall_excess_s"] == pytest.approx(0.6)
@@ -411,7 +414,7 @@ def test_gap_statistics_split_decode_gaps_from_prefill_stalls():
 def test_ramp_fit_rescales_decode_and_prefill_by_the_gap_ratios():
     # a replay whose gaps are 9 decode steps and 1 stall (a prefill + a decode step) per 10: measured with decode
     # steps of 0.2 s and prefills of 0.5 s, simulated from 0.1 s and 1.0 s: the fit finds x2.0 and x0.5
-    from minillm.bench.fleet import fit_ramp_scales
+    from minillm.bench.fleet_report import fit_ramp_scales
 
     def gaps(decode_s, prefill_s):
         return ([decode_s] * 9 + [prefill_s + decode_s]) * 10
@@ -435,7 +438,7 @@ def test_ramp_fit_rescales_decode_and_prefill_by_the_gap_ratios():
 def synthetic_validation(decode_scale: float, prefill_scale: float, seed: int = 0) -> dict:
     """A validation report whose "measured" fleet is the simulator itself with the calibrated profile's decode
     steps x decode_scale and prefill x prefill_scale: gaps and TTFTs of one router seed."""
-    from minillm.bench.fleet import ramp_requests
+    from minillm.bench.fleet_validate import ramp_requests
 
     calibrated = ReplicaProfile(decode_points=[(1, 0.08), (2, 0.1), (4, 0.13), (8, 0.17)],
                                 prefill_points=[(16, 0.25), (96, 0.55), (192, 0.85)],
@@ -457,7 +460,7 @@ def synthetic_validation(decode_scale: float, prefill_scale: float, seed: int = 
 
 @pytest.mark.parametrize("decode_scale, prefill_scale", [(1.3, 0.8), (0.85, 1.25)])
 def test_ramp_fit_recovers_known_step_factors_without_reading_ttft(decode_scale, prefill_scale):
-    from minillm.bench.fleet import format_validation, predict_report, verdict
+    from minillm.bench.fleet_report import format_validation, predict_report, verdict
 
     report = predict_report(synthetic_validation(decode_scale, prefill_scale))
     fit = report["ramp_fit"]
@@ -480,7 +483,8 @@ def test_ramp_fit_recovers_known_step_factors_without_reading_ttft(decode_scale,
 def test_simulator_predicts_a_real_fleet_within_the_stated_tolerance():
     """python -m minillm.bench.fleet --validate --quick: 2 Ray Serve replicas on loopback, a 150 s ramp."""
     pytest.importorskip("ray")
-    from minillm.bench.fleet import format_validation, validate, verdict
+    from minillm.bench.fleet_report import format_validation, verdict
+    from minillm.bench.fleet_validate import validate
 
     report = validate(quick=True, progress=False)
     print(format_validation(report))
@@ -514,9 +518,9 @@ def test_measure_profile_times_the_engine_steps(tiny_llm):
 
 
 def test_calibrate_on_server_times_a_server_through_http(tiny_llm):
-    from minillm.bench.serve import run_in_thread
     from minillm.fleet.profile import calibrate_on_server, prompt_ids, send_requests
     from minillm.serve import serve_in_thread
+    from minillm.serve.client import run_in_thread
 
     llm = tiny_llm.with_levers(max_num_seqs=4)
     with serve_in_thread(llm) as server:

@@ -6,8 +6,8 @@ checked with a chi-square test per output position on a synthetic vocabulary."""
 import pytest
 import torch
 
-from minillm.spec.ngram import ngram_propose
-from minillm.spec.verify import greedy_verify, rejection_sample, residual_distribution
+from minillm.speculative.ngram import ngram_propose
+from minillm.speculative.verify import greedy_verify, rejection_sample, residual_distribution
 
 
 # ----------------------------------------------------------------------------- greedy

@@ -114,7 +114,7 @@ def test_sampled_speculation_keeps_the_target_distribution(monkeypatch, method):
     accepts (min(1, p/q) with q a point mass) and rejects (resampling from the residual). The
     "self" proposer samples its proposals from its own distribution q (the first layer); "draft"
     from a perturbed copy of the target."""
-    import minillm.engine.speculative as speculative
+    import minillm.speculative.ngram as speculative
 
     prompt = [11, 12, 13, 11, 12, 13, 11, 12]
     ref = LLM("random:tiny-llama", max_model_len=64, kv_cache=False)

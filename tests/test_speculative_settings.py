@@ -14,7 +14,7 @@ import torch
 from conftest import assert_engine_idle, chi_square_p_value
 from minillm import LLM, SamplingParams, StructuredOutputs
 from minillm.engine.sequence import Sequence
-from minillm.engine.speculative import StatelessProposer
+from minillm.speculative.proposer import StatelessProposer
 from minillm.layers.sampler import SamplingBatch, processed_probs
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},

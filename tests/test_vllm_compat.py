@@ -15,8 +15,11 @@ import pytest
 
 from app_thread import AppInThread
 from minillm.bench import serve as bs
+from minillm.bench.serve_result import ServeBenchResult
 from minillm.config import EngineConfig
-from minillm.serve import cli
+from minillm import levers
+from minillm.serve import cli, vllm_flags
+from minillm.serve.client import _chunk_text
 
 
 def config(*argv: str) -> EngineConfig:
@@ -84,20 +87,20 @@ def test_model_as_first_argument_like_vllm_serve():
 def test_vllm_server_flag_spellings():
     args = cli.parse_args(["--uvicorn-log-level", "debug", "--served-model-name", "smol", "--host", "0.0.0.0"])
     assert (args.log_level, args.served_model_name, args.host) == ("debug", "smol", "0.0.0.0")
-    assert cli.lora_module_entries(['{"name": "sql", "path": "/a/b", "base_model_name": "base"}', "chef=/c"]) == \
+    assert vllm_flags.lora_module_entries(['{"name": "sql", "path": "/a/b", "base_model_name": "base"}', "chef=/c"]) == \
         ["sql=/a/b", "chef=/c"]
     with pytest.raises(ValueError, match="must be name=path or JSON"):
-        cli.lora_module_entries(['{"name": "sql"}'])
+        vllm_flags.lora_module_entries(['{"name": "sql"}'])
     with pytest.raises(ValueError, match="neither name=path nor JSON"):
-        cli.lora_module_entries(["{not json"])
+        vllm_flags.lora_module_entries(["{not json"])
 
 
 def test_human_readable_int():
-    assert [cli.human_readable_int(t) for t in ("8192", "1k", "1K", "25.6k", "3M", "2g", "1T")] == \
+    assert [levers.human_readable_int(t) for t in ("8192", "1k", "1K", "25.6k", "3M", "2g", "1T")] == \
         [8192, 1000, 1024, 25600, 3 * 2 ** 20, 2_000_000_000, 2 ** 40]
     for bad in ("1.5K", "k", "12q", "-3"):
         with pytest.raises(ValueError):
-            cli.human_readable_int(bad)
+            levers.human_readable_int(bad)
 
 
 def test_tensor_parallel_size_and_its_short_spelling():
@@ -144,7 +147,7 @@ def test_vllm_flags_without_minillm_meaning_are_refused(capsys, argv, needles):
 
 
 def test_every_listed_refusal_is_refused_with_its_reason(capsys):
-    for flag, (nargs, reason) in cli.VLLM_REFUSED.items():
+    for flag, (nargs, reason) in vllm_flags.VLLM_REFUSED.items():
         err = refused(capsys, flag, *(["1"] * nargs))
         assert flag in err and reason in err, err
 
@@ -167,9 +170,9 @@ def test_help_lists_the_vllm_spellings(capsys):
     for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
                  "--kv-cache-dtype", "--quantization", "-q", "--speculative-config", "--enforce-eager",
                  "--kv-cache-memory-bytes", "--uvicorn-log-level", "--tensor-parallel-size", "-tp",
-                 "--pipeline-parallel-size", "MODEL", "vLLM spellings", "docs/VLLM.md", *cli.VLLM_REFUSED):
+                 "--pipeline-parallel-size", "MODEL", "vLLM spellings", "docs/VLLM.md", *vllm_flags.VLLM_REFUSED):
         assert flag in text, f"{flag} missing from minillm serve --help"
-    for alias in cli.VLLM_ALIASES:
+    for alias in vllm_flags.VLLM_ALIASES:
         assert "".join(alias.split()) in squeezed, alias
 
 
@@ -311,7 +314,7 @@ class FakeVLLM(AppInThread):
 PROMPTS = [{"prompt": f"question {i}: why is the sky blue?", "output_tokens": 8} for i in range(6)]
 
 
-def check_against_server(fake: FakeVLLM, result: bs.ServeBenchResult, expect_tokens: int) -> None:
+def check_against_server(fake: FakeVLLM, result: ServeBenchResult, expect_tokens: int) -> None:
     """Each record's TTFT / TPOT / ITL / tokens equal what the server's send times and counts imply."""
     assert result.failed == 0, result.errors
     by_server_order = sorted(result.records, key=lambda r: r.start_s)
@@ -388,12 +391,12 @@ def test_unknown_model_is_vllms_404():
 
 def test_chunk_text_reads_every_kind_of_delta():
     chat = "/v1/chat/completions"
-    assert bs._chunk_text({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, chat) == ("", "")
-    assert bs._chunk_text({"choices": [{"delta": {"reasoning": "hmm"}}]}, chat) == ("", "hmm")
+    assert _chunk_text({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, chat) == ("", "")
+    assert _chunk_text({"choices": [{"delta": {"reasoning": "hmm"}}]}, chat) == ("", "hmm")
     call = {"index": 0, "id": "chatcmpl-tool-1", "type": "function", "function": {"name": "f", "arguments": "{\"a\""}}
-    assert bs._chunk_text({"choices": [{"delta": {"tool_calls": [call]}}]}, chat) == ("", "f{\"a\"")
-    assert bs._chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, "/v1/completions") == ("", "")
-    assert bs._chunk_text({"choices": [{"text": " x", "usage": None}]}, "/v1/completions") == (" x", " x")
+    assert _chunk_text({"choices": [{"delta": {"tool_calls": [call]}}]}, chat) == ("", "f{\"a\"")
+    assert _chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, "/v1/completions") == ("", "")
+    assert _chunk_text({"choices": [{"text": " x", "usage": None}]}, "/v1/completions") == (" x", " x")
 
 
 def test_compare_servers_runs_each_and_skips_a_missing_vllm():
@@ -467,7 +470,7 @@ def test_vllm_page_maps_every_lever_flag_and_metric():
                 if line.startswith("# TYPE")}
     missing = [name for name in exported if f"`{name}`" not in text and f"`{name}{{" not in text]
     assert not missing, f"docs/VLLM.md does not map the metrics {missing}"
-    for flag in [*cli.VLLM_REFUSED, "--speculative-config", "--kv-cache-dtype", "--enable-chunked-prefill",
+    for flag in [*vllm_flags.VLLM_REFUSED, "--speculative-config", "--kv-cache-dtype", "--enable-chunked-prefill",
                  "--gpu-memory-utilization", "--tensor-parallel-size", "compare_servers"]:
         assert f"`{flag}" in text or flag in text, flag
     assert "vLLM 0.11" in text and "99d7eb5d" in text   # the version the page was read from

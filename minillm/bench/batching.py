@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runner import percentile
+from ..serve.client import percentile
 from .workloads import Request
 
 

@@ -6,18 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..hardware import measure_memory_bandwidth
+from ..serve.client import percentile
 from .workloads import Request
-
-
-def percentile(values: list[float], q: float) -> float:
-    """q in [0, 100], linear interpolation (numpy's default)."""
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    pos = (len(values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 @dataclass

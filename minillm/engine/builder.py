@@ -28,6 +28,9 @@ from ..models.loader import load_model, load_model_config, load_tokenizer, read_
 from ..models.quantize import head_dtype_for, quantize_for_config
 from ..seams import (BlockAllocator, PrefixCache, Proposer, Sampler, SchedulingPolicy, Truncation, Verifier,
                      check_part)
+from ..speculative.draft import DraftModelProposer, SelfDraftProposer
+from ..speculative.ngram import NgramProposer
+from ..speculative.verify import SpecVerifier
 from .block_manager import BlockManager
 from .engine import Engine, Weights
 from .kv_cache import KVCache, kv_bytes_per_token, pool_bytes
@@ -35,8 +38,7 @@ from .metrics import SpecStats
 from .model_runner import ModelRunner
 from .parallel import TensorParallel, TPKVCache, TPModelRunner, check_config, tensor_parallel_weights
 from .scheduler import Scheduler
-from .speculative import (PROPOSERS, DraftModelProposer, DraftWorker, NgramProposer, SelfDraftProposer, Speculator,
-                          SpecVerifier)
+from .speculator import PROPOSERS, DraftWorker, Speculator
 
 BlockManagerFactory = Callable[[int, int, bool], BlockAllocator]   # (num_blocks, block_size, contiguous)
 

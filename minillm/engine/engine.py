@@ -21,7 +21,7 @@ from .metrics import RunStats, StepStats
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import DraftWorker, Speculator
+from .speculator import DraftWorker, Speculator
 from .thread_policy import ThreadPolicy
 
 

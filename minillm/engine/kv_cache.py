@@ -13,7 +13,7 @@ and for V. A token's head vector x (head_dim values) is stored as
 
 Per token and head (not per tensor) because a new token is written once and never revisited:
 its scale is known the moment it is stored, and an outlier in one head of one token does not
-spoil the precision of any other. `quantize_kv` / `dequantize_kv` (minillm/quant/kv.py) are the
+spoil the precision of any other. `quantize_kv` / `dequantize_kv` (minillm/kernels/kv_quant.py) are the
 torch reference; the Triton store kernel (kernels/store_kv.py) computes the same bits.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..models.config import ModelConfig
-from ..quant.kv import (AMAX_FLOOR, KV_DTYPES, KV_QMAX, KV_SCALE_DTYPE, KV_STORAGE,  # noqa: F401  re-exported
+from ..kernels.kv_quant import (AMAX_FLOOR, KV_DTYPES, KV_QMAX, KV_SCALE_DTYPE, KV_STORAGE,  # noqa: F401  re-exported
                        dequantize_kv, kv_quantized, quantize_kv)
 
 # Default pool cap: on a laptop 1 GiB of KV is about 23k tokens of SmolLM2-135M in fp32.

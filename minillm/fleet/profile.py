@@ -37,9 +37,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..bench.serve import run_in_thread
-from .ray_fleet import REPLICA_HEADER
-from .simulate import ReplicaProfile
+from ..serve.client import run_in_thread
+from .replica_profile import ReplicaProfile
+from .replicas import REPLICA_HEADER
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_PROMPT_TOKENS = (16, 64, 256)
@@ -214,7 +214,7 @@ async def send_requests(base_url: str, model: str, requests: list[tuple[float, l
     import httpx
     from tqdm.auto import tqdm
 
-    from ..bench.serve import normalize_base_url
+    from ..serve.client import normalize_base_url
 
     base_url = normalize_base_url(base_url)
 
@@ -272,7 +272,7 @@ def calibrate_on_server(base_url: str, *, num_replicas: int, batch_sizes=(1, 2, 
     left out). slowdown(k) = the median inter-token gap with k busy / with 1 busy."""
     from tqdm.auto import tqdm
 
-    from ..bench.serve import discover_model, normalize_base_url
+    from ..serve.client import discover_model, normalize_base_url
 
     batch_sizes = _check_sizes("batch_sizes", batch_sizes)
     prompt_tokens = _check_sizes("prompt_tokens", prompt_tokens)

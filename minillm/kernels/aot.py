@@ -170,15 +170,15 @@ def _quant_matmul_configurations():
     nothing is pipelined, and the register counts checked here would not be the launched ones."""
     import torch
 
-    from . import quant_matmul as qm
+    from . import channel_matmul, int4_matmul, quant_launch, split_k_reduce
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     aligned = ("x_ptr", "x_scale_ptr", "w_ptr", "packed_ptr", "scale_ptr", "zero_ptr", "out_ptr", "K", "Kp",
                "group_size", "stride_xm", "stride_wn", "stride_pn", "stride_sn", "stride_os", "stride_om", "k_per_split")
     weights = (("int8", "*i8", ()), ("fp8", "*fp8e4nv", ("fp8_matmul",)))
     for dtype in _FLOAT_TYPES:
-        for block_m in sorted(qm.GEMV_BLOCKS):
-            block_n, block_k = qm.GEMV_BLOCKS[block_m]
+        for block_m in sorted(quant_launch.GEMV_BLOCKS):
+            block_n, block_k = quant_launch.GEMV_BLOCKS[block_m]
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
             for out_type in sorted({"fp32", dtype}):  # split K: fp32 partial sums; one slice: x's dtype
                 tag = "" if out_type == dtype else ",split"
@@ -187,23 +187,24 @@ def _quant_matmul_configurations():
                            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
                            "stride_os": "i32", "stride_om": "i32", "k_per_split": "i32",
                            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-                    yield (f"{kind}_gemv[{dtype},BLOCK_M={block_m}{tag}]", qm.channel_gemv_kernel, sig, constexprs,
-                           {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned,
-                            "needs": _needs(dtype, *features)})
+                    yield (f"{kind}_gemv[{dtype},BLOCK_M={block_m}{tag}]", channel_matmul.channel_gemv_kernel, sig,
+                           constexprs, {"num_warps": quant_launch.GEMV_NUM_WARPS, "divisible_by_16": aligned,
+                                        "needs": _needs(dtype, *features)})
                 sig = {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                        "out_ptr": f"*{out_type}", "M": "i32", "N": "i32", "K": "i32", "Kp": "i32", "group_size": "i32",
                        "stride_xm": "i32", "stride_pn": "i32", "stride_sn": "i32", "stride_os": "i32",
                        "stride_om": "i32", "k_per_split": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                        "BLOCK_K": "constexpr"}
-                yield (f"int4_gemv[{dtype},BLOCK_M={block_m}{tag}]", qm.int4_gemv_kernel, sig, constexprs,
-                       {"num_warps": qm.GEMV_NUM_WARPS, "divisible_by_16": aligned, "needs": _needs(dtype)})
+                yield (f"int4_gemv[{dtype},BLOCK_M={block_m}{tag}]", int4_matmul.int4_gemv_kernel, sig, constexprs,
+                       {"num_warps": quant_launch.GEMV_NUM_WARPS, "divisible_by_16": aligned, "needs": _needs(dtype)})
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "split_k": "i32",
                "stride_om": "i32", "BLOCK": "constexpr"}
-        yield (f"split_k_reduce[{dtype}]", qm.split_k_reduce_kernel, sig, {"BLOCK": qm.REDUCE_BLOCK},
-               {"num_warps": qm.REDUCE_NUM_WARPS, "divisible_by_16": ("partial_ptr", "out_ptr", "stride_om"),
-                "needs": _needs(dtype)})
+        yield (f"split_k_reduce[{dtype}]", split_k_reduce.split_k_reduce_kernel, sig,
+               {"BLOCK": split_k_reduce.REDUCE_BLOCK},
+               {"num_warps": split_k_reduce.REDUCE_NUM_WARPS,
+                "divisible_by_16": ("partial_ptr", "out_ptr", "stride_om"), "needs": _needs(dtype)})
 
-        block_m, block_n, block_k, num_warps, num_stages = qm.GEMM_LAUNCH[torch_dtypes[dtype]]
+        block_m, block_n, block_k, num_warps, num_stages = quant_launch.GEMM_LAUNCH[torch_dtypes[dtype]]
         launch = {"num_warps": num_warps, "num_stages": num_stages, "divisible_by_16": aligned, "needs": _needs(dtype)}
         # fp8_activations=True: x quantized to e4m3 per row, fp8 x fp8 tl.dot (sm_90), output in `dtype`
         fp8 = {"needs": _needs(dtype, "fp8_matmul")}
@@ -216,12 +217,12 @@ def _quant_matmul_configurations():
                    "BLOCK_K": "constexpr", "DOT_IN_FP32": "constexpr", "FP8_ACT": "constexpr"}
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": max(block_k, 64) if fp8_act else block_k,
                           "DOT_IN_FP32": dtype == "fp32" and not fp8_act, "FP8_ACT": fp8_act}
-            yield f"{kind}_gemm[{dtype}]", qm.channel_gemm_kernel, sig, constexprs, {**launch, **extra}
+            yield f"{kind}_gemm[{dtype}]", channel_matmul.channel_gemm_kernel, sig, constexprs, {**launch, **extra}
         sig = {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "Kp": "i32", "group_size": "i32",
                "stride_xm": "i32", "stride_pn": "i32", "stride_sn": "i32", "stride_om": "i32",
                "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "DOT_IN_FP32": "constexpr"}
-        yield (f"int4_gemm[{dtype}]", qm.int4_gemm_kernel, sig,
+        yield (f"int4_gemm[{dtype}]", int4_matmul.int4_gemm_kernel, sig,
                {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_IN_FP32": dtype == "fp32"}, launch)
 
 

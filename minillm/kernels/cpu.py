@@ -1,4 +1,4 @@
-"""minillm's CPU kernels (cpu_kernels.c), compiled on first use and called through ctypes.
+"""minillm's CPU kernels (the cpu_*.c files), compiled on first use and called through ctypes.
 
 Why: at batch 1 a decode step reads every weight once, so on a CPU it should run near the memory
 bandwidth. torch's own paths fall short in two ways on small batches: its fp32 GEMM (MKL) streams
@@ -13,9 +13,9 @@ step's decoder layers, each of those kernels in turn, in one call (models/cpu_de
     cpu.available()          # False (with cpu.unavailable_reason()) when no C compiler built the library
     y = cpu.mm_f32(x, w)     # x [M, K] fp32, w [N, K] fp32 -> [M, N]
 
-The library is built once per source, compiler and CPU with `cc -O3 -march=native -fopenmp` into
-`<cache>/cpu_kernels/` (`$MINILLM_CACHE`, else ~/.cache/minillm); MINILLM_CPU_KERNELS=0 turns it off
-(the engine then keeps its torch paths). OpenMP comes from the libgomp torch already loaded, so the
+The library is built once per source, compiler and CPU with `cc -O3 -march=native -fopenmp` (SOURCES in
+one call) into `<cache>/cpu_kernels/` (`$MINILLM_CACHE`, else ~/.cache/minillm); MINILLM_CPU_KERNELS=0 turns
+it off (the engine then keeps its torch paths). OpenMP comes from the libgomp torch already loaded, so the
 kernels share torch's threads; each call names its thread count (`threads`, default torch's).
 
 Every wrapper checks dtypes, devices, contiguity and shapes before handing raw pointers to C:
@@ -36,7 +36,11 @@ import torch
 
 from ..config import cache_root
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Compiled together into one library, sharing HEADER (cpu_kernels.h names each file's kernels); the
+# cache key hashes every one of them.
+SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.c")
+                for name in ("matmul", "matmul_int4", "small_ops", "attention", "decode_layers"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 # Tried in order: the first that compiles is kept (Apple's clang has no -fopenmp: one thread then).
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"],
@@ -66,7 +70,7 @@ def _cpu_key() -> str:
 
 def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in (*SOURCES, HEADER))
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -80,7 +84,7 @@ def _build() -> ctypes.CDLL:
         for flags in FLAG_SETS:
             with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
                 tmp_path = Path(tmp.name)
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp_path), "-lm"],
+            done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(tmp_path), "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
                 os.replace(tmp_path, lib_path)   # atomic: a concurrent build never sees half a file
@@ -88,7 +92,7 @@ def _build() -> ctypes.CDLL:
             tmp_path.unlink(missing_ok=True)
             errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-400:]}")
         else:
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}:\n" + "\n".join(errors))
+            raise RuntimeError(f"{compiler} could not build the CPU kernels (cpu_*.c):\n" + "\n".join(errors))
     lib = ctypes.CDLL(str(lib_path))
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
@@ -359,7 +363,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # ------------------------------------------------------------------ a decode step's layers in one call
 class Mat(ctypes.Structure):
-    """cpu_kernels.c's minillm_mat: one projection's weights. kind 0: fp32 w [N, K]; 1: int8 q [N, K] with
+    """cpu_decode_layers.c's minillm_mat: one projection's weights. kind 0: fp32 w [N, K]; 1: int8 q [N, K] with
     scale [N]; 2: int4 packed [N, Kp/2] (pack_i4) with scale, zero [N, Kp/g]. Kp: K padded to g (int4)."""
     _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("Kp", ctypes.c_int64),
                 ("g", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),

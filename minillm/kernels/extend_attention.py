@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.kv import dequantize_kv
+from .kv_quant import dequantize_kv
 from .paged_decode import LOG2_E, dot_in_fp32
 from .softmax import online_softmax_update
 from .store_kv import kv_quant_code

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.kv import AMAX_FLOOR, KV_QMAX, KV_SCALE_DTYPE, quantize_kv
+from .kv_quant import AMAX_FLOOR, KV_QMAX, KV_SCALE_DTYPE, quantize_kv
 
 # Pool dtype -> the kernels' KV_QUANT constexpr (a model-dtype pool is 0).
 KV_QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}

@@ -203,9 +203,12 @@ class CheckFailed(AssertionError):
     """A check_* function's verdict: the message says what is wrong and why it probably is."""
 
 
-def call_learner(fn: Callable, args: tuple, call: str, hint: str = ""):
+def call_learner(fn: Callable, args: tuple, call: str | None = None, hint: str = "", *, name: str | None = None):
     """Call the learner's function; an exception (other than the stub's NotImplementedError or a
-    CheckFailed from inside) becomes a CheckFailed naming the call, plus an optional hint."""
+    CheckFailed from inside) becomes a CheckFailed naming the call, plus an optional hint. The call is
+    named by ``call``, else as ``name(args...)`` (``name``: the function's own name by default)."""
+    if call is None:
+        call = call_repr(name or getattr(fn, "__name__", "your function"), args)
     try:
         return fn(*args)
     except (NotImplementedError, CheckFailed):
@@ -300,6 +303,37 @@ def require_kernel(kernel) -> None:
     if "raise NotImplementedError" in source:
         name = getattr(fn, "__name__", "the kernel")
         raise NotImplementedError(f"{name} is still a stub: write its body (the exercise that defines {name})")
+
+
+def chat_prompts(llm, conversations) -> list[dict]:
+    """Each conversation (a list of {"role", "content"} messages) as a prompt of token ids, in the model's
+    chat template: the prompts the labs' engine runs send."""
+    return [{"prompt_token_ids": llm.chat_token_ids(list(messages))} for messages in conversations]
+
+
+def random_tokens(num_tokens: int, features: int, seed: int = 0):
+    """[num_tokens, features] standard-normal activations, seeded (a check's fresh inputs)."""
+    import torch
+
+    return torch.randn(num_tokens, features, generator=torch.Generator().manual_seed(seed + 1000))
+
+
+def chi_square_p_value(counts, probs) -> float:
+    """Pearson's chi-square test of observed counts against the distribution probs: the p-value Q(df / 2, x / 2)
+    (the regularized upper incomplete gamma). Tokens of probability 0 are left out, and a draw of one gives 0.0;
+    fewer than two possible tokens gives 1.0 (nothing to test)."""
+    import torch
+
+    counts, probs = torch.as_tensor(counts).double(), torch.as_tensor(probs).double()
+    keep = probs > 0
+    if counts[~keep].sum() > 0:
+        return 0.0
+    expected = probs[keep] * counts.sum()
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    if df < 1:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 CHECK_POOL_TOKENS = 1024  # KV slots of a check's engine: a few prompts of a few tokens fit with room to spare

@@ -21,7 +21,7 @@ from .common import (CheckFailed, as_widget, call_learner, call_repr, expect_num
 
 # ------------------------------------------------------------------ doctor
 def _fallback_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
-    """The essential checks, for when `minillm.cli.run_doctor` is not available."""
+    """The essential checks, for when `minillm.cli.doctor.run_doctor` is not available."""
     import torch
 
     from ..hardware import device_name
@@ -51,7 +51,7 @@ def _fallback_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
 def run_doctor(load_model: bool = True) -> list[tuple[str, bool, str]]:
     """(name, ok, message) for each check: `minillm doctor`'s checks, the same as the CLI's."""
     try:
-        from ..cli import run_doctor as cli_run_doctor
+        from ..cli.doctor import run_doctor as cli_run_doctor
     except ImportError:
         return _fallback_doctor(load_model)
     return cli_run_doctor(load_model=load_model)
@@ -144,7 +144,7 @@ def check_tokens_per_second(tokens_per_second: Callable) -> None:
     name = "tokens_per_second"
     cases = [(100, 2.0), (16, 0.25), (1, 4.0), (4096, 1.6)]
     for num_tokens, seconds in cases:
-        got = call_learner(tokens_per_second, (num_tokens, seconds), call_repr(name, (num_tokens, seconds)))
+        got = call_learner(tokens_per_second, (num_tokens, seconds), name=name)
         want = num_tokens / seconds
         inverted = is_close(got, seconds / num_tokens) and not is_close(want, seconds / num_tokens)
         hint = "that is seconds per token; tokens per second is num_tokens / seconds" if inverted else ""
@@ -178,7 +178,7 @@ def check_tokens_per_second_edges(tokens_per_second: Callable) -> None:
     number (not an error), and every duration that is not positive is a ValueError naming it."""
     name = "tokens_per_second"
     for num_tokens, seconds in ((0, 1.0), (3, 1e-3), (1, 1e-6)):
-        got = call_learner(tokens_per_second, (num_tokens, seconds), call_repr(name, (num_tokens, seconds)))
+        got = call_learner(tokens_per_second, (num_tokens, seconds), name=name)
         hint = ("no tokens in a positive time is 0 tokens/s, not an error" if num_tokens == 0 else
                 "only a duration <= 0 is invalid; a short one gives a large rate")
         expect_number(name, (num_tokens, seconds), got, num_tokens / seconds, hint)
@@ -193,7 +193,7 @@ def check_e2e_latency(e2e_latency_s: Callable) -> None:
     name = "e2e_latency_s"
     cases = [(0.5, 0.05, 11), (2.0, 0.25, 16), (0.1, 0.02, 1), (1.2, 0.04, 256)]
     for ttft, tpot, n in cases:
-        got = call_learner(e2e_latency_s, (ttft, tpot, n), call_repr(name, (ttft, tpot, n)))
+        got = call_learner(e2e_latency_s, (ttft, tpot, n), name=name)
         want = ttft + tpot * (n - 1)
         hint = ""
         if is_close(got, ttft + tpot * n) and n != 0:
@@ -243,7 +243,7 @@ def check_count_tokens_engine(count_tokens: Callable, tokenizer, output) -> None
 def check_e2e_matches_engine(e2e_latency_s: Callable, metrics) -> None:
     """Your formula on a request the engine ran: within 1 % of the e2e it measured."""
     args = (metrics.ttft_s, metrics.tpot_s, metrics.num_output_tokens)
-    got = call_learner(e2e_latency_s, args, call_repr("e2e_latency_s", args))
+    got = call_learner(e2e_latency_s, args, name="e2e_latency_s")
     hint = ("off by one token: the first token comes out of the prefill" if
             is_close(got, metrics.ttft_s + metrics.tpot_s * metrics.num_output_tokens, rel=1e-3) else
             "e2e = TTFT + TPOT * (num_output_tokens - 1)")

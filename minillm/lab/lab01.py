@@ -159,7 +159,7 @@ def _intensity_hint(got, tokens: float, params: float, bpp: float) -> str:
 def _check_intensity_cases(arithmetic_intensity: Callable, cases: Sequence[tuple]) -> None:
     name = "arithmetic_intensity"
     for args in cases:
-        got = call_learner(arithmetic_intensity, args, call_repr(name, args))
+        got = call_learner(arithmetic_intensity, args, name=name)
         expect_number(name, args, got, reference_arithmetic_intensity(*args), _intensity_hint(got, *args))
 
 
@@ -177,12 +177,12 @@ def check_arithmetic_intensity_more(arithmetic_intensity: Callable) -> None:
     cases = [(1, 6.74e9, 2), (1, 135e6, 4), (2048, 1e9, 2), (7, 3e9, 0.5)]
     _check_intensity_cases(arithmetic_intensity, cases)
     one, two = (32, 8e9, 2), (64, 8e9, 2)
-    a, b = (call_learner(arithmetic_intensity, args, call_repr(name, args)) for args in (one, two))
+    a, b = (call_learner(arithmetic_intensity, args, name=name) for args in (one, two))
     if not is_close(b, 2 * a):
         raise CheckFailed(f"{call_repr(name, two)} = {b!r} is not twice {call_repr(name, one)} = {a!r}: one weight "
                           "read serves every token of the step, so twice the tokens is twice the FLOPs per byte")
     small, big = (16, 1e8, 2), (16, 7e10, 2)
-    a, b = (call_learner(arithmetic_intensity, args, call_repr(name, args)) for args in (small, big))
+    a, b = (call_learner(arithmetic_intensity, args, name=name) for args in (small, big))
     if not is_close(a, b):
         raise CheckFailed(f"{call_repr(name, small)} = {a!r} but {call_repr(name, big)} = {b!r}: num_params is in the "
                           "FLOPs and in the bytes, so it cancels; the intensity depends on tokens and bytes per weight")
@@ -204,7 +204,7 @@ def _roofline_hint(got, flops: float, nbytes: float, peak: float, bw: float) -> 
 def _check_roofline_cases(roofline_time_s: Callable, cases: Sequence[tuple]) -> None:
     name = "roofline_time_s"
     for args in cases:
-        got = call_learner(roofline_time_s, args, call_repr(name, args))
+        got = call_learner(roofline_time_s, args, name=name)
         expect_number(name, args, got, reference_roofline_time_s(*args), _roofline_hint(got, *args))
 
 
@@ -248,7 +248,7 @@ def _bound_hint(got, params: float, bpp: float, bw: float) -> str:
 def _check_bound_cases(fn: Callable, cases: Sequence[tuple]) -> None:
     name = "decode_bandwidth_bound_tokens_per_s"
     for args in cases:
-        got = call_learner(fn, args, call_repr(name, args))
+        got = call_learner(fn, args, name=name)
         expect_number(name, args, got, reference_decode_bandwidth_bound_tokens_per_s(*args), _bound_hint(got, *args))
 
 
@@ -266,7 +266,7 @@ def check_decode_bandwidth_bound_more(decode_bandwidth_bound_tokens_per_s: Calla
     cases = [(8.03e9, 0.5, 4.8e12), (135e6, 4, 50e9), (1e9, 1, 1e9)]
     _check_bound_cases(decode_bandwidth_bound_tokens_per_s, cases)
     fp16, fp8 = (7e9, 2, 2e12), (7e9, 1, 2e12)
-    a, b = (call_learner(decode_bandwidth_bound_tokens_per_s, args, call_repr(name, args)) for args in (fp16, fp8))
+    a, b = (call_learner(decode_bandwidth_bound_tokens_per_s, args, name=name) for args in (fp16, fp8))
     if not is_close(b, 2 * a):
         raise CheckFailed(f"{call_repr(name, fp8)} = {b!r} is not twice {call_repr(name, fp16)} = {a!r}: half the "
                           "bytes per weight is half the bytes read per token, so twice the tokens per second")

@@ -434,8 +434,8 @@ def print_allocator_run(result: dict) -> None:
 
 
 # =================================================================== B. waste: reserved vs real
-def chat_prompts(llm, num_requests: int) -> list[dict]:
-    """Chat-template prompts built from data/prompts.txt (the bench's chat workload)."""
+def workload_prompts(llm, num_requests: int) -> list[dict]:
+    """num_requests chat-template prompts from data/prompts.txt (the bench's chat workload)."""
     from ..bench.workloads import chat_workload
 
     return [r.prompt for r in chat_workload(num_requests, 1, llm.tokenizer)]

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 
 from .common import CheckFailed, call_learner, expect_number, format_seconds, is_close, new_figure, passed
-from .common import echo_prediction  # noqa: F401 - the notebook echoes its predictions as lab06.echo_prediction
+from .common import chat_prompts, echo_prediction  # noqa: F401 - the notebook calls them as lab06.*
 
 # What the sources measured on a laptop: ten questions about one long document, total reading
 # (prefill) time without and with a kept prefix; and the re-read cost after changing one word at
@@ -356,10 +356,9 @@ def sibling_prompts(block_size: int = 8) -> list[dict]:
             {"prompt_token_ids": w + yz + [8, 9, 10]}]
 
 
-def chat_prompts(llm, system: str, questions: Sequence[str]) -> list[dict]:
-    """One system prompt, then a question each, in the model's chat template (token ids)."""
-    return [{"prompt_token_ids": llm.chat_token_ids([{"role": "system", "content": system},
-                                                      {"role": "user", "content": q}])} for q in questions]
+def system_conversations(system: str, questions: Sequence[str]) -> list[list[dict]]:
+    """One conversation per question, each after the same system prompt (for chat_prompts)."""
+    return [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
 
 
 def print_hash_run(result: dict) -> None:

@@ -1,5 +1,5 @@
 """Lab 07 helpers — speculative decoding: checks of the learner's greedy verifier, n-gram proposer and
-rejection sampler (against minillm.spec), `plugged` (the learner's functions as the engine's parts),
+rejection sampler (against minillm.speculative), `plugged` (the learner's functions as the engine's parts),
 the printouts of the notebook's experiments (the toy, the engine on your functions: their code is in
 the notebook), the chi-square test, and the k sweep on the repeat workload.
 
@@ -29,11 +29,11 @@ from collections.abc import Callable
 import torch
 
 from ..sampling import SamplingParams
-from ..spec.ngram import ngram_propose as ref_ngram_propose
-from ..spec.verify import greedy_verify as ref_greedy_verify
-from ..spec.verify import rejection_sample as ref_rejection_sample
-from ..spec.verify import residual_distribution
-from .common import CheckFailed, call_learner, echo_prediction, is_close, new_figure, passed
+from ..speculative.ngram import ngram_propose as ref_ngram_propose
+from ..speculative.verify import greedy_verify as ref_greedy_verify
+from ..speculative.verify import rejection_sample as ref_rejection_sample
+from ..speculative.verify import residual_distribution
+from .common import CheckFailed, call_learner, chi_square_p_value, echo_prediction, is_close, new_figure, passed
 
 _call = call_learner   # lab/common.py
 
@@ -51,8 +51,9 @@ def plugged(propose: Callable | None = None, verify: Callable | None = None, sam
     """The learner's proposer / greedy verifier / rejection sampler as engine parts, for the `with`
     block. Yields a record: 'parts' (pass them on: `llm.with_levers(speculative="ngram", **record["parts"])`
     — a Proposer and a Verifier, minillm/seams.py), 'rounds' (one dict per greedy verification:
-    proposal, target_argmax, kept) and call counts. None takes minillm.spec's own function."""
-    from ..engine.speculative import NgramProposer, SpecVerifier
+    proposal, target_argmax, kept) and call counts. None takes minillm.speculative's own function."""
+    from ..speculative.ngram import NgramProposer
+    from ..speculative.verify import SpecVerifier
 
     record = {"rounds": [], "propose_calls": 0, "verify_calls": 0, "sample_calls": 0}
     proposer = propose or ref_ngram_propose
@@ -154,7 +155,7 @@ def _diagnose_greedy(proposal, target, got, want) -> str:
 
 
 def check_greedy_verify(greedy_verify: Callable, seed: int = 0, num_cases: int = 200) -> None:
-    """Your verifier vs minillm.spec.verify.greedy_verify on random cases."""
+    """Your verifier vs minillm.speculative.verify.greedy_verify on random cases."""
     for proposal, target in _greedy_cases(seed, num_cases):
         got = _call(greedy_verify, (list(proposal), list(target)), f"greedy_verify({proposal}, {target})")
         want = ref_greedy_verify(proposal, target)
@@ -246,7 +247,7 @@ def _ngram_cases(seed: int, num: int):
 
 
 def check_ngram_propose(ngram_propose: Callable, seed: int = 0, num_cases: int = 300) -> None:
-    """Your proposer vs minillm.spec.ngram.ngram_propose on random short sequences."""
+    """Your proposer vs minillm.speculative.ngram.ngram_propose on random short sequences."""
     for ids, k, max_n, min_n in _ngram_cases(seed, num_cases):
         got = _call(lambda *a: ngram_propose(*a[:2], max_n=a[2], min_n=a[3]), (list(ids), k, max_n, min_n),
                     f"ngram_propose({ids}, k={k}, max_n={max_n}, min_n={min_n})")
@@ -325,19 +326,6 @@ def synthetic_case(vocab: int = 6, k: int = 3, seed: int = 0, far: bool = True):
         q = p[:k] + 0.3 * torch.rand(k, vocab, generator=g, dtype=torch.float64)
     q = q / q.sum(-1, keepdim=True)
     return p, q
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of observed counts against probs; the p-value is the chi-square
-    survival function, Q(df / 2, x / 2) (regularized upper incomplete gamma)."""
-    n = counts.sum()
-    expected = probs.double() * n
-    keep = expected > 0
-    if (counts.double()[~keep] > 0).any():
-        return 0.0   # a token the target never emits
-    stat = ((counts.double()[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def sample_rounds(rejection_sample: Callable, p: torch.Tensor, q: torch.Tensor, num_rounds: int, seed: int = 0):

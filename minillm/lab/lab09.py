@@ -29,6 +29,7 @@ import torch
 from ..layers.sampler import SamplingBatch, TorchSampler, processed_probs
 from ..sampling import SamplingParams
 from .common import CheckFailed, call_learner, echo_prediction, format_seconds, new_figure, passed
+from .common import chat_prompts, chi_square_p_value  # noqa: F401 - the notebook builds its prompts as lab09.chat_prompts
 
 _call = call_learner   # lab/common.py
 
@@ -351,12 +352,6 @@ def check_process_logits(process_logits: Callable, seed: int = 0, num_cases: int
 
 
 # =================================================================== 3. the learner's sampler in the engine
-def chat_prompts(llm) -> list[dict]:
-    """Two chat prompts for the engine runs (token ids)."""
-    return [{"prompt_token_ids": llm.chat_token_ids(STORY_MESSAGES)},
-            {"prompt_token_ids": llm.chat_token_ids(LIST_MESSAGES)}]
-
-
 def print_engine_run(result: dict) -> None:
     for name in ("greedy", "sampled"):
         run = result[name]
@@ -390,20 +385,6 @@ def check_engine_run(result: dict | None) -> None:
 CHI_VOCAB = 12        # the chi-square runs on the first token's 12 most likely candidates
 CHI_ALPHA = 1e-3      # reject "follows the reference" below this p-value (seeded: a right sampler passes with margin)
 CHI_SETTING = {"temperature": 1.3, "top_k": 10, "top_p": 0.95, "min_p": 0.02, "repetition_penalty": 1.2}
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of counts against probs (tokens of probability 0 left out; 0.0 if one was drawn)."""
-    counts, probs = counts.double(), probs.double()
-    keep = probs > 0
-    if counts[~keep].sum() > 0:
-        return 0.0
-    expected = probs[keep] * counts.sum()
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    df = int(keep.sum()) - 1
-    if df < 1:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def chi_square_logits() -> tuple[torch.Tensor, list[int]]:

@@ -20,6 +20,7 @@ from ..kernels.lora import lora_delta_reference, token_slots_from_segments
 from ..models.moe import decode_step_bytes, expected_experts_touched, route
 from ..models.presets import PRESETS
 from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed  # noqa: F401 - echo for the notebook
+from .common import random_tokens  # noqa: F401 - the notebook's inputs, as lab10.random_tokens
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -79,10 +80,6 @@ def random_lora_stack(num_slots: int, rank: int, in_features: int, out_features:
     b = torch.randn(num_slots, out_features, rank, generator=gen) / rank ** 0.5
     a[0], b[0] = 0.0, 0.0
     return a, b
-
-
-def random_tokens(num_tokens: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(seed + 1000))
 
 
 def segments_of(token_slots: Sequence[int]):

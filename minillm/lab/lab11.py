@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed  # noqa: F401 - echo for the notebook
+from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed, random_tokens  # noqa: F401 - echo and random_tokens for the notebook
 
 ATOL = 1e-5
 
@@ -26,10 +26,6 @@ def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.T
     """A linear layer's weight [out, in] (fp32) as torch stores it (y = x W^T), scaled so y is about x's size."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-
-
-def random_tokens(num_tokens: int, features: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_tokens, features, generator=torch.Generator().manual_seed(seed + 1000))
 
 
 def blocks(size: int, num_shards: int) -> list[slice]:
@@ -448,7 +444,7 @@ def fleet_state(now_s: float, loads: Sequence[int], running: int, starting: int 
                 min_replicas: int = 1, max_replicas: int = 8, tick_s: float = 1.0):
     """A FleetState at now_s whose history holds one total-ongoing sample per tick (the last one is now's, and
     includes the router queue); the load now is spread over the running replicas."""
-    from ..fleet.simulate import FleetState
+    from ..fleet.policies import FleetState
 
     history = tuple((now_s - tick_s * (len(loads) - 1 - i), int(total), running) for i, total in enumerate(loads))
     at_replicas = max(0, loads[-1] - queue)
@@ -538,7 +534,7 @@ EXAMPLE_PROFILE = {"decode_points": [(1, 0.0333), (4, 0.0415), (8, 0.0858), (16,
 
 def example_profile(startup_s: float = 5.0):
     """EXAMPLE_PROFILE as the simulator's ReplicaProfile, with this start-up time."""
-    from ..fleet.simulate import ReplicaProfile
+    from ..fleet.replica_profile import ReplicaProfile
 
     return ReplicaProfile(decode_points=list(EXAMPLE_PROFILE["decode_points"]),
                           prefill_points=list(EXAMPLE_PROFILE["prefill_points"]), startup_s=startup_s,
@@ -552,7 +548,7 @@ def print_profile(profile, label: str) -> None:
 
 
 def _interval_p99(result, step_s: float) -> list[float]:
-    from ..bench.runner import percentile
+    from ..serve.client import percentile
 
     return [percentile(result.ttfts(s["t_s"] - step_s, s["t_s"]), 99) for s in result.timeline]
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu
-from ..quant.kv import dequantize_kv, quantize_kv
+from ..kernels.kv_quant import dequantize_kv, quantize_kv
 from ..seams import check_attention_backend
 
 

@@ -14,7 +14,7 @@ on the whole batch at once (rows with different settings side by side), in vLLM'
    probability reaches top_p; the most likely token always stays), and one draw per row from the row's own
    ``torch.Generator`` (so a seeded request draws the same tokens batched or alone).
 
-Speculative decoding (minillm/engine/speculative.py) verifies against the same processing: one SamplingBatch row per
+Speculative decoding (minillm/engine/speculator.py) verifies against the same processing: one SamplingBatch row per
 verified position, its output history extended by the proposals before it, through :func:`apply_penalties` (greedy)
 and :func:`processed_probs` (sampled); its model drafts draw from the same processing of the draft's logits.
 

@@ -6,7 +6,7 @@ attention. What is left at batch 1 is Python between them: about ten wrapper cal
 checking its tensors and allocating its output, plus the modules' own dispatch, some 8,000 Python
 function calls per token on SmolLM2-135M, 3 to 5 ms of a 30 ms step. For a decode step (every
 sequence one new token, an fp32 KV pool, block tables) this module hands all the layers to C at
-once: `cpu_kernels.c`'s minillm_decode_layers runs the same kernels in the same order with the same
+once: `cpu_decode_layers.c`'s minillm_decode_layers runs the same kernels in the same order with the same
 arguments, so the logits are the same bits as the layer-by-layer path (tests/test_cpu_kernels.py
 checks it), and DecoderLayer.forward_fused stays the code to read.
 
@@ -90,9 +90,7 @@ class CPUDecodePlan:
     """The ctypes tables minillm_decode_layers reads (cpu.Layer per layer), built from the model's tensors;
     `fits` is False when some layer cannot go through the fused path (then the model keeps its layers)."""
 
-    def __init__(self, model, layers):
-        from .llama import DecoderLayer
-
+    def __init__(self, model, layers, layer_type: type):
         self.key = _key(model, layers)
         # the modules whose forward the fused path replaces: a hook on any of them (LoRA) needs the layers
         self.modules = [m for layer in layers for m in (layer, layer.attn, *layer.children())]
@@ -109,7 +107,7 @@ class CPUDecodePlan:
         for i, layer in enumerate(layers):
             attn = layer.attn
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if type(layer) is not DecoderLayer or layer.moe is not None or layer.down_rotation is not None \
+            if type(layer) is not layer_type or layer.moe is not None or layer.down_rotation is not None \
                     or layer._forward_hooks or layer._forward_pre_hooks or attn._forward_hooks \
                     or attn._forward_pre_hooks or type(attn.backend) is not CPUAttentionBackend \
                     or attn.k_cache is None or attn.k_cache.dtype is not torch.float32 or attn.k_scale is not None \
@@ -151,9 +149,10 @@ class CPUDecodePlan:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
 
-def run(model, layers, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata):
+def run(model, layers, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, layer_type: type):
     """The decoder layers of a decode step in one C call: (delta, residual) as the layer-by-layer loop in
-    LlamaForCausalLM.forward leaves them, or None when this step or model is not one the fused path covers."""
+    LlamaForCausalLM.forward leaves them, or None when this step or model is not one the fused path covers
+    (``layer_type``: the decoder layer class whose forward_fused it reproduces; a subclass goes layer by layer)."""
     m = hidden.shape[0]
     if not (getattr(model, "fuse_cpu_decode", False) and meta.use_cache and meta.max_query_len == 1
             and meta.block_tables is not None and len(meta.query_lens) == m and hidden.dtype is torch.float32
@@ -162,7 +161,7 @@ def run(model, layers, positions: torch.Tensor, hidden: torch.Tensor, meta: Atte
     plans = model.__dict__.setdefault("_cpu_decode_plans", {})   # by layer count: a "self" draft runs the first few
     plan = plans.get(len(layers))
     if plan is None or not plan.still_current(model, layers):
-        plan = plans[len(layers)] = CPUDecodePlan(model, layers)
+        plan = plans[len(layers)] = CPUDecodePlan(model, layers, layer_type)
     if not plan.fits or m > plan.max_rows:
         return None
     tables, lens = meta.block_tables, meta.seq_lens

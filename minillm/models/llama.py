@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         hidden = self.embed(input_ids)
         if self.use_native_ops:  # a decode step's layers in one C call (models/cpu_decode.py), when it covers them
-            fused = cpu_decode.run(self, layers, positions, hidden, meta)
+            fused = cpu_decode.run(self, layers, positions, hidden, meta, DecoderLayer)
             if fused is not None:
                 return self.norm.add_and_norm(*fused)[0]
         if self.use_triton_ops or self.use_native_ops:  # the residual stream is carried apart, added inside each norm

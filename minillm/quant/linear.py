@@ -10,7 +10,7 @@ picks its path at construction and names it in `.path`:
   weights times fp32 activations; int4 weights times activations rounded to int8 per block of 32;
 - a torch CPU kernel where minillm's are not built: "int8pack" (`aten._weight_int8pack_mm`) or
   "int4pack" (`aten._weight_int4pack_mm_for_cpu`, quant/int4pack.py), bf16 activations, weight-only;
-- "triton" on CUDA GPUs (minillm/kernels/quant_matmul.py; fp8 on the cards that have the fp8 kernels):
+- "triton" on CUDA GPUs (minillm/kernels/channel_matmul.py, int4_matmul.py; fp8 on the cards that have the fp8 kernels):
   the weights stay in their stored format and each kernel dequantizes its tile in registers. It stores
   the same buffers as "dequant" (tests flip `.path` to run it under the interpreter);
 - "dequant" everywhere else (fast=False, odd shapes, fp8 on the CPU): dequantize the whole matrix to
@@ -162,10 +162,8 @@ class QuantizedLinear(nn.Module):
         elif self.path == "dequant":
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         elif self.path == "triton":
-            from ..kernels import quant_matmul  # imported late: the interpreter is chosen before triton is imported
-
             x2d = x.reshape(-1, self.in_features)
-            y = self._triton_matmul(quant_matmul, x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+            y = self._triton_matmul(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
         else:  # the format's CPU kernel
             y = self._cpu_matmul(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:

@@ -1,6 +1,6 @@
 """Fp8Linear: fp8 (e4m3) weights, one scale per output channel (minillm/quant/fp8.py).
 
-Paths: "triton" on CUDA GPUs that have the fp8 kernels (kernels/quant_matmul.py fp8_supported,
+Paths: "triton" on CUDA GPUs that have the fp8 kernels (kernels/channel_matmul.py fp8_supported,
 hardware.GPU_FEATURES["fp8_matmul"]); "dequant" everywhere else, the CPU included (torch stores
 float8_e4m3fn there but does not multiply it).
 """
@@ -24,11 +24,14 @@ class Fp8Linear(ChannelLinear):
     def choose_path(self, fast: bool, weight: torch.Tensor) -> str:
         return "triton" if self.gpu_path(fast, weight) == "triton" and _has_fp8_kernels(weight.device) else "dequant"
 
-    def _triton_matmul(self, quant_matmul, x2d: torch.Tensor) -> torch.Tensor:
-        return quant_matmul.fp8_matmul(x2d, self.q, self.scale)
+    def _triton_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        # imported late: the interpreter is chosen before triton is imported
+        from ..kernels.channel_matmul import fp8_matmul
+
+        return fp8_matmul(x2d, self.q, self.scale)
 
 
 def _has_fp8_kernels(device: torch.device) -> bool:
-    from ..kernels.quant_matmul import fp8_supported  # imported late, as forward imports the kernels
+    from ..kernels.channel_matmul import fp8_supported  # imported late, as forward imports the kernels
 
     return fp8_supported(device)

@@ -8,7 +8,7 @@ packed layout, cpu.pack_i4: activations rounded to int8 in blocks of 32 and mult
 for fp32 models whose padded in_features is a multiple of 32; more than QUANT_KERNEL_ROWS rows (a long prefill)
 multiply the dequantized matrix with F.linear); "int4pack" on the CPU otherwise (`aten._weight_int4pack_mm_for_cpu` on torch's own packed layout,
 quant/int4pack.py: bf16 activations, out_features a multiple of 16; the weights stay 4-bit in
-memory); "triton" on CUDA GPUs (kernels/quant_matmul.py int4_matmul on the plain layout);
+memory); "triton" on CUDA GPUs (kernels/int4_matmul.py on the plain layout);
 "dequant" otherwise (the plain layout too). The plain layout is canonical: int4_parts() returns
 it on every path ("int4pack" recovers it from the kernel's layout once, and caches it; "cpu" unpacks
 its layout on each call).
@@ -127,5 +127,8 @@ class Int4Linear(QuantizedLinear):
         return int4pack.matmul(F.pad(xb, (0, self.pad)) if self.pad else xb, self.packed, self.group_size,
                                self.scales_and_zeros)
 
-    def _triton_matmul(self, quant_matmul, x2d: torch.Tensor) -> torch.Tensor:
-        return quant_matmul.int4_matmul(x2d, self.packed, self.scale, self.zero, self.group_size)
+    def _triton_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        # imported late: the interpreter is chosen before triton is imported
+        from ..kernels.int4_matmul import int4_matmul
+
+        return int4_matmul(x2d, self.packed, self.scale, self.zero, self.group_size)

@@ -5,7 +5,7 @@ times int8 weights converted in registers, for fp32 models; more than QUANT_KERN
 multiply the dequantized matrix with F.linear); "int8pack" on the CPU otherwise
 (`aten._weight_int8pack_mm`: bf16 activations and bf16 scales, weight-only, for in_features a
 multiple of 16; the op streams the int8 matrix only with bf16 activations); "triton" on CUDA GPUs
-(kernels/quant_matmul.py int8_matmul); "dequant" otherwise.
+(kernels/channel_matmul.py int8_matmul); "dequant" otherwise.
 """
 
 from __future__ import annotations
@@ -46,5 +46,8 @@ class Int8Linear(ChannelLinear):
             return F.linear(x2d, self.dequantized_weight(torch.float32))
         return cpu.mm_i8(x2d if x2d.is_contiguous() else x2d.contiguous(), self.q, self.scale)
 
-    def _triton_matmul(self, quant_matmul, x2d: torch.Tensor) -> torch.Tensor:
-        return quant_matmul.int8_matmul(x2d, self.q, self.scale)
+    def _triton_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        # imported late: the interpreter is chosen before triton is imported
+        from ..kernels.channel_matmul import int8_matmul
+
+        return int8_matmul(x2d, self.q, self.scale)

@@ -5,7 +5,7 @@ arrive from any asyncio task (any event loop) through a thread-safe command queu
 thread admits them between steps, so requests from different HTTP clients join the running
 batch (continuous batching does the rest). After every step the thread hands each request its
 new text and token ids through that request's own asyncio.Queue, fed with
-`loop.call_soon_threadsafe`.
+`loop.call_soon_threadsafe`; the caller reads them through a RequestStream (minillm/serve/stream.py).
 
     engine = AsyncEngine(llm)
     stream = await engine.add_request(SamplingParams(max_tokens=8), prompt="Hello")  # ValueError: bad input
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from ..outputs import returned_sequences
 from ..sampling import SamplingParams
 from .metrics import EngineGauges, ServerMetrics, render_prometheus
+from .stream import RequestStream, StreamEvent
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
@@ -46,30 +47,6 @@ _ids = itertools.count()
 
 class EngineStoppedError(RuntimeError):
     """The engine thread has stopped (shutdown, or it crashed): no new requests."""
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """What one request got since its previous event. The last one has `finished=True`."""
-
-    request_id: str
-    text: str                    # new text (held back while it could still become a stop string)
-    token_ids: list[int]         # new token ids
-    num_prompt_tokens: int
-    num_output_tokens: int       # output tokens so far
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" on the last event
-    error: str | None = None
-    # logprobs=N: per new token (token, logprob, rank, [(token, logprob)] of the top N), as Sequence.logprobs
-    logprobs: list = field(default_factory=list)
-    # on the first event after the prefill: the prompt's ids, and its logprobs with prompt_logprobs=N
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list | None = None
-    index: int = 0               # n > 1: which choice (continuation) this event belongs to
-
-    @property
-    def finished(self) -> bool:
-        """This choice has finished (with n > 1 the request ends when every choice has)."""
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -104,53 +81,6 @@ class _Request:
     choices: list[_Choice] = field(default_factory=list)   # what each returned choice was sent
     holdback_chars: int = 0
     counted_first_token: bool = False
-
-
-class RequestStream:
-    """The caller's side of one admitted request: async-iterate its StreamEvents.
-
-    With n > 1 the events of the n choices interleave (`event.index`); the stream ends after every choice's
-    finished event. best_of > n: each returned choice comes in one finished event once all have finished.
-    Leaving early (break, cancellation, close()) aborts the request; its KV blocks go back."""
-
-    def __init__(self, engine: "AsyncEngine", request: _Request, num_prompt_tokens: int):
-        self._engine = engine
-        self._request = request
-        self.request_id = request.request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_choices = request.params.n
-        self._open = self.num_choices    # choices whose finished event has not come yet
-        self.finished = False
-
-    async def get(self, timeout: float | None = None) -> StreamEvent:
-        """The next event; asyncio.TimeoutError after `timeout` seconds without one."""
-        if self.finished:
-            raise StopAsyncIteration
-        if timeout is None:
-            event = await self._request.events.get()
-        else:
-            event = await asyncio.wait_for(self._request.events.get(), timeout)
-        if event.finished:
-            self._open -= 1
-            self.finished = self._open <= 0
-        return event
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        try:
-            return await self.get()
-        except BaseException:
-            if not self.finished:
-                self.abort()
-            raise
-
-    def abort(self, reason: str = "the client went away") -> None:
-        if not self.finished:
-            self._engine.abort(self.request_id, reason)
-
-    close = abort
 
 
 class AsyncEngine:
@@ -213,7 +143,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id, "the caller was cancelled before admission")
             raise
-        return RequestStream(self, request, num_prompt_tokens)
+        return RequestStream(request_id, request.events, params.n, num_prompt_tokens, self.abort)
 
     async def generate(self, params: SamplingParams, **inputs) -> tuple[str, list[int], StreamEvent]:
         """Run one request (n = 1) to the end: (text, token ids, last event)."""

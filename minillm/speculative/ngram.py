@@ -1,12 +1,16 @@
-"""Prompt lookup (n-gram) proposer: no model. If the last n tokens occurred earlier in the
-sequence (prompt or output), propose the tokens that followed them there. Wins when the answer
-repeats its input: editing, summarising, code changes, retrieval-augmented answers.
+"""Prompt lookup (n-gram), the proposer without a model: ngram_propose and NgramProposer.
+
+If the last n tokens occurred earlier in the sequence (prompt or output), propose the tokens that
+followed them there. Wins when the answer repeats its input: editing, summarising, code changes,
+retrieval-augmented answers.
 
 Tries n = max_n down to min_n and takes the most recent earlier match (vLLM's
 `prompt_lookup_max` / `prompt_lookup_min`).
 """
 
 from __future__ import annotations
+
+from .proposer import StatelessProposer
 
 
 def ngram_propose(token_ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -25,3 +29,14 @@ def ngram_propose(token_ids: list[int], k: int, max_n: int = 3, min_n: int = 1) 
                 if follow:
                     return follow
     return []
+
+
+class NgramProposer(StatelessProposer):
+    """speculative="ngram": prompt lookup (ngram_propose), no model. `propose_fn(token_ids, k)`
+    is the per-sequence lookup (a lab passes the learner's)."""
+
+    def __init__(self, propose_fn=None):
+        self.propose_fn = propose_fn or ngram_propose
+
+    def propose(self, seqs: list["Sequence"], budgets: list[int]) -> tuple[list[list[int]], list]:
+        return [self.propose_fn(seq.token_ids, b) if b else [] for seq, b in zip(seqs, budgets)], [None] * len(seqs)

@@ -1,5 +1,7 @@
-"""The verifier: given k proposed tokens and the target's scores at all k + 1 positions (one
-target pass), decide which tokens to keep.
+"""The verifier (greedy_verify, rejection_sample, SpecVerifier): which of k proposed tokens to keep.
+
+Given k proposed tokens and the target's scores at all k + 1 positions (one target pass), decide
+which tokens to keep.
 
 Greedy (temperature 0): keep the longest prefix of the proposal that equals the target's own
 argmax, then the target's argmax at the first disagreement (or after the last proposal, the
@@ -73,3 +75,17 @@ def rejection_sample(proposal: list[int], draft_probs: torch.Tensor | None, targ
         return out
     out.append(int(torch.multinomial(target_probs[k].float(), 1, generator=generator).item()))
     return out
+
+
+class SpecVerifier:
+    """Greedy verification and rejection sampling (greedy_verify, rejection_sample); a lab passes its own functions."""
+
+    def __init__(self, greedy_fn=None, sample_fn=None):
+        self.greedy_fn = greedy_fn or greedy_verify
+        self.sample_fn = sample_fn or rejection_sample
+
+    def greedy(self, proposal: list[int], target_argmax: list[int]) -> list[int]:
+        return self.greedy_fn(proposal, target_argmax)
+
+    def sample(self, proposal: list[int], draft_probs, target_probs, generator) -> list[int]:
+        return self.sample_fn(proposal, draft_probs, target_probs, generator=generator)

@@ -6,16 +6,16 @@ A token's head vector x (head_dim values) is stored as
     q     = round(x / scale)       (int8: round half away from zero; fp8: the cast rounds to nearest)
     x    ~= q * scale              (dequantized by whoever reads the cache)
 
-`quantize_kv` / `dequantize_kv` are the torch reference; the Triton store kernel
-(kernels/store_kv.py) computes the same bits, and the attention kernels dequantize in registers.
-The pools themselves live in engine/kv_cache.py.
+`quantize_kv` / `dequantize_kv` are the torch reference; the Triton store kernel (store_kv.py) and the
+CPU kernels compute the same bits, and the attention kernels dequantize in registers. It lives beside
+the kernels, the lowest floor that uses it; the pools themselves live in engine/kv_cache.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-KV_DTYPES = ("int8", "fp8")     # or None / "auto": the model dtype
+from ..config import KV_DTYPES  # noqa: F401  ("int8", "fp8"; or None / "auto": the model dtype)
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 KV_QMAX = {"int8": 127.0, "fp8": 448.0}
 KV_SCALE_DTYPE = torch.float32  # one fp32 scale per token and KV head, for K and for V
