@@ -27,7 +27,10 @@ class LLM:
     Levers are EngineConfig's fields. Parts replace the engine's own (protocols in minillm/seams.py,
     each checked when the engine is built): `attention_backend=` (a lever: "torch", "triton" or an
     object), `block_manager=` (a factory (num_blocks, block_size, contiguous) -> allocator),
-    `scheduling_policy=`, `proposer=`, `verifier=` (with speculative=...), `sampler=`.
+    `scheduling_policy=`, `proposer=`, `verifier=` (with speculative=...), `sampler=`, and inside the model
+    `quantized_matmul=` (with weight_dtype=...), `lora_delta=` (with enable_lora=True), `moe_router=` and
+    `moe_experts=` (a Mixtral-style model). An engine's parts are its own: another engine on the same
+    weights (with_levers) runs with its own.
     """
 
     def __init__(self, model: str | None = None, _share_weights_with: "LLM | None" = None, **levers_and_parts: Any):
@@ -57,6 +60,10 @@ class LLM:
             inherited.update(proposer=None, verifier=None)
         if not levers["kv_cache"]:
             inherited.update(block_manager=None)
+        if levers["weight_dtype"] != self.config.weight_dtype:   # a matmul is written for one weight format
+            inherited.update(quantized_matmul=None)
+        if not levers["enable_lora"]:
+            inherited.update(lora_delta=None)
         return LLM(self.config.model, _share_weights_with=self, **{**levers, **inherited, **changes})
 
     # ------------------------------------------------------------ inputs
@@ -209,29 +216,6 @@ class LLM:
     @property
     def device(self) -> str:
         return self.engine.device_label
-
-    def set_quantized_matmul(self, fn, weight_dtype: str = "int4", num_layers: int | None = None) -> int:
-        """Plug in a quantized matmul y = fn(x2d, layer) (e.g. a lab's int4 Triton kernel reading
-        layer.int4_parts()) on every `weight_dtype` layer, or only on the first `num_layers` decoder
-        layers' (the head keeps its path); None restores the built-in paths. Engines sharing this
-        quantized model (with_levers) see it too. Returns the number of layers hooked."""
-        from .models.quantize import set_quantized_matmul
-
-        if self.engine.tensor_parallel is not None:
-            raise ValueError(f"set_quantized_matmul on a tensor_parallel_size={self.engine.config.tensor_parallel_size} "
-                             "engine: the worker processes keep their built-in matmuls; plug it into a "
-                             "tensor_parallel_size=1 engine")
-        layers = len(self.engine.model.layers)
-        if num_layers is not None and not (isinstance(num_layers, int) and 1 <= num_layers <= layers):
-            raise ValueError(f"num_layers={num_layers!r} must be None or an integer in [1, {layers}]")
-        count = set_quantized_matmul(self.engine.model, fn, weight_dtype, num_layers)
-        if count == 0:
-            raise ValueError(f"set_quantized_matmul(weight_dtype={weight_dtype!r}): this model has no {weight_dtype} "
-                             f"layers (its weight_dtype is {self.config.weight_dtype!r}); build the LLM with "
-                             f"weight_dtype={weight_dtype!r}")
-        if self.engine.runner.graphs is not None:  # captured graphs hold the old matmul's launches
-            self.engine.runner.graphs.reset()
-        return count
 
     def set_attention_backend(self, backend) -> None:
         """Plug an attention backend into this engine: "torch", "triton" or an object of one of the

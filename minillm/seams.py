@@ -17,12 +17,25 @@ calls the methods the protocol names and nothing else: it never probes a part wi
     proposer            Proposer (speculative=...)           LLM(proposer=...)
     verifier            Verifier (speculative=...)           LLM(verifier=...)
     sampler             Sampler                              LLM(sampler=...)
+    quantized matmul    QuantizedMatmul (a function; weight_dtype=...)
+                                                             LLM(quantized_matmul=...)
+    LoRA delta          LoRADelta (a function; enable_lora=True) LLM(lora_delta=...)
+    MoE routing         MoERouter (a function; a Mixtral-style model)
+                                                             LLM(moe_router=...)
+    MoE experts         MoEExperts (a function; a Mixtral-style model)
+                                                             LLM(moe_experts=...)
+
+A function part is any callable that takes its protocol's `__call__` arguments by position; it is checked
+by binding them to its signature, so one with the wrong number of parameters is refused at construction
+with the signature it should have. The model parts reach the model in each pass's ForwardContext
+(layers/context.py): an engine keeps them, the shared weights never do.
 
 The engine's own implementations are the references: TorchAttentionBackend and
 TritonAttentionBackend (layers/attention.py), BlockManager (engine/block_manager.py),
 ContinuousBatching / StaticBatching (engine/scheduler.py), NgramProposer (speculative/ngram.py),
 SelfDraftProposer / DraftModelProposer (speculative/draft.py) and SpecVerifier (speculative/verify.py),
-TorchSampler (layers/sampler.py).
+TorchSampler (layers/sampler.py); each QuantizedLinear's own path (quant/linear.py), add_lora_delta
+(layers/lora.py), route and the experts' loop (models/moe.py, kernels/fused_moe.py).
 
 Floor 0: this module imports nothing of minillm (the annotations name types of higher floors
 as strings only).
@@ -215,6 +228,45 @@ class Sampler(Protocol):
         torch.Generator (None when greedy), prompt and output token ids, and the ids min_tokens bans."""
 
 
+# =================================================================== model parts (functions)
+class QuantizedMatmul(Protocol):
+    """quantized_matmul=fn (with weight_dtype="int8" / "int4" / "fp8"): every quantized layer of the engine's
+    format computes y = fn(x, layer) instead of its own path (the bias is added after). A Triton kernel reads
+    the layer's plain layout: layer.int4_parts() / layer.int8_parts() (quant/linear.py)."""
+
+    def __call__(self, x, layer):
+        """x: [M, in_features] activations (after the layer's input_scale division); layer: the QuantizedLinear
+        -> [M, out_features]."""
+
+
+class LoRADelta(Protocol):
+    """lora_delta=fn (with enable_lora=True): each adapted projection adds fn's delta for every token of a step
+    that has adapters, slice by slice (q, k, v of qkv_proj; gate, up of gate_up_proj)."""
+
+    def __call__(self, x, a, b, batch):
+        """x: [T, in] the projection's input; a: [S, r, in] and b: [S, out, r] every slot's matrices (slot 0
+        zeros: no adapter); batch: the step's LoRABatch (layers/lora.py: token_slots [T], the segments)
+        -> the delta [T, out]."""
+
+
+class MoERouter(Protocol):
+    """moe_router=fn (a Mixtral-style model): each MoE layer routes its tokens with fn."""
+
+    def __call__(self, router_logits, top_k):
+        """router_logits: [T, E]; top_k: experts per token -> (weights [T, top_k], expert ids [T, top_k] int64)."""
+
+
+class MoEExperts(Protocol):
+    """moe_experts=fn (a Mixtral-style model): each MoE layer runs its experts with fn."""
+
+    def __call__(self, x, topk_weights, topk_ids, w13, w2):
+        """x: [T, H]; topk_weights, topk_ids: [T, k]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]
+        -> [T, H], each token's weighted sum of its experts' SwiGLU outputs."""
+
+
+FUNCTION_PROTOCOLS = (QuantizedMatmul, LoRADelta, MoERouter, MoEExperts)
+
+
 # =================================================================== the check
 class PartError(TypeError, ValueError):
     """A part that misses an attribute or a method of its protocol (raised when the engine is built)."""
@@ -258,11 +310,34 @@ def describe(protocol: type) -> str:
     return "\n".join(lines)
 
 
+def check_function(part: Any, protocol: type, role: str) -> Any:
+    """Refuse `part` unless it is callable with the positional arguments of `protocol.__call__`."""
+    params = list(inspect.signature(protocol.__call__).parameters)[1:]
+    expected = f"{role}(" + ", ".join(params) + ")"
+    if not callable(part):
+        raise PartError(f"{role}={part!r} is not callable; a {protocol.__name__} is a function {expected}:\n"
+                        f"{inspect.getdoc(protocol.__call__)}")
+    try:
+        sig = inspect.signature(part)
+    except (TypeError, ValueError):   # a builtin without a signature: taken as it is
+        return part
+    try:
+        sig.bind(*params)
+    except TypeError as exc:
+        raise PartError(f"{role}={getattr(part, '__name__', type(part).__name__)}{sig} cannot be called as "
+                        f"{expected} ({exc}); a {protocol.__name__}:\n{inspect.getdoc(protocol.__call__)}") from None
+    return part
+
+
 def check_part(part: Any, protocols: type | Sequence[type], role: str) -> Any:
-    """Refuse `part` unless it has every attribute and method of `protocols` (methods callable).
-    Returns the part. `role` names the argument in the message (e.g. "block_manager")."""
+    """Refuse `part` unless it has every attribute and method of `protocols` (methods callable; a function
+    protocol's part is callable with its arguments). Returns the part. `role` names the argument in the
+    message (e.g. "block_manager")."""
     protocols = [protocols] if isinstance(protocols, type) else list(protocols)
     for protocol in protocols:
+        if protocol in FUNCTION_PROTOCOLS:
+            check_function(part, protocol, role)
+            continue
         methods, attributes = protocol_members(protocol)
         missing = [name for name in attributes if not hasattr(part, name)]
         missing += [f"{name}()" for name in methods if not callable(getattr(part, name, None))]

@@ -19,7 +19,7 @@ import torch
 
 from minillm import LLM
 from minillm.layers.attention import AttentionMetadata
-from minillm.models.quantize import autoround_token_ids, torch_attention
+from minillm.models.quantize import autoround_token_ids
 
 SEQ_LEN, NUM_SEQS = 512, 2
 
@@ -33,7 +33,7 @@ def main() -> None:
     positions = torch.arange(SEQ_LEN).repeat(NUM_SEQS)
     sinks = torch.arange(NUM_SEQS) * SEQ_LEN
     print(f"{'layer':>5}{'sink rms':>10}{'median rms':>12}{'sink top dim':>14}{'its share':>11}{'sinks in MSE':>14}")
-    with torch_attention(model), torch.no_grad():
+    with torch.no_grad():   # a pass without a KV pool: torch attention and ops
         hidden = model.embed_tokens(ids)
         for i, layer in enumerate(model.layers):
             hidden = layer(positions, hidden, meta)

@@ -224,9 +224,9 @@ def test_the_default_engine_uses_the_cpu_kernels_and_keeps_the_reference_tokens(
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert llm.engine.runner.backend.name == "cpu" and llm.engine.model.use_native_ops
+    assert llm.engine.runner.backend.name == "cpu" and llm.engine.runner.ops == "cpu"
     theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
-    assert reference.engine.runner.backend.name == "torch" and not reference.engine.model.use_native_ops
+    assert reference.engine.runner.backend.name == "torch" and reference.engine.runner.ops == "torch"
     assert ours == theirs
 
 
@@ -269,26 +269,27 @@ def test_the_fused_decode_step_gives_the_layer_by_layer_bits(default_llm, levers
     the same logprobs to the bit as DecoderLayer.forward_fused, for one sequence and for three of
     different lengths (int4 g128 pads the 576 input channels to 640)."""
     llm = default_llm.with_levers(**levers) if levers else default_llm
-    model = llm.engine.model
+    runner = llm.engine.runner
     calls = _decode_layers_calls(monkeypatch)
     prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time"]
     for batch in (prompts[:1], prompts):
         calls.clear()
         fused = _greedy_with_logprobs(llm, batch)
         assert len(calls) >= 9, "the decode steps did not take the fused path"
-        model.fuse_cpu_decode = False
+        runner.fuse_cpu_decode = False
         try:
             calls.clear()
             layered = _greedy_with_logprobs(llm, batch)
             assert not calls
         finally:
-            model.fuse_cpu_decode = True
+            runner.fuse_cpu_decode = True
         assert fused == layered
 
 
 def test_the_fused_decode_step_steps_aside_for_what_it_does_not_cover(default_llm, monkeypatch):
-    """A forward hook on a projection (how LoRA adapters act) and a quantized KV pool send the step back to
-    the layers; the hook still runs on every step."""
+    """A forward hook on a projection and a quantized KV pool send the step back to the layers (the hook still
+    runs on every step); so does a plugged quantized matmul, in its own engine only: another engine on the
+    same weights keeps the fused path."""
     calls = _decode_layers_calls(monkeypatch)
     llm = default_llm
     seen = []
@@ -304,7 +305,7 @@ def test_the_fused_decode_step_steps_aside_for_what_it_does_not_cover(default_ll
     int8_kv = llm.with_levers(kv_dtype="int8")
     _greedy_with_logprobs(int8_kv, ["Hello there, my friend"])
     assert not calls
-    # a matmul plugged in after the plan was built (a lab's kernel): the decode steps call it, not the plan
+    # a plugged matmul (a lab's kernel): the decode steps of its engine call it, not the plan
     int8 = llm.with_levers(weight_dtype="int8")
     _greedy_with_logprobs(int8, ["Hello there, my friend"])
     assert len(calls) == 9
@@ -315,9 +316,10 @@ def test_the_fused_decode_step_steps_aside_for_what_it_does_not_cover(default_ll
         rows.append(x2d.shape[0])
         return x2d @ layer.dequantized_weight(x2d.dtype).t()
 
-    assert int8.set_quantized_matmul(plugged, weight_dtype="int8") > 0
-    try:
-        _greedy_with_logprobs(int8, ["Hello there, my friend"])
-    finally:
-        int8.set_quantized_matmul(None, weight_dtype="int8")
+    mine = int8.with_levers(quantized_matmul=plugged)
+    assert mine.engine.model is int8.engine.model      # the same weights
+    _greedy_with_logprobs(mine, ["Hello there, my friend"])
     assert not calls and rows.count(1) >= 9 * 4 * 30
+    rows.clear()
+    _greedy_with_logprobs(int8, ["Hello there, my friend"])
+    assert len(calls) == 9 and not rows                # the other engine: fused, never the plugged matmul

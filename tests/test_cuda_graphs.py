@@ -83,7 +83,7 @@ def test_padded_decode_matches_the_torch_backend(plain):
 
 
 def test_load_pads_with_slot_minus_one_and_length_one():
-    graphs = DecodeGraphs(model=None, device=torch.device("cpu"), block_size=4, max_num_seqs=8, max_model_len=32,
+    graphs = DecodeGraphs(model=None, context=None, device=torch.device("cpu"), block_size=4, max_num_seqs=8, max_model_len=32,
                           capture=False)
     assert graphs.max_bs == 8 and graphs.max_blocks == 8 and graphs.bucket(3) == 4 and graphs.bucket(5) == 8
     a = Sequence([10, 11, 12, 13, 14], SamplingParams())
@@ -105,7 +105,7 @@ def test_load_pads_with_slot_minus_one_and_length_one():
 
 
 def test_contexts_longer_than_the_capture_limit_run_eagerly():
-    graphs = DecodeGraphs(model=None, device=torch.device("cpu"), block_size=4, max_num_seqs=2, max_model_len=4096,
+    graphs = DecodeGraphs(model=None, context=None, device=torch.device("cpu"), block_size=4, max_num_seqs=2, max_model_len=4096,
                           capture=False, max_capture_len=16)
     assert graphs.max_blocks == 4                                 # the decode grid is sized for 16 keys, not 4096
     long = Sequence(list(range(17)), SamplingParams())

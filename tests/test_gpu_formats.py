@@ -67,7 +67,7 @@ def test_fp8_kv_cache_in_the_triton_kernels_needs_sm89(fake_card, capability, re
     from minillm.engine.model_runner import ModelRunner
 
     fake_card(capability)
-    build = lambda: ModelRunner(SimpleNamespace(bound_runner=None), CUDA, None,  # noqa: E731
+    build = lambda: ModelRunner(SimpleNamespace(), CUDA, None,  # noqa: E731
                                 kv_cache=SimpleNamespace(kv_dtype="fp8"), attention_backend="triton")
     if refused:
         with pytest.raises(ValueError, match=rf"kv_dtype='fp8' .* sm_{capability.replace('.', '')}: fp8 e4m3 needs "

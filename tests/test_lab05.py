@@ -274,7 +274,7 @@ def test_kernel_in_the_engine_gives_the_reference_tokens(default_llm, solution, 
     int4_llm = default_llm.with_levers(weight_dtype="int4")
     result = run_with_kernel(int4_llm, solution.int4_matmul, ["The capital of France is"], 2, num_layers=1)
     assert result["equal_reference"] and result["hooked"] == 4 and result["calls"] == 8, result
-    assert all(m.matmul_fn is None for m in lab05.quantized_layers(int4_llm)), "the hook must be removed"
+    assert int4_llm.engine.runner.parts.quantized_matmul is None, "the kernel ran in engines of its own, not int4_llm"
 
     def broken(x, packed, scale, zero, group_size):
         return solution.int4_matmul(x, packed, scale, zero, group_size) * 0.0

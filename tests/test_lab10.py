@@ -2,8 +2,8 @@
 token on the first token's adapter, adapters off by one, segment index taken as slot, a length taken as an end, the
 base model forgotten or counted per adapter, no renormalisation, a bf16 softmax, the routing weight forgotten, gate and
 up swapped, one expert per token, an assignment where outputs add up, "8x7B" read as 2 x 7B); every graded test cell
-fails on two or more plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails); the plug-in points
-(set_lora_delta, set_moe_functions) give the engine's own tokens with the solutions and refuse what they cannot run;
+fails on two or more plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails); the engine's parts
+(lora_delta, moe_router, moe_experts) give the engine's own tokens with the solutions and refuse what they cannot run;
 the experts-touched sweep, the bytes model and the figures come out right. Everything runs on tiny random models
 (random:tiny-llama with random adapters, random:tiny-mixtral), not the default model."""
 
@@ -36,12 +36,9 @@ solution = solution_fixture(MASTER, {"lab10": lab10, "torch": torch, "F": F})
 def experiments() -> dict:
     from minillm import LLM, SamplingParams
     from minillm.bench import lora as lora_bench
-    from minillm.layers.lora import set_lora_delta
-    from minillm.models.moe import set_moe_functions
 
     return notebook_functions(MASTER, "lora_runs", "moe_run", "experts_touched", lab10=lab10, LLM=LLM,
-                              SamplingParams=SamplingParams, lora_bench=lora_bench, set_lora_delta=set_lora_delta,
-                              set_moe_functions=set_moe_functions)
+                              SamplingParams=SamplingParams, lora_bench=lora_bench)
 
 
 @pytest.fixture(scope="module")
@@ -126,21 +123,20 @@ def test_lora_runs_on_the_solution_and_on_a_wrong_delta(tiny_lora, solution, exp
                                     solution["lora_delta_segments"], 5)["engine"] == result["engine"]
 
 
-def test_set_lora_delta_refuses_what_it_cannot_run(tiny_lora):
+def test_the_lora_delta_part_refuses_what_it_cannot_run(tiny_lora):
     from minillm import LLM, SamplingParams
-    from minillm.layers.lora import set_lora_delta
 
     llm, requests, prompts = tiny_lora
-    with pytest.raises(ValueError, match="enable_lora=True"):
-        set_lora_delta(LLM("random:tiny-llama").engine.model, lambda *a: None)
-    with pytest.raises(ValueError, match="must be a function"):
-        set_lora_delta(llm.engine.model, 3)
-    set_lora_delta(llm.engine.model, lambda x, a, b, batch: torch.zeros(x.shape[0], 1))
-    try:
-        with pytest.raises(ValueError, match=r"expected a tensor of shape \(\d+, \d+\)"):
-            llm.generate(prompts[:1], SamplingParams(max_tokens=2), lora_request=requests[0])
-    finally:
-        set_lora_delta(llm.engine.model, None)
+    with pytest.raises(ValueError, match="lora_delta= needs enable_lora=True"):
+        LLM("random:tiny-llama", lora_delta=lambda x, a, b, batch: None)
+    with pytest.raises(ValueError, match="lora_delta=3 is not callable; a LoRADelta is a function lora_delta"
+                                         r"\(x, a, b, batch\)"):
+        llm.with_levers(lora_delta=3)
+    with pytest.raises(ValueError, match=r"cannot be called as lora_delta\(x, a, b, batch\)"):
+        llm.with_levers(lora_delta=lambda x, a, b: None)
+    wrong = llm.with_levers(lora_delta=lambda x, a, b, batch: torch.zeros(x.shape[0], 1))
+    with pytest.raises(ValueError, match=r"expected a tensor of shape \(\d+, \d+\)"):
+        wrong.generate(prompts[:1], SamplingParams(max_tokens=2), lora_request=requests[0])
     assert len(llm.generate(prompts[:1], SamplingParams(max_tokens=2), lora_request=requests[0])[0].outputs[0].token_ids) == 2
 
 
@@ -160,16 +156,16 @@ def test_moe_run_on_the_solution_and_on_a_wrong_dispatch(solution, experiments):
         lab10.check_moe_run(None)
 
 
-def test_set_moe_functions_refuses_models_it_cannot_run():
+def test_the_moe_parts_refuse_models_they_cannot_run():
     from minillm import LLM
-    from minillm.models.moe import set_moe_functions
 
-    with pytest.raises(ValueError, match="no MoE blocks"):
-        set_moe_functions(LLM("random:tiny-llama").engine.model)
-    with pytest.raises(ValueError, match="Mixtral-style MoE only"):
-        set_moe_functions(LLM("random:tiny-qwen2-moe").engine.model, route=lambda logits, k: None)
-    with pytest.raises(ValueError, match="must be a function"):
-        set_moe_functions(LLM("random:tiny-mixtral").engine.model, experts="loop")
+    route = lambda logits, k: None  # noqa: E731
+    with pytest.raises(ValueError, match="moe_router: this model has no mixture-of-experts layers"):
+        LLM("random:tiny-llama", moe_router=route)
+    with pytest.raises(ValueError, match="moe_router: Mixtral-style MoE only"):
+        LLM("random:tiny-qwen2-moe", moe_router=route)
+    with pytest.raises(ValueError, match="moe_experts='loop' is not callable"):
+        LLM("random:tiny-mixtral", moe_experts="loop")
 
 
 def test_experts_touched_follow_the_uniform_model_and_the_bytes_figure(experiments, capsys):

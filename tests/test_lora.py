@@ -392,8 +392,8 @@ def test_tiny_engine_triton_path_equals_torch_path(tiny_adapters):
 
 
 def test_a_quantized_copy_of_a_lora_model_applies_the_adapters(tiny_adapters):
-    """with_levers(weight_dtype="int8") quantizes a shallow copy whose linear layers are new modules: they get the
-    LoRA hooks too (else the adapters would silently do nothing)."""
+    """with_levers(weight_dtype="int8") quantizes a shallow copy whose linear layers are new modules: the adapters
+    act on them too (else they would silently do nothing)."""
     fp32 = LLM("random:tiny-llama", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128)
     int8 = fp32.with_levers(weight_dtype="int8")
     wide = LoRARequest("wide", 1, tiny_adapters["wide"])
@@ -402,10 +402,7 @@ def test_a_quantized_copy_of_a_lora_model_applies_the_adapters(tiny_adapters):
         base = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(5))]
         adapted = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(5), lora_request=wide)]
         assert base != adapted, f"{llm.config.weight_dtype}: the adapter changed nothing"
-    model = int8.engine.model
-    assert type(model.layers[0].qkv_proj).__name__ == "Int8Linear"
-    assert all(layer.get_submodule(attr) in model.lora_context.hooked for layer in model.layers
-               for attr in layer.lora_slices())
+    assert type(int8.engine.model.layers[0].qkv_proj).__name__ == "Int8Linear"
 
 
 # ----------------------------------------------------------------------------- bad input

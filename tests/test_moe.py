@@ -14,6 +14,7 @@ from kernel_utils import TOLERANCE, max_error  # first: picks the interpreter be
 from conftest import assert_engine_idle, tokenizer_files
 
 from minillm import LLM, SamplingParams
+from minillm.layers.context import ForwardContext
 from minillm.kernels import fused_moe as fm
 from minillm.models.moe import decode_step_bytes, expected_experts_touched, route
 from minillm.models.presets import preset_config
@@ -357,7 +358,8 @@ def test_quantized_experts_stay_close_to_fp32(checkpoints, weight_dtype):
         err = float((got_out - want_out).norm() / want_out.norm())
         assert 0 < err < BLOCK_ERROR[weight_dtype], f"{weight_dtype} MoE block: relative error {err:.4f}"
         # the Triton kernel reads the experts as stored (interpreter): the same as dequantizing them
-        torch.testing.assert_close(block(x, use_triton=True), got_out, rtol=1e-4, atol=1e-5)
+        triton_ops = ForwardContext(meta=None, ops="triton")
+        torch.testing.assert_close(block(x, triton_ops), got_out, rtol=1e-4, atol=1e-5)
     outs = generate(quant, prompts, 4)   # and the engine runs it
     assert all(len(o) == 4 for o in outs)
     if weight_dtype == "int8":   # next-token log-probabilities of the whole int8 model within 0.1 of fp32

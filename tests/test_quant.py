@@ -231,7 +231,7 @@ def test_awq_module_objective_scores_the_block_each_matrix_feeds():
     on that block output it never does worse than the per-matrix objective (same alpha grid), and
     the module functions reproduce the layer's own float computation."""
     from minillm.layers.attention import AttentionMetadata
-    from minillm.models.quantize import awq_module, calibrate_awq, torch_attention
+    from minillm.models.quantize import awq_module, calibrate_awq
     from minillm.quant.awq import fake_quantize
 
     llm = LLM("random:tiny-llama", max_num_seqs=2)
@@ -248,7 +248,7 @@ def test_awq_module_objective_scores_the_block_each_matrix_feeds():
     positions = torch.arange(n)
     meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
     layer = model.layers[1]
-    with torch_attention(model), torch.inference_mode():
+    with torch.inference_mode():   # a pass without a pool: torch attention
         hidden = model.embed_tokens(torch.tensor(calib))
         hidden = model.layers[0](positions, hidden, meta)
         x_attn = layer.input_layernorm(hidden)
@@ -318,7 +318,7 @@ def test_int8_parts_are_q_and_a_float_scale_on_every_path():
         layer.int4_parts()
 
 
-def test_set_matmul_replaces_the_path_after_input_scale_and_before_bias():
+def test_a_plugged_matmul_replaces_the_path_after_input_scale_and_before_bias():
     g = torch.Generator().manual_seed(12)
     w, bias, s = fresh((16, 64), 12), torch.randn(16, generator=g), torch.rand(64, generator=g) + 0.5
     layer = QuantizedLinear.from_float(w, bias, "int4", 32, input_scale=s)
@@ -329,16 +329,15 @@ def test_set_matmul_replaces_the_path_after_input_scale_and_before_bias():
         seen.append((x2d.shape, x2d.dtype))
         return torch.full((x2d.shape[0], lay.out_features), 7.0) + x2d[:, :1]
 
-    layer.set_matmul(fn)
-    y = layer(x)
+    y = layer(x, fn)
     assert seen == [((6, 64), torch.float32)]
     x2d = (x * layer.inv_input_scale).reshape(6, 64)
     torch.testing.assert_close(y, (7.0 + x2d[:, :1] + bias).reshape(2, 3, 16))
-    layer.set_matmul(None)
-    torch.testing.assert_close(layer(x), F.linear(x * layer.inv_input_scale, layer.dequantized_weight(), bias),
-                               rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="set_matmul takes a callable"):
-        layer.set_matmul(3)
+    want = F.linear(x * layer.inv_input_scale, layer.dequantized_weight(), bias)
+    torch.testing.assert_close(layer(x), want, rtol=2e-2, atol=2e-2)      # the layer keeps no plug-in
+    torch.testing.assert_close(layer.own_matmul(x2d) + bias, want.reshape(6, 16), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match=r"returned \(6, 3\) for a int4 layer \[16, 64\]"):
+        layer(x, lambda x2d, lay: x2d[:, :3])
 
 
 def int4_torch_matmul(x2d, layer):
@@ -360,16 +359,23 @@ def test_a_torch_int4_hook_gives_the_engine_s_greedy_tokens():
         calls.append(layer)
         return int4_torch_matmul(x2d, layer)
 
-    hooked = sum(isinstance(m, QuantizedLinear) and m.weight_dtype == "int4" for m in llm.engine.model.modules())
-    assert hooked >= 8  # 2 layers x 4 Linears (+ the head when it is int4 too)
-    assert llm.set_quantized_matmul(hook) == hooked
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert calls and got == ref
-    llm.set_quantized_matmul(lambda x2d, layer: torch.zeros(x2d.shape[0], layer.out_features))  # a wrong kernel shows
-    wrong = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert wrong != ref
-    assert llm.set_quantized_matmul(None) == hooked
+    int4_layers = {m for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear) and m.weight_dtype == "int4"}
+    assert len(int4_layers) >= 8  # 2 layers x 4 Linears (+ the head when it is int4 too)
+    got = [o.outputs[0].token_ids for o in llm.with_levers(quantized_matmul=hook).generate(prompts, params)]
+    assert {id(m) for m in calls} == {id(m) for m in int4_layers} and got == ref
+    wrong = llm.with_levers(quantized_matmul=lambda x2d, layer: torch.zeros(x2d.shape[0], layer.out_features))
+    assert [o.outputs[0].token_ids for o in wrong.generate(prompts, params)] != ref   # a wrong kernel shows
     n = len(calls)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref and len(calls) == n
-    with pytest.raises(ValueError, match=r"no fp8 layers \(its weight_dtype is 'int4'\)"):
-        llm.set_quantized_matmul(hook, weight_dtype="fp8")
+    with pytest.raises(ValueError, match=r"quantized_matmul= needs weight_dtype="):
+        LLM("random:tiny-llama", quantized_matmul=hook)
+    with pytest.raises(ValueError, match=r"quantized_matmul=_one_argument\(x2d\) cannot be called as "
+                                         r"quantized_matmul\(x, layer\)"):
+        llm.with_levers(quantized_matmul=_one_argument)
+    with pytest.raises(ValueError, match=r"the plugged quantized matmul returned \(\d+, 3\)"):
+        llm.with_levers(quantized_matmul=lambda x2d, layer: x2d[:, :3]).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref   # the engine serves on
+
+
+def _one_argument(x2d):
+    return x2d

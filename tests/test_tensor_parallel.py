@@ -273,8 +273,8 @@ def test_set_attention_backend_is_refused_on_rank_0_alone(tiny2):
     with pytest.raises(ValueError, match="rank 0's backend only"):
         two.set_attention_backend("torch")
     assert two.config.attention_backend == "triton"
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 engine: the worker processes keep"):
-        two.set_quantized_matmul(lambda x, layer: x, "int8")
+    with pytest.raises(ValueError, match="quantized_matmul= with tensor_parallel_size=2: the worker processes keep"):
+        two.with_levers(weight_dtype="int8", quantized_matmul=lambda x, layer: x)
 
 
 def test_shutdown_stops_the_workers(tiny2):

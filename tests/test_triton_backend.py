@@ -112,10 +112,8 @@ def test_a_rotated_norm_rotates_the_triton_kernels_output_too():
     norm.rotation = hadamard(32)
     x, residual = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
     want = norm(x), *norm.add_and_norm(x, residual.clone())
-    norm.use_triton = True
-    got = norm(x), *norm.add_and_norm(x, residual.clone())
+    got = norm(x, "triton"), *norm.add_and_norm(x, residual.clone(), "triton")
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5)
-    norm.use_triton = False
     norm.rotation = None
     assert not torch.allclose(norm(x), want[0], atol=1e-2)

@@ -69,19 +69,17 @@ NOT_AVAILABLE = "not available yet"
 def sequence_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits [len(token_ids), vocab] in fp32 for every position of one sequence.
 
-    Runs `llm.engine.model` directly with kv_cache-free metadata (one sequence, nothing cached),
-    the way ModelRunner.prepare lays out a kv_cache=False step. The engine's runner binds its
-    weights and ops first; a block-table backend (Triton or CPU kernels, which read the KV pool)
-    attends through torch for such a pass (layers/attention.py).
+    Runs the engine's model through its runner (its ops and parts) with kv_cache-free metadata (one
+    sequence, nothing cached), the way ModelRunner.prepare lays out a kv_cache=False step; a block-table
+    backend (Triton or CPU kernels, which read the KV pool) attends through torch for such a pass
+    (layers/attention.py).
     """
     engine = llm.engine
-    engine.runner.bind()
-    model = engine.model
     n = len(token_ids)
     ids = torch.tensor(token_ids, dtype=torch.long, device=engine.device)
     positions = torch.arange(n, dtype=torch.long, device=engine.device)
     meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
-    return model.compute_logits(model(ids, positions, meta)).float()
+    return engine.runner.compute_logits(engine.runner.forward(ids, positions, meta)).float()
 
 
 # ------------------------------------------------------------------ perplexity

@@ -8,7 +8,7 @@ Every setting is an `LLM.with_levers(weight_dtype=...)` of one loaded model (the
 engines quantize its float weights in memory). Settings run interleaved, round after round, and
 each reports the median over rounds of (tokens - 1) / (time of last token - time of first token)
 for one greedy request, so a noisy shared CPU hurts all settings alike. With --fuse-compare every
-setting also runs with `model.fuse_cpu_decode = False` ("layer by layer"): the CPU kernels called
+setting also runs with `runner.fuse_cpu_decode = False` ("layer by layer"): the CPU kernels called
 from each layer's Python, instead of a decode step's layers in one C call (models/cpu_decode.py).
 """
 
@@ -47,7 +47,7 @@ def decode_tokens_per_s(llm, prompt: str = "Write a short story about a lighthou
 def compare(llm=None, settings: dict[str, dict] | None = None, tokens: int = 32, repeats: int = 3,
             fuse_compare: bool = False) -> list[dict]:
     """Rows of {setting, weight_MB, tok_s (median), tok_s_all, paths} for every setting (fuse_compare: and
-    every setting again as "<setting>, layer by layer", with model.fuse_cpu_decode off)."""
+    every setting again as "<setting>, layer by layer", with its runner's fuse_cpu_decode off)."""
     from ..llm import LLM
 
     llm = llm or LLM()
@@ -63,12 +63,12 @@ def compare(llm=None, settings: dict[str, dict] | None = None, tokens: int = 32,
     runs: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):
         for name, engine in engines.items():
-            model = engine.engine.model
-            model.fuse_cpu_decode = fused[name]
+            runner = engine.engine.runner
+            runner.fuse_cpu_decode = fused[name]
             try:
                 runs[name].append(decode_tokens_per_s(engine, tokens=tokens))
             finally:
-                model.fuse_cpu_decode = True
+                runner.fuse_cpu_decode = True
     rows = []
     for name, engine in engines.items():
         paths = sorted({m.path for m in engine.engine.model.modules() if hasattr(m, "path")})

@@ -26,8 +26,10 @@ from ..layers.lora import layer_shapes
 from ..lora import LoRARegistry
 from ..models.loader import load_model, load_model_config, load_tokenizer, read_generation_eos, resolve_model_path
 from ..models.quantize import head_dtype_for, quantize_for_config
-from ..seams import (BlockAllocator, PrefixCache, Proposer, Sampler, SchedulingPolicy, Truncation, Verifier,
-                     check_part)
+from ..layers.context import ModelParts
+from ..models.moe import check_moe_parts
+from ..seams import (BlockAllocator, LoRADelta, MoEExperts, MoERouter, PrefixCache, Proposer, QuantizedMatmul, Sampler,
+                     SchedulingPolicy, Truncation, Verifier, check_part)
 from ..speculative.draft import DraftModelProposer, SelfDraftProposer
 from ..speculative.ngram import NgramProposer
 from ..speculative.verify import SpecVerifier
@@ -53,6 +55,12 @@ class EngineParts:
     proposer           a Proposer (needs speculative=; default: the method's own)
     verifier           a Verifier (needs speculative=; default: greedy_verify / rejection_sample)
     sampler            a Sampler (default: TorchSampler)
+    quantized_matmul   a QuantizedMatmul (needs weight_dtype=; default: each quantized layer's own path)
+    lora_delta         a LoRADelta (needs enable_lora=True; default: add_lora_delta, torch or Triton SGMV)
+    moe_router         a MoERouter (a Mixtral-style model; default: softmax, top-k, renormalised)
+    moe_experts        a MoEExperts (a Mixtral-style model; default: the experts' loop or the fused-MoE kernel)
+
+    The last four act inside the model: the runner hands them to it in each pass's ForwardContext.
     """
 
     block_manager: BlockManagerFactory | None = None
@@ -60,6 +68,10 @@ class EngineParts:
     proposer: Proposer | None = None
     verifier: Verifier | None = None
     sampler: Sampler | None = None
+    quantized_matmul: QuantizedMatmul | None = None
+    lora_delta: LoRADelta | None = None
+    moe_router: MoERouter | None = None
+    moe_experts: MoEExperts | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -78,6 +90,23 @@ class EngineParts:
                 raise ValueError(f"{name}={type(part).__name__} needs speculative= (one of {PROPOSERS}): "
                                  "without it the engine never speculates")
             check_part(part, protocol, name)
+        if self.quantized_matmul is not None:
+            if config.weight_dtype in (None, "auto"):
+                raise ValueError("quantized_matmul= needs weight_dtype= ('int8', 'int4' or 'fp8'): with the model's "
+                                 "own dtype there is no quantized layer to run it")
+            if config.tensor_parallel_size > 1:
+                raise ValueError(f"quantized_matmul= with tensor_parallel_size={config.tensor_parallel_size}: the "
+                                 "worker processes keep their built-in matmuls; plug it into a tensor_parallel_size=1 "
+                                 "engine")
+            check_part(self.quantized_matmul, QuantizedMatmul, "quantized_matmul")
+        if self.lora_delta is not None:
+            if not config.enable_lora:
+                raise ValueError("lora_delta= needs enable_lora=True: without adapters there is no delta to add")
+            check_part(self.lora_delta, LoRADelta, "lora_delta")
+        for name, part, protocol in (("moe_router", self.moe_router, MoERouter),
+                                     ("moe_experts", self.moe_experts, MoEExperts)):
+            if part is not None:
+                check_part(part, protocol, name)
         if self.block_manager is not None:
             if not config.kv_cache:
                 raise ValueError("block_manager= needs kv_cache=True: without a cache there is no pool to manage")
@@ -85,6 +114,11 @@ class EngineParts:
                 raise TypeError(f"block_manager={self.block_manager!r} must be a factory "
                                 "(num_blocks, block_size, contiguous) -> BlockAllocator, e.g. BlockManager")
         return self
+
+    def model_parts(self, config: EngineConfig) -> ModelParts:
+        """The parts that act inside the model, as the runner hands them to it."""
+        return ModelParts(self.quantized_matmul, config.weight_dtype if self.quantized_matmul is not None else None,
+                          self.lora_delta, self.moe_router, self.moe_experts)
 
 
 def check_cuda_graphs(config: EngineConfig, device: torch.device) -> None:
@@ -252,9 +286,10 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
         model = tensor_parallel_weights(tp, config, model_path, device, dtype, max_model_len,
                                         block_manager.num_blocks if block_manager is not None else 0)
         weights = make_weights(model_path, model_config, model, load_tokenizer(model_path), weight_format(config))
+    check_moe_parts(weights.model, parts.moe_router, parts.moe_experts)
     scheduler = Scheduler(config, block_manager, max_model_len, parts.scheduling_policy)
     runner = (TPModelRunner if tp else ModelRunner)(weights.model, device, block_manager, kv_cache,
-                                                    config.attention_backend, parts.sampler)
+                                                    config.attention_backend, parts.sampler, parts.model_parts(config))
     if tp is not None:
         runner.tensor_parallel = tp
         if kv_cache is not None:

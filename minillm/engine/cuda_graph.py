@@ -22,8 +22,9 @@ layer, so (like vLLM's max_seq_len_to_capture) a decode step whose context is lo
 eagerly instead.
 
 A quantized KV cache (kv_dtype "int8" / "fp8") needs nothing more: its scale pools, like the
-value pools, are allocated once and bound to the layers, so their addresses are fixed, and the
-store kernel skips a padding row's scales along with its values (slot -1).
+value pools, are allocated once (every pass's ForwardContext hands the same ones to the layers), so
+their addresses are fixed, and the store kernel skips a padding row's scales along with its values
+(slot -1).
 
 Logits are computed inside the graph; sampling runs outside it. Prefill and mixed steps
 run eagerly (their token counts vary too much to capture).
@@ -57,11 +58,12 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Static buffers + one captured graph per bucket, for one engine's model and KV pool."""
 
-    def __init__(self, model, device: torch.device, block_size: int, max_num_seqs: int, max_model_len: int,
+    def __init__(self, model, context, device: torch.device, block_size: int, max_num_seqs: int, max_model_len: int,
                  capture: bool = True, max_capture_len: int = MAX_CAPTURE_LEN):
+        """context(meta) -> the engine's ForwardContext for a pass (ModelRunner.context)."""
         if capture and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this engine runs on {device.type!r}")
-        self.model = model
+        self.model, self.context = model, context
         self.device = device
         self.block_size = block_size
         self.buckets = batch_buckets(max_num_seqs)
@@ -107,8 +109,9 @@ class DecodeGraphs:
 
     def forward(self, bs: int) -> torch.Tensor:
         """The model over the first `bs` rows of the static buffers -> fp32 logits [bs, vocab]."""
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.metadata(bs))
-        return self.model.compute_logits(hidden)
+        ctx = self.context(self.metadata(bs))
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        return self.model.compute_logits(hidden, ctx.parts)
 
     def load(self, seqs: list[Sequence], bs: int) -> None:
         """Copy the batch into the static buffers; rows len(seqs)..bs-1 become padding."""

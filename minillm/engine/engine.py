@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from ..config import DEFAULT_CPU_HOURLY_USD, DEFAULT_GPU_HOURLY_USD, EngineConfig
 from ..hardware import device_name
-from ..models.moe import pop_expert_tokens
 from ..quant import weight_bytes
 from ..sampling import SamplingParams
 from ..structured import GrammarBackend, StructuredOutputs
@@ -327,7 +326,7 @@ class Engine:
         st = self.stats
         running = len(self.scheduler.running)
         st.steps.append(StepStats(len(st.steps), kind, len(seqs), num_tokens, duration_s, kv_used, kv_reserved,
-                                  running, expert_tokens=pop_expert_tokens(self.runner.model)))
+                                  running, expert_tokens=self.runner.pop_expert_tokens()))
         st.peak_kv_bytes = max(st.peak_kv_bytes, kv_used)
         st.peak_kv_reserved_bytes = max(st.peak_kv_reserved_bytes, kv_reserved)
         st.peak_kv_shared_bytes = max(st.peak_kv_shared_bytes, kv_shared)
@@ -343,7 +342,7 @@ class Engine:
 
     def reset_stats(self) -> RunStats:
         self.stats = RunStats(self.device_label, self.hourly_usd)
-        pop_expert_tokens(self.runner.model)   # passes outside a step (warm-up, a lab's probe) are not counted
+        self.runner.pop_expert_tokens()   # passes outside a step (warm-up, a lab's probe) are not counted
         self._preemptions_at_reset = self.scheduler.num_preemptions
         sched = self.scheduler
         self._prefix_at_reset = (sched.prefix_queries, sched.prefix_hits, sched.prefix_cached_prompt_tokens)

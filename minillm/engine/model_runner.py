@@ -1,5 +1,11 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples tokens.
 
+Everything of a pass that is not a weight is the runner's, and reaches the model in a ForwardContext
+(layers/context.py) built for each pass: the KV pool, the attention backend, which kernels run the small
+ops, the step's LoRA batch, the engine's model parts (quantized matmul, LoRA delta, MoE router and
+experts) and the fused CPU decode plans. The model itself holds weights only, so engines sharing it
+(LLM.with_levers) never see each other's.
+
 The attention metadata comes from one builder per attention layout (minillm/seams.py): every
 layout gets the flat batch (query_lens, num_cached, slot_mapping); "sequence" adds the slots each
 sequence reads, "padded_decode" the same except on decode steps of several sequences (one padded
@@ -11,7 +17,9 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import AttentionMetadata, CPUAttentionBackend, resolve_backend
-from ..layers.lora import LoRABatch, LoRAWeights, build_batch, install_lora
+from ..layers.context import NO_PARTS, ForwardContext, ModelParts
+from ..layers.lora import LoRABatch, LoRAWeights, build_batch
+from ..models.moe import expert_token_counts
 from ..layers.sampler import SamplingBatch, TorchSampler, token_logprobs
 from ..seams import Sampler
 from .block_manager import BlockManager
@@ -64,17 +72,21 @@ def _block_tables(meta: AttentionMetadata, seqs: list[Sequence], block_size: int
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_manager: BlockManager | None, kv_cache=None,
-                 attention_backend="torch", sampler: Sampler | None = None):
+                 attention_backend="torch", sampler: Sampler | None = None, parts: ModelParts = NO_PARTS):
         self.model = model
         self.device = device
         self.block_manager = block_manager
         self.kv_cache = kv_cache
         self.sampler = sampler if sampler is not None else TorchSampler()
+        self.parts = parts                         # the engine's model parts (checked by the builder)
         self.eos_token_ids: tuple[int, ...] = ()   # set by the builder: banned until a request's min_tokens
         self.grammars = None   # a GrammarBackend (minillm/structured.py), made at the first structured request
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
         self.lora: LoRAWeights | None = None       # set by enable_lora (enable_lora=True): the adapter slots
         self.lora_registry = None                  # the engine's LoRARegistry: adapters by id
+        self.fuse_cpu_decode = True   # with the CPU kernels: a decode step's layers in one C call (models/cpu_decode.py)
+        self.cpu_plans: dict = {}     # its plans, by layer count
+        self.expert_tokens: dict = {}   # MoE layer -> [E] tokens routed since pop_expert_tokens
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend) -> None:
@@ -86,11 +98,22 @@ class ModelRunner:
         # The Triton backend brings the model's other Triton ops along (RMSNorm, rotary, SiLU-and-mul);
         # only its captured decode steps are replayed as CUDA graphs. The CPU backend brings the CPU
         # kernels' versions of the same ops.
-        self.triton_ops = backend == "triton"
-        self.native_ops = isinstance(self.backend, CPUAttentionBackend)
-        self.model.bound_runner = None
+        self.ops = "triton" if backend == "triton" else "cpu" if isinstance(self.backend, CPUAttentionBackend) else "torch"
+        self.cpu_plans.clear()
         if self.graphs is not None:  # captured graphs hold the old backend's launches
             self.graphs.reset()
+
+    def context(self, meta: AttentionMetadata, lora: LoRABatch | None = None) -> ForwardContext:
+        """This engine's ForwardContext for one pass over `meta`'s batch."""
+        return ForwardContext(meta, self.backend, self.kv_cache if meta.use_cache else None, self.ops, self.parts,
+                              lora, self.expert_tokens, self.cpu_plans if self.fuse_cpu_decode else None)
+
+    def pop_expert_tokens(self) -> list[list[int]] | None:
+        """Tokens routed to each expert [moe_layer][expert] by this runner's passes since the last call, then
+        reset (None: a dense model, or no pass counted)."""
+        counts = expert_token_counts(self.model, self.expert_tokens)
+        self.expert_tokens.clear()
+        return counts
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps replay captured CUDA graphs (captured at the first decode step).
@@ -99,12 +122,11 @@ class ModelRunner:
         """
         if self.block_manager is None:
             raise ValueError("cuda_graphs=True needs kv_cache=True")
-        self.graphs = DecodeGraphs(self.model, self.device, self.block_manager.block_size, max_num_seqs,
-                                   max_model_len, capture=capture)
+        self.graphs = DecodeGraphs(self.model, self.context, self.device, self.block_manager.block_size,
+                                   max_num_seqs, max_model_len, capture=capture)
 
     def enable_lora(self, registry, max_loras: int, max_lora_rank: int, dtype: torch.dtype) -> None:
-        """enable_lora=True: hook the model's linear layers and allocate max_loras zeroed adapter slots."""
-        install_lora(self.model)
+        """enable_lora=True: max_loras zeroed adapter slots for the model's adapted layers (this runner's own)."""
         self.lora = LoRAWeights(self.model, max_loras, max_lora_rank, dtype, self.device)
         self.lora_registry = registry
 
@@ -117,25 +139,7 @@ class ModelRunner:
         for seq in seqs:
             if seq.lora_slot:
                 self.lora.load(seq.lora_slot, self.lora_registry.adapters[seq.lora_request.lora_int_id])
-        return build_batch(self.lora, slots, query_lens, self.device, self.triton_ops)
-
-    def bind(self) -> None:
-        """Point every attention layer at this runner's KV pool and backend.
-
-        Engines may share one model's weights (LLM.with_levers); each binds before it runs.
-        """
-        if self.model.bound_runner is self:
-            return
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.backend = self.backend
-            layer.k_cache = self.kv_cache.k[i] if self.kv_cache is not None else None
-            layer.v_cache = self.kv_cache.v[i] if self.kv_cache is not None else None
-            # int8 / fp8 pools: the per-token-and-head scales (None for a model-dtype pool).
-            layer.k_scale = self.kv_cache.k_scale[i] if self.kv_cache is not None else None
-            layer.v_scale = self.kv_cache.v_scale[i] if self.kv_cache is not None else None
-        self.model.use_triton_ops = self.triton_ops
-        self.model.use_native_ops = self.native_ops
-        self.model.bound_runner = self
+        return build_batch(self.lora, slots, query_lens, self.device, self.ops == "triton")
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input ids and positions, the attention metadata (built for the backend's layout), and
@@ -190,8 +194,7 @@ class ModelRunner:
     def logits(self, seqs: list[Sequence], rows: list[int] | None = None, prompt_logprobs: bool = False) -> torch.Tensor:
         """Next-token logits [len(rows or seqs), vocab] in fp32 (rows: which sequences need them); with
         prompt_logprobs, the requests that ask for them record their prompt tokens' logprobs on the way."""
-        self.bind()
-        if self.graphs is not None and self.triton_ops and self.graphs.can_run(seqs):
+        if self.graphs is not None and self.ops == "triton" and self.graphs.can_run(seqs):
             logits = self.graphs.logits(seqs)  # a decode step: one token per sequence
             return logits if rows is None else logits[rows]
         input_ids, positions, meta, last_rows = self.prepare(seqs)
@@ -202,19 +205,17 @@ class ModelRunner:
             self._record_prompt_logprobs(seqs, hidden, positions)
         if len(last_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)]
-        return self.model.compute_logits(hidden)
+        return self.compute_logits(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                lora: LoRABatch | None = None) -> torch.Tensor:
-        """The model's hidden states; with `lora`, the adapters' deltas are added for this pass only."""
-        if self.lora is None:
-            return self.model(input_ids, positions, meta)
-        context = self.model.lora_context
-        context.batch = lora
-        try:
-            return self.model(input_ids, positions, meta)
-        finally:
-            context.batch = None
+                lora: LoRABatch | None = None, num_layers: int | None = None) -> torch.Tensor:
+        """The model's hidden states over this engine's pool and parts; with `lora`, the step's adapters.
+        num_layers: only the first layers, then the final norm (the "self" proposer's early exit)."""
+        return self.model(input_ids, positions, self.context(meta, lora), num_layers=num_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab], with this engine's parts."""
+        return self.model.compute_logits(hidden, self.parts)
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """prompt_logprobs=N: the log-probability of each prompt token after the ones before it, from the hidden
@@ -232,7 +233,7 @@ class ModelRunner:
                 done = len(seq.prompt_logprobs)
                 lo, hi = max(done, first), min(seq.num_prompt_tokens - 1, first + count)
                 if lo < hi:
-                    logits = self.model.compute_logits(hidden[row + lo - first: row + hi - first])
+                    logits = self.compute_logits(hidden[row + lo - first: row + hi - first])
                     targets = seq.prompt_token_ids[lo + 1: hi + 1]
                     for token, entry in zip(targets, token_logprobs(logits, targets,
                                                                     [seq.params.prompt_logprobs] * len(targets))):

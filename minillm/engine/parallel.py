@@ -89,10 +89,9 @@ def worker_loop(runner: ModelRunner, channel: CallChannel, device: torch.device)
     while True:
         method, args = channel.receive(device)
         if method == "forward":
-            runner.bind()
             runner.forward(*args)
         elif method == "head":
-            runner.model.compute_logits(*args)
+            runner.compute_logits(*args)
         elif method == "copy_blocks":
             runner.kv_cache.copy_blocks(*args)
         elif method == "exit":
@@ -301,9 +300,9 @@ class TPModelRunner(ModelRunner):
                              "backend only; build a new LLM(..., attention_backend=...) instead")
         super().set_attention_backend(backend)
 
-    def forward(self, input_ids, positions, meta, lora=None):
-        self.tensor_parallel.call("forward", input_ids, positions, meta)
-        return super().forward(input_ids, positions, meta, lora)
+    def forward(self, input_ids, positions, meta, lora=None, num_layers=None):
+        self.tensor_parallel.call("forward", input_ids, positions, meta, None, num_layers)
+        return super().forward(input_ids, positions, meta, lora, num_layers)
 
 
 def tensor_parallel_weights(tp: TensorParallel, config, model_path: str, device: torch.device, dtype: torch.dtype,

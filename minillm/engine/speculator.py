@@ -175,7 +175,6 @@ class Speculator:
         """One target pass over `seqs` (decoding, their tables hold len(seq) tokens) -> the tokens
         each sequence keeps (1 to k + 1)."""
         bm, runner = self.block_manager, self.runner
-        runner.bind()
         budgets = []
         for seq in seqs:
             budget = self._budget(seq)
@@ -199,7 +198,7 @@ class Speculator:
             seq.num_scheduled_tokens = 1 + len(proposal)
         try:
             input_ids, positions, meta, last_rows = runner.prepare(seqs)
-            hidden = runner.model(input_ids, positions, meta)
+            hidden = runner.forward(input_ids, positions, meta)
             rows, spans = [], []
             for proposal, last in zip(proposals, last_rows):
                 first = last - len(proposal)
@@ -207,7 +206,7 @@ class Speculator:
                 rows.extend(range(first, last + 1))
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
-            logits = runner.model.compute_logits(hidden)   # [sum(k_i + 1), vocab] fp32
+            logits = runner.compute_logits(hidden)   # [sum(k_i + 1), vocab] fp32
         finally:
             for seq, n in zip(seqs, saved):
                 del seq.token_ids[n:]

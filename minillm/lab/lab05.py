@@ -480,10 +480,15 @@ def check_int4_matmul(int4_matmul: Callable, cases=KERNEL_CASES, seed: int = 0, 
     passed("int4_matmul", len(cases))
 
 
-def kernel_matmul(int4_matmul: Callable, counter: dict | None = None) -> Callable:
-    """The engine hook fn(x2d, layer) -> y running `int4_matmul` on the layer's plain int4 parts (x padded
-    with zero columns to the padded width, which a group size that does not divide in_features needs)."""
+def kernel_matmul(int4_matmul: Callable, counter: dict | None = None, layers: Sequence | None = None) -> Callable:
+    """The engine part quantized_matmul=fn(x2d, layer) -> y running `int4_matmul` on the layer's plain int4 parts
+    (x padded with zero columns to the padded width, which a group size that does not divide in_features needs).
+    layers: only those QuantizedLinear modules (the others keep their own path); None: every int4 layer."""
+    chosen = None if layers is None else {id(m) for m in layers}
+
     def fn(x2d: torch.Tensor, layer) -> torch.Tensor:
+        if chosen is not None and id(layer) not in chosen:
+            return layer.own_matmul(x2d)
         packed, scale, zero = layer.int4_parts()
         width = packed.shape[1] * 2
         x = x2d.float()

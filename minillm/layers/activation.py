@@ -6,15 +6,15 @@ import torch.nn.functional as F
 from ..kernels import cpu
 
 
-def silu_and_mul(gate_up: torch.Tensor, use_triton: bool = False, use_native: bool = False) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, ops: str = "torch") -> torch.Tensor:
     """gate_up: [..., 2 * intermediate] -> silu(gate) * up: [..., intermediate].
 
-    use_triton: the fused Triton kernel (kernels/activation.py; gate_up must be [T, 2 * I]);
-    use_native: the CPU kernel (kernels/cpu.py; fp32 [T, 2 * I]).
+    ops "triton": the fused Triton kernel (kernels/activation.py; gate_up must be [T, 2 * I]);
+    "cpu": minillm's CPU kernel (kernels/cpu.py; fp32 [T, 2 * I]); "torch": the reference below.
     """
-    if use_native:
+    if ops == "cpu":
         return cpu.silu_mul(gate_up)
-    if use_triton:
+    if ops == "triton":
         from ..kernels import activation  # imported late: the interpreter is chosen before triton is imported
 
         return activation.silu_and_mul(gate_up)

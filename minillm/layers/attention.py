@@ -40,6 +40,7 @@ from torch import nn
 from ..kernels import cpu
 from ..kernels.kv_quant import dequantize_kv, quantize_kv
 from ..seams import check_attention_backend
+from .context import ForwardContext
 
 
 @dataclass
@@ -242,48 +243,52 @@ def resolve_backend(backend, kv_dtype: str | None = None, device: torch.device |
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped KV heads, reading and writing one layer's pool."""
+    """Multi-head attention with grouped KV heads, reading and writing layer `layer_index`'s pool.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    The module holds no state: the pool, the backend and the batch layout come with each pass's
+    ForwardContext (layers/context.py), so engines that share the weights each bring their own."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_index: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_index = layer_index
         self.scale = head_dim ** -0.5
-        self.backend = TorchAttentionBackend()
-        # Set by the model runner when the pool is allocated: [num_kv_heads, num_slots, head_dim].
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        # int8 / fp8 pools only: one fp32 scale per token and KV head, [num_kv_heads, num_slots].
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
 
-    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] (T = all sequences' new tokens) -> [T, Hq, D]."""
+    def forward(self, q, k, v, ctx: ForwardContext | AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] (T = all sequences' new tokens) -> [T, Hq, D]. An AttentionMetadata
+        alone: a pass without a pool (use_cache=False), through the torch reference."""
+        ctx = ForwardContext.of(ctx)
+        meta = ctx.meta
+        backend = ctx.backend if ctx.backend is not None else _TORCH_BACKEND
+        if not meta.use_cache:
+            if backend.layout == "block_tables":
+                backend = _TORCH_BACKEND   # no pool to walk (a whole-sequence pass: calibration, perplexity)
+            return _attend_each(backend, q, meta, self.scale,
+                                lambda i, start, end: (k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), 0))
+        k_cache, v_cache, k_scale, v_scale = ctx.kv_layer(self.layer_index)
         # Scales go to the backend only for a quantized pool, so backends that know nothing of
         # them (a lab's) keep their signatures.
-        quant = {} if self.k_scale is None or not meta.use_cache else {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        backend = self.backend
-        if not meta.use_cache and backend.layout == "block_tables":
-            backend = _TORCH_BACKEND   # no pool to walk (a whole-sequence pass: calibration, perplexity)
+        quant = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        backend.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, **quant)
         if backend.layout == "block_tables":
-            backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
             attend = backend.decode if meta.max_query_len == 1 else backend.extend
-            return attend(q, self.k_cache, self.v_cache, meta, self.scale, **quant)
-        if meta.use_cache:
-            backend.store_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, **quant)
+            return attend(q, k_cache, v_cache, meta, self.scale, **quant)
         if meta.decode_read is not None:   # layout "padded_decode", a decode step of several sequences
-            return backend.decode_padded(q, self.k_cache, self.v_cache, meta.decode_read, meta.decode_mask,
-                                         self.scale, **quant)
-        outs = []
-        start = 0
-        for i, num_q in enumerate(meta.query_lens):
-            end = start + num_q
-            if meta.use_cache:
-                k_seq, v_seq = gather_kv(self.k_cache, self.v_cache, meta.kv_read[i], self.k_scale, self.v_scale,
-                                         q.dtype)
-                num_cached = meta.num_cached[i]
-            else:
-                k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                num_cached = 0
-            outs.append(backend.attend(q[start:end], k_seq, v_seq, self.scale, num_cached))
-            start = end
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            return backend.decode_padded(q, k_cache, v_cache, meta.decode_read, meta.decode_mask, self.scale, **quant)
+
+        def cached(i, start, end):
+            k_seq, v_seq = gather_kv(k_cache, v_cache, meta.kv_read[i], k_scale, v_scale, q.dtype)
+            return k_seq, v_seq, meta.num_cached[i]
+        return _attend_each(backend, q, meta, self.scale, cached)
+
+
+def _attend_each(backend, q, meta: AttentionMetadata, scale: float, keys) -> torch.Tensor:
+    """backend.attend once per sequence; keys(i, start, end) -> (k, v, num_cached) of sequence i."""
+    outs = []
+    start = 0
+    for i, num_q in enumerate(meta.query_lens):
+        end = start + num_q
+        k_seq, v_seq, num_cached = keys(i, start, end)
+        outs.append(backend.attend(q[start:end], k_seq, v_seq, scale, num_cached))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

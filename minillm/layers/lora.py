@@ -7,20 +7,19 @@ says which PEFT modules each holds, at which output columns) get, for every slot
     B  [max_loras + 1, width, r_max]               one per slice (scaling folded in)
 
 zero-padded to r_max (a rank-8 adapter in a rank-16 slot adds zeros), slot 0 all zeros (no adapter). A module
-an adapter does not target stays zero too. `install_lora` hooks each fused layer (whatever its weight format):
-after the base matmul, the hook adds every token's delta y += (x A[s]^T) B[s]^T for its own slot s, reading
-the step's `LoRABatch` from the model's `LoRAContext`, which the model runner sets for the duration of one
-forward pass (None: no adapter in the batch, the hook returns at once). Two engines sharing one model's weights
-(LLM.with_levers) each bring their own slots in their batch.
+an adapter does not target stays zero too. After each fused layer's base matmul (whatever its weight format), the
+decoder layer calls `add_delta`, which adds every token's delta y += (x A[s]^T) B[s]^T for its own slot s, from
+the step's `LoRABatch` in the pass's ForwardContext (layers/context.py; None: no adapter in the step, nothing to
+add). The slots belong to the engine's runner, so two engines sharing one model's weights (LLM.with_levers)
+each bring their own. An engine built with `lora_delta=fn` (seams.LoRADelta) computes the delta with fn.
 
-Two ways to compute the delta: Triton's SGMV shrink / expand over segments (kernels/lora.py) when the model's
+Two ways to compute the delta: Triton's SGMV shrink / expand over segments (kernels/lora.py) when the engine's
 Triton ops are on, else torch: for each adapter in the batch, its tokens' rows times its A, then its B
 (a slice for one run of tokens, an index_add for scattered ones).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,16 +39,6 @@ class LoRABatch:
     max_seg_len: int
     groups: list                         # [(slot, slice | int64 row indices)]: each adapter's tokens (torch path)
     use_triton: bool = False
-
-
-class LoRAContext:
-    """The model's current LoRA batch: set by the model runner around one forward pass, None otherwise; and the
-    delta a lab plugged in (set_lora_delta), None for the built-in one."""
-
-    def __init__(self):
-        self.batch: LoRABatch | None = None
-        self.hooked: weakref.WeakSet = weakref.WeakSet()   # the linear modules that add the delta
-        self.delta_fn = None
 
 
 def lora_targets(model) -> list[dict[str, tuple[int, list[tuple[str, int, int]]]]]:
@@ -191,40 +180,12 @@ def add_plugged_delta(fn, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch, la
     return y
 
 
-def set_lora_delta(model, fn) -> None:
-    """Plug a lab's LoRA delta into `model`'s hooked layers: fn(x [T, in], a [S, r, in], b [S, out, r], batch) ->
-    the delta [T, out] of every token (batch: the step's LoRABatch, with token_slots and the segments; slot 0 holds
-    zeros). It replaces the built-in delta (torch or Triton) for every engine sharing the model; None restores it."""
-    context = model.__dict__.get("lora_context")
-    if context is None:
-        raise ValueError("set_lora_delta: this model has no LoRA hooks; build the LLM with enable_lora=True")
-    if fn is not None and not callable(fn):
-        raise ValueError(f"set_lora_delta: fn={fn!r} must be a function (x, a, b, batch) -> delta, or None")
-    context.delta_fn = fn
-
-
-def install_lora(model) -> LoRAContext:
-    """Hook every fused linear layer of `model` that is not hooked yet (a quantized copy's new layers are; a layer
-    is hooked once); returns the model's LoRAContext."""
-    context = model.__dict__.get("lora_context")
-    if context is None:
-        context = LoRAContext()
-        model.__dict__["lora_context"] = context   # not a submodule: a plain attribute
-    for index, (layer, targets) in enumerate(zip(model.layers, lora_targets(model))):
-        for attr in targets:
-            module = layer.get_submodule(attr)
-            if module not in context.hooked:
-                module.register_forward_hook(_hook(context, index, attr))
-                context.hooked.add(module)
-    return context
-
-
-def _hook(context: LoRAContext, layer_index: int, attr: str):
-    def add_delta(_module, inputs, output):
-        batch = context.batch
-        if batch is None:
-            return None
-        if context.delta_fn is not None:
-            return add_plugged_delta(context.delta_fn, inputs[0], output, batch, layer_index, attr)
-        return add_lora_delta(inputs[0], output, batch, layer_index, attr)
-    return add_delta
+def add_delta(x: torch.Tensor, y: torch.Tensor, batch: LoRABatch | None, layer_index: int, attr: str,
+              delta_fn=None) -> torch.Tensor:
+    """What a fused projection returns with adapters: y plus each token's delta (in place), by `delta_fn` (an
+    engine's lora_delta part, seams.LoRADelta) or the built-in one; y as it is when the step has no adapter."""
+    if batch is None:
+        return y
+    if delta_fn is not None:
+        return add_plugged_delta(delta_fn, x, y, batch, layer_index, attr)
+    return add_lora_delta(x, y, batch, layer_index, attr)

@@ -1,8 +1,8 @@
 """RMSNorm, computed in fp32 like the reference implementation.
 
-With `use_triton` set (the model sets it for attention_backend="triton"), the fused Triton
-kernel runs instead (kernels/rmsnorm.py), and `add_and_norm` fuses the residual add into it.
-`use_native` (attention_backend="cpu") does the same with minillm's CPU kernel (kernels/cpu.py).
+`ops` (the pass's ForwardContext.ops, layers/context.py) picks who computes it: "torch" (this file),
+"triton" (the fused kernel, kernels/rmsnorm.py) or "cpu" (minillm's CPU kernel, kernels/cpu.py); with
+either kernel `add_and_norm` fuses the residual add into the norm.
 
 With `rotation` set (a b x b orthonormal matrix; models/calibrate/rotate.py's rotate_norm_outputs sets it
 for weight_calibration="gptq"), the normed output leaves rotated block by block
@@ -21,16 +21,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.use_triton = False
-        self.use_native = False   # fp32 CPU models only (the model sets it)
         self.register_buffer("rotation", None, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
+    def forward(self, x: torch.Tensor, ops: str = "torch") -> torch.Tensor:
+        if ops == "triton":
             from ..kernels import rmsnorm  # imported late: the interpreter is chosen before triton is imported
 
             return self.rotated(rmsnorm.rmsnorm(x, self.weight, self.eps))
-        if self.use_native:
+        if ops == "cpu":
             return self.rotated(cpu.rmsnorm(x, self.weight, self.eps))
         dtype = x.dtype
         x32 = x.float()
@@ -41,18 +39,19 @@ class RMSNorm(nn.Module):
         """The normed output as the next matrix takes it: rotated block by block when `rotation` is set."""
         return y if self.rotation is None else rotate_blocks(y, self.rotation)
 
-    def add_and_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor | None, residual: torch.Tensor,
+                     ops: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); x None: (norm(residual), residual).
 
-        The Triton and native paths write residual + x into `residual` in place (one pass over memory).
+        The Triton and CPU kernels write residual + x into `residual` in place (one pass over memory).
         """
         if x is None:
-            return self(residual), residual
-        if self.use_triton:
+            return self(residual, ops), residual
+        if ops == "triton":
             from ..kernels import rmsnorm
 
             return self.rotated(rmsnorm.rmsnorm(x, self.weight, self.eps, residual=residual)), residual
-        if self.use_native:
+        if ops == "cpu":
             return self.rotated(cpu.rmsnorm(x, self.weight, self.eps, residual=residual)), residual
         residual = residual + x
         return self(residual), residual

@@ -43,8 +43,6 @@ class RotaryEmbedding(torch.nn.Module):
         self.args = (head_dim, max_positions, theta, scaling, dtype)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.use_triton = False  # set by the model: rotate with the Triton kernel, in place
-        self.use_native = False  # set by the model: rotate with the CPU kernel (kernels/cpu.py), in place
         if self.cos.device.type != "meta":
             self.build()
 
@@ -58,13 +56,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = (emb.cos() * attention_scaling).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * attention_scaling).to(dtype=dtype, device=device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated q, k (in place with use_triton / use_native)."""
-        if self.use_triton:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                ops: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> rotated q, k (in place with ops "triton" / "cpu":
+        the Triton kernel or minillm's CPU kernel, kernels/cpu.py)."""
+        if ops == "triton":
             from ..kernels import rotary  # imported late: the interpreter is chosen before triton is imported
 
             return rotary.rotary_embedding(positions, q, k, self.cos, self.sin)
-        if self.use_native:   # the engine's positions are in range: not read back here
+        if ops == "cpu":   # the engine's positions are in range: not read back here
             return cpu.rotary(positions, q, k, self.cos, self.sin, check_ranges=False)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)

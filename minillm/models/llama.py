@@ -3,6 +3,10 @@
 transformers is used only for the config and the weight files; this file is the model.
 Tokens of every sequence in the step are concatenated into one flat batch [T, hidden]:
 matmuls see all of them at once, attention splits them per sequence (layers/attention.py).
+
+The model holds weights only: each pass gets a ForwardContext (layers/context.py) from the model
+runner with the KV pool, the attention backend, which kernels run the small ops, the step's LoRA
+batch and the engine's plug-ins, and hands it down to every layer.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from torch import nn
 
 from ..layers.activation import silu_and_mul
 from ..layers.attention import Attention, AttentionMetadata
+from ..layers.context import ForwardContext, ModelParts, NO_PARTS
 from ..layers.linear import Linear, linear
+from ..layers.lora import add_delta
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..quant.linear import QuantizedLinear
 from ..quant.rotate import rotate_blocks
 from . import cpu_decode
 from .config import ModelConfig
@@ -25,56 +32,66 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.index = index
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Mixtral / Qwen2-MoE layers: a sparse mixture of experts (models/moe.py) instead of the dense MLP
-        self.moe = SparseMoeBlock(cfg) if cfg.is_moe_layer(index) else None
+        self.moe = SparseMoeBlock(cfg, index) if cfg.is_moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
             self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.__dict__["rotary"] = rotary  # shared table, owned by the model (not a submodule here)
-        self.use_triton = False  # Triton SiLU-and-mul (set with the model's use_triton_ops)
-        self.use_native = False  # the CPU kernel's SiLU-and-mul (set with the model's use_native_ops)
         # [b, b] Hadamard when down_proj's input is rotated within blocks of b channels (rotate_down_proj
         # in models/calibrate/rotate.py, weight_calibration="autoround"); None: not rotated
         self.register_buffer("down_rotation", None, persistent=False)
 
-    def forward(self, positions, hidden, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.attention(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, ctx: ForwardContext | AttentionMetadata) -> torch.Tensor:
+        ctx = ForwardContext.of(ctx)
+        hidden = hidden + self.attention(positions, self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx)
 
-    def forward_fused(self, positions, delta, residual, meta: AttentionMetadata):
-        """The same layer with each residual add fused into the norm after it (the Triton ops).
+    def forward_fused(self, positions, delta, residual, ctx: ForwardContext):
+        """The same layer with each residual add fused into the norm after it (the Triton / CPU kernels).
 
         The layer's input is residual + delta (delta None for the first layer); returns
         (delta, residual) whose sum is its output. `residual` is updated in place.
         """
-        x, residual = self.input_layernorm.add_and_norm(delta, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self.attention(positions, x, meta), residual)
-        return self.mlp(x), residual
+        x, residual = self.input_layernorm.add_and_norm(delta, residual, ctx.ops)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.attention(positions, x, ctx), residual, ctx.ops)
+        return self.mlp(x, ctx), residual
 
-    def attention(self, positions, x, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, name: str, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One of the fused projections (qkv_proj, o_proj, gate_up_proj, down_proj) with the pass's plug-ins:
+        the engine's quantized matmul on a quantized layer of its format, then the step's LoRA deltas."""
+        module = self._modules[name]
+        matmul = ctx.parts.matmul_for(module) if isinstance(module, QuantizedLinear) else None
+        y = module(x) if matmul is None else module(x, matmul)
+        return add_delta(x, y, ctx.lora, self.index, name, ctx.parts.lora_delta)
+
+    def attention(self, positions, x, ctx: ForwardContext | AttentionMetadata) -> torch.Tensor:
         """Normed hidden [T, hidden] -> o_proj(attention) [T, hidden]."""
+        ctx = ForwardContext.of(ctx)
         num_tokens = x.shape[0]
         cfg = self.cfg
-        qkv = self.qkv_proj(x)
+        qkv = self.project("qkv_proj", x, ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).reshape(num_tokens, self.q_size))
+        q, k = self.rotary(positions, q, k, ctx.ops)
+        return self.project("o_proj", self.attn(q, k, v, ctx).reshape(num_tokens, self.q_size), ctx)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ForwardContext.of(ctx)
         if self.moe is not None:
-            return self.moe(x, use_triton=self.use_triton)
-        return self.down_proj(self.down_input(silu_and_mul(self.gate_up_proj(x), use_triton=self.use_triton,
-                                                           use_native=self.use_native)))
+            return self.moe(x, ctx)
+        act = silu_and_mul(self.project("gate_up_proj", x, ctx), ctx.ops)
+        return self.project("down_proj", self.down_input(act), ctx)
 
     def lora_slices(self) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
         """The fused linear layers LoRA adapters act on (layers/lora.py): attribute -> (in_features,
@@ -110,35 +127,6 @@ class LlamaForCausalLM(nn.Module):
         # weight_dtype lever: the head as a QuantizedLinear (set by models/quantize.py). A tied
         # embedding is then dropped (embed_tokens None) and looked up in the head's storage.
         self.quantized_head = None
-        # The model runner whose KV pool and attention backend the layers point at now (engines
-        # sharing these weights rebind before they run: ModelRunner.bind).
-        self.bound_runner = None
-        # With use_native_ops: run a decode step's layers in one call to the CPU kernels (models/cpu_decode.py)
-        self.fuse_cpu_decode = True
-
-    @property
-    def use_triton_ops(self) -> bool:
-        """RMSNorm (residual fused), rotary and SiLU-and-mul as Triton kernels (set by the model runner
-        for attention_backend="triton"); False: plain torch ops."""
-        return self.rotary.use_triton
-
-    @use_triton_ops.setter
-    def use_triton_ops(self, value: bool) -> None:
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, DecoderLayer)):
-                module.use_triton = bool(value)
-
-    @property
-    def use_native_ops(self) -> bool:
-        """RMSNorm (residual fused), rotary and SiLU-and-mul as minillm's CPU kernels (kernels/cpu.py; set by
-        the model runner for attention_backend="cpu", fp32 models on the CPU); False: plain torch ops."""
-        return self.rotary.use_native
-
-    @use_native_ops.setter
-    def use_native_ops(self, value: bool) -> None:
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, DecoderLayer)):
-                module.use_native = bool(value)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -146,25 +134,28 @@ class LlamaForCausalLM(nn.Module):
             return self.quantized_head.dequantized_weight()
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | AttentionMetadata,
                 num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (before lm_head).
 
-        num_layers: run only the first layers, then the final norm (an early exit: the "self"
-        speculative proposer drafts with it; their K/V are the full model's for those layers)."""
+        ctx: the pass's ForwardContext (the model runner's), or the AttentionMetadata of a pass without a
+        KV pool (use_cache=False; the torch reference everywhere). num_layers: run only the first layers,
+        then the final norm (an early exit: the "self" speculative proposer drafts with it; their K/V are
+        the full model's for those layers)."""
+        ctx = ForwardContext.of(ctx)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         hidden = self.embed(input_ids)
-        if self.use_native_ops:  # a decode step's layers in one C call (models/cpu_decode.py), when it covers them
-            fused = cpu_decode.run(self, layers, positions, hidden, meta, DecoderLayer)
+        if ctx.ops == "cpu" and ctx.cpu_plans is not None:   # a decode step's layers in one C call, when it covers them
+            fused = cpu_decode.run(self, layers, positions, hidden, ctx, DecoderLayer)
             if fused is not None:
-                return self.norm.add_and_norm(*fused)[0]
-        if self.use_triton_ops or self.use_native_ops:  # the residual stream is carried apart, added inside each norm
+                return self.norm.add_and_norm(*fused, ctx.ops)[0]
+        if ctx.ops != "torch":  # the residual stream is carried apart, added inside each norm
             delta = None
             for layer in layers:
-                delta, hidden = layer.forward_fused(positions, delta, hidden, meta)
-            return self.norm.add_and_norm(delta, hidden)[0]
+                delta, hidden = layer.forward_fused(positions, delta, hidden, ctx)
+            return self.norm.add_and_norm(delta, hidden, ctx.ops)[0]
         for layer in layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(positions, hidden, ctx)
         return self.norm(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -173,10 +164,11 @@ class LlamaForCausalLM(nn.Module):
             return self.quantized_head.rows(input_ids)
         return self.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, parts: ModelParts = NO_PARTS) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab] (parts: the engine's plug-ins; a quantized head of the plugged
+        matmul's format runs it too)."""
         if self.quantized_head is not None:
-            return self.quantized_head(hidden).float()
+            return self.quantized_head(hidden, parts.matmul_for(self.quantized_head)).float()
         return linear(hidden, self.lm_head_weight).float()
 
     def attention_layers(self) -> list[Attention]:

@@ -10,12 +10,14 @@ routed experts, at batch 64 nearly all of them (`expected_experts_touched`, `dec
 
 Experts are stored stacked, w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], vLLM's layout;
 the dispatch is the torch loop over experts (kernels/fused_moe.py experts_reference) or the Triton
-fused-MoE kernel (use_triton, the model's use_triton_ops). The weight_dtype lever quantizes each
+fused-MoE kernel (the pass's ops "triton"). The weight_dtype lever quantizes each
 expert matrix (QuantizedExperts): the torch path dequantizes the experts a step hits, the Triton
 kernel reads int8 and int4 experts as they are stored (fp8 experts take the torch path).
 
-Each block counts the tokens routed to each expert in every forward; the engine takes the counts
-after each step (pop_expert_tokens) into StepStats.expert_tokens.
+Each block counts the tokens routed to each expert in every pass into the pass's ForwardContext
+(expert_tokens); the engine sums them per step into StepStats.expert_tokens (expert_token_counts).
+An engine built with moe_router= / moe_experts= (seams.MoERouter, seams.MoEExperts) routes and
+dispatches with those instead (check_moe_parts says which models take them).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import silu_and_mul
+from ..layers.context import ForwardContext
 from ..layers.linear import Linear, linear
 from ..quant import QuantizedLinear, WEIGHT_DTYPES
 from ..quant import dequantize_fp8, dequantize_int4, dequantize_int8, pack_int4, quantize_fp8, quantize_int4, quantize_int8
@@ -135,8 +138,9 @@ class QuantizedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one decoder layer: x [T, H] (after post_attention_layernorm) -> [T, H]."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        self.index = index                                              # the decoder layer's
         self.num_experts, self.top_k, self.normalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.weights_in_logits_dtype = cfg.model_type == "qwen2_moe"   # its router rounds the weights
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)            # the router (kept in the model dtype)
@@ -145,34 +149,35 @@ class SparseMoeBlock(nn.Module):
         self.shared_gate_up = Linear(cfg.hidden_size, 2 * shared) if shared else None
         self.shared_down = Linear(shared, cfg.hidden_size) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared else None
-        self.pending_tokens: torch.Tensor | None = None   # [E] tokens routed since the last pop_expert_tokens
-        self.route_fn = None     # a lab's routing / dispatch (set_moe_functions); None: the built-in ones
-        self.experts_fn = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (routing weights [T, k], expert ids [T, k])."""
-        if self.route_fn is not None:
-            return self.route_fn(linear(x, self.gate.weight), self.top_k)
-        return route(linear(x, self.gate.weight), self.top_k, self.normalize, self.weights_in_logits_dtype)
+    def route(self, x: torch.Tensor, router=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (routing weights [T, k], expert ids [T, k]); `router`: an engine's moe_router part."""
+        logits = linear(x, self.gate.weight)
+        if router is not None:
+            return router(logits, self.top_k)
+        return route(logits, self.top_k, self.normalize, self.weights_in_logits_dtype)
 
-    def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
-        weights, ids = self.route(x)
-        self._count(ids)
-        if self.experts_fn is not None:
-            out = self.experts_fn(x, weights, ids, self.experts.w13, self.experts.w2).to(x.dtype)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ForwardContext.of(ctx)
+        parts = ctx.parts
+        weights, ids = self.route(x, parts.moe_router)
+        self._count(ids, ctx.expert_tokens)
+        if parts.moe_experts is not None:
+            out = parts.moe_experts(x, weights, ids, self.experts.w13, self.experts.w2).to(x.dtype)
         else:
-            out = self.experts(x, weights, ids, use_triton=use_triton)
+            out = self.experts(x, weights, ids, use_triton=ctx.ops == "triton")
         if self.shared_gate_up is not None:
-            shared = self.shared_down(silu_and_mul(self.shared_gate_up(x), use_triton=use_triton))
+            shared = self.shared_down(silu_and_mul(self.shared_gate_up(x), "triton" if ctx.ops == "triton" else "torch"))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
-    def _count(self, ids: torch.Tensor) -> None:
+    def _count(self, ids: torch.Tensor, into: dict) -> None:
+        """Add this pass's tokens per expert to `into[self.index]` (the pass's ForwardContext.expert_tokens)."""
         if ids.is_cuda and torch.cuda.is_current_stream_capturing():
             return   # a captured graph's replays run no Python: those steps carry no expert counts
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64, device=ids.device))
-        self.pending_tokens = counts if self.pending_tokens is None else self.pending_tokens + counts
+        into[self.index] = counts if self.index not in into else into[self.index] + counts
 
     def quantized(self, weight_dtype: str, group_size: int = 128, fast: bool = True) -> "SparseMoeBlock":
         """A copy with the experts and the shared expert in weight_dtype (the router and the shared
@@ -184,7 +189,6 @@ class SparseMoeBlock(nn.Module):
             for name in ("shared_gate_up", "shared_down"):
                 layer = getattr(self, name)
                 setattr(new, name, QuantizedLinear.from_float(layer.weight.data, None, weight_dtype, group_size, fast=fast))
-        new.pending_tokens = None
         return new
 
 
@@ -193,40 +197,29 @@ def moe_blocks(model) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
-def set_moe_functions(model, route=None, experts=None) -> int:
-    """Plug a lab's routing and expert dispatch into every MoE block of `model` (every engine sharing it):
-    route(router_logits [T, E], top_k) -> (weights [T, k], expert ids [T, k]) and
-    experts(x [T, H], weights [T, k], ids [T, k], w13 [E, 2I, H], w2 [E, H, I]) -> [T, H]; None restores the
-    built-in one. Mixtral-style blocks only (renormalised top-k, no shared expert, unquantized experts).
-    Returns the number of blocks."""
+def check_moe_parts(model, router=None, experts=None) -> None:
+    """Refuse moe_router= / moe_experts= parts on a model that cannot take them: a dense model, or blocks that
+    are not Mixtral-style (renormalised top-k, no shared expert, experts in the model dtype)."""
+    if router is None and experts is None:
+        return
+    names = ", ".join(n for n, part in (("moe_router", router), ("moe_experts", experts)) if part is not None)
     blocks = moe_blocks(model)
     if not blocks:
-        raise ValueError("set_moe_functions: this model has no MoE blocks (a dense model)")
-    for name, fn in (("route", route), ("experts", experts)):
-        if fn is not None and not callable(fn):
-            raise ValueError(f"set_moe_functions: {name}={fn!r} must be a function or None")
+        raise ValueError(f"{names}: this model has no mixture-of-experts layers ({model.cfg.model_type}, a dense "
+                         "model); build the LLM on a Mixtral-style model, e.g. model='random:tiny-mixtral'")
     if any(not b.normalize or b.shared_gate_up is not None or isinstance(b.experts, QuantizedExperts) for b in blocks):
-        raise ValueError("set_moe_functions: Mixtral-style MoE only (renormalised top-k, no shared expert, "
-                         "experts in the model dtype); this model's blocks are not")
-    for block in blocks:
-        block.route_fn, block.experts_fn = route, experts
-    return len(blocks)
+        raise ValueError(f"{names}: Mixtral-style MoE only (renormalised top-k, no shared expert, experts in the "
+                         f"model dtype); this model's blocks ({model.cfg.model_type}) are not")
 
 
-def pop_expert_tokens(model) -> list[list[int]] | None:
-    """Tokens routed to each expert [moe_layer][expert] since the last call (each token counts once per
-    expert it chose; every pass of the model counts), then reset. None: a dense model, or no pass
-    counted (a replayed CUDA graph)."""
-    if not model.cfg.num_experts:
+def expert_token_counts(model, counts: dict) -> list[list[int]] | None:
+    """A pass's (or a step's) ForwardContext.expert_tokens as [moe_layer][expert] in layer order (each token
+    counts once per expert it chose). None: a dense model, or no pass counted (a replayed CUDA graph)."""
+    if not model.cfg.num_experts or not counts:
         return None
     blocks = moe_blocks(model)
-    pending = [b.pending_tokens for b in blocks]
-    for b in blocks:
-        b.pending_tokens = None
-    if all(p is None for p in pending):
-        return None
-    zeros = next(p for p in pending if p is not None).new_zeros(blocks[0].num_experts)
-    return torch.stack([zeros if p is None else p for p in pending]).tolist()
+    zeros = next(iter(counts.values())).new_zeros(blocks[0].num_experts)
+    return torch.stack([counts.get(b.index, zeros) for b in blocks]).tolist()
 
 
 # ------------------------------------------------------------------ checkpoint names

@@ -31,7 +31,7 @@ from .calibrate.cache import (CALIBRATION_TEXT, GENERATED_CALIBRATION_TEXT, auto
                               autoround_calibration, autoround_is_cached, autoround_token_ids, cached_calibration,
                               calibration_cache_dir, calibration_cache_path, calibration_token_ids,
                               gptq_tuned_cache_path, gptq_tuned_calibration)
-from .calibrate.common import (HEAD_INT4_GROUP_SIZE, LAYER_LINEARS, shallow_copy, torch_attention,  # noqa: F401
+from .calibrate.common import (HEAD_INT4_GROUP_SIZE, LAYER_LINEARS, shallow_copy,  # noqa: F401
                                training_pass)
 from .calibrate.gptq import GPTQ_OPTIONS, GPTQ_TOKENS, calibrate_gptq  # noqa: F401
 from .calibrate.rotate import (down_rotated, int4_rotated, norm_rotation_block, rotate_down_proj,  # noqa: F401
@@ -100,21 +100,6 @@ def quantize_model(model: LlamaForCausalLM, weight_dtype: str, group_size: int =
             model.embed_tokens = None
         model.lm_head = None  # an untied float head is dropped; its separate embedding table stays
     return model
-
-
-def set_quantized_matmul(model: LlamaForCausalLM, fn, weight_dtype: str = "int4", num_layers: int | None = None) -> int:
-    """Plug y = fn(x2d, layer) into every QuantizedLinear of `weight_dtype` (the quantized head
-    included; see QuantizedLinear.set_matmul), or with `num_layers` only into those of the first
-    num_layers decoder layers; fn=None restores their own paths everywhere. Returns the number of
-    layers hooked (0: the model has no such layer). A lab's kernel reads the layer's plain layout:
-    layer.int4_parts() / layer.int8_parts()."""
-    scope = model if num_layers is None or fn is None else model.layers[:num_layers]
-    count = 0
-    for module in scope.modules():
-        if isinstance(module, QuantizedLinear) and module.weight_dtype == weight_dtype:
-            module.set_matmul(fn)
-            count += 1
-    return count
 
 
 def quantize_for_config(model: LlamaForCausalLM, weight_dtype: str, group_size: int, calibration: str | None,

@@ -19,12 +19,12 @@ picks its path at construction and names it in `.path`:
 `dequantized_weight()` returns the matrix every path multiplies by, so tests compare each fast path
 against F.linear with it (the CPU kernels round activations to bf16).
 
-Plain layouts and a plug-in hook (what a lab's or a Triton kernel needs, whatever the path):
+Plain layouts and a plug-in (what a lab's or a Triton kernel needs, whatever the path):
 `int8_parts()` -> (q int8 [N, K], scale fp32 [N]); `int4_parts()` -> (packed uint8 [N, Kp/2], scale
 fp32 [N, Kp/g], zero fp32 [N, Kp/g]) in minillm/quant/int4.py's format (Kp = in_features padded to
-the group size). `set_matmul(fn)` makes forward compute y = fn(x2d, layer) (x2d [M, K] in the
-activation dtype, after the input_scale division; bias added after); `set_matmul(None)` restores
-the path.
+the group size). `forward(x, matmul=fn)` computes y = fn(x2d, layer) instead of the path (x2d [M, K]
+in the activation dtype, after the input_scale division; bias added after): an engine built with
+`quantized_matmul=fn` (seams.QuantizedMatmul) passes its fn on every pass; the layer keeps none.
 
 Rows: `rows(ids)` -> dequantized_weight()[ids], dequantizing only those rows; a tied embedding is
 looked up there. `quantized=(q, scale, zero)` (int4 only) stores levels computed elsewhere (GPTQ,
@@ -98,7 +98,6 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("inv_input_scale", None)
         if input_scale is not None:
             self.inv_input_scale = (1.0 / input_scale.detach().float().to(weight.device)).to(weight.dtype)
-        self.matmul_fn = None  # set_matmul: a plug-in y = fn(x2d, layer) replacing the path
 
     @staticmethod
     def float_weight(weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -135,14 +134,6 @@ class QuantizedLinear(nn.Module):
         Int4Linear only."""
         raise ValueError(f"int4_parts() needs weight_dtype='int4', this layer has {self.weight_dtype!r}")
 
-    def set_matmul(self, fn) -> None:
-        """Plug in y = fn(x2d, layer) (x2d [M, in_features] in the activation dtype, after the
-        input_scale division; returns [M, out_features]; the bias is added after). None restores
-        the layer's own path."""
-        if fn is not None and not callable(fn):
-            raise ValueError(f"set_matmul takes a callable fn(x2d, layer) or None, got {type(fn).__name__}")
-        self.matmul_fn = fn
-
     def quantized_bytes(self) -> int:
         """Bytes of the stored weight: quantized values + scales (+ zeros) (+ bias) (+ input scale)."""
         total = quantized_matrix_bytes(self.out_features, self.in_features, self.weight_dtype, self.group_size)
@@ -153,22 +144,36 @@ class QuantizedLinear(nn.Module):
         return total
 
     # ------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, matmul=None) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]; `matmul`: a plugged y = matmul(x2d, self) instead of the path."""
         if self.inv_input_scale is not None:
             x = x * self.inv_input_scale
         shape = x.shape[:-1]
-        if self.matmul_fn is not None:
-            y = self.matmul_fn(x.reshape(-1, self.in_features), self).to(x.dtype)
-        elif self.path == "dequant":
+        if matmul is None and self.path == "dequant":
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        elif self.path == "triton":
-            x2d = x.reshape(-1, self.in_features)
-            y = self._triton_matmul(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
-        else:  # the format's CPU kernel
-            y = self._cpu_matmul(x.reshape(-1, self.in_features)).to(x.dtype)
+        x2d = x.reshape(-1, self.in_features)
+        if matmul is None:
+            y = self.own_matmul(x2d)
+        else:
+            y = matmul(x2d, self)
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != (x2d.shape[0], self.out_features):
+                got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+                raise ValueError(f"the plugged quantized matmul returned {got} for a {self.weight_dtype} layer "
+                                 f"[{self.out_features}, {self.in_features}]; expected a tensor of shape "
+                                 f"(rows of x, out_features) = {(x2d.shape[0], self.out_features)}")
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape, self.out_features)
+
+    def own_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        """y = x2d W^T on this layer's own path (x2d [M, in_features] after the input_scale division; no bias):
+        what forward runs when no matmul is plugged in."""
+        if self.path == "dequant":
+            return F.linear(x2d, self.dequantized_weight(x2d.dtype))
+        if self.path == "triton":
+            return self._triton_matmul(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+        return self._cpu_matmul(x2d).to(x2d.dtype)   # the format's CPU kernel
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size is not None else ""

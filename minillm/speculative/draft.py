@@ -129,7 +129,7 @@ class SelfDraftProposer(StatelessProposer):
 
     def propose(self, seqs: list["Sequence"], budgets: list[int]) -> tuple[list[list[int]], list]:
         """Feed each sequence's newest token (the real last one, then each draft)."""
-        runner, model = self.runner, self.runner.model
+        runner = self.runner
         saved = [(len(seq), seq.num_cached_tokens, seq.num_scheduled_tokens) for seq in seqs]
 
         def forward(active, drafts, j):
@@ -141,8 +141,8 @@ class SelfDraftProposer(StatelessProposer):
                 seq.num_cached_tokens = len(seq) - 1
                 seq.num_scheduled_tokens = 1
             input_ids, positions, meta, last_rows = runner.prepare(batch)
-            hidden = model(input_ids, positions, meta, num_layers=self.num_layers)
-            return model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)])
+            hidden = runner.forward(input_ids, positions, meta, num_layers=self.num_layers)
+            return runner.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)])
 
         try:
             return draft_loop(seqs, budgets, forward, self.stats(), runner)

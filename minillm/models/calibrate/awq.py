@@ -11,7 +11,7 @@ from ...layers.attention import AttentionMetadata
 from ...quant import QuantizedLinear
 from ...quant.awq import search_clip, search_input_scale
 from ..llama import LlamaForCausalLM
-from .common import LAYER_LINEARS, torch_attention
+from .common import LAYER_LINEARS
 
 AWQ_SEARCH_TOKENS = 512  # calibrate_gptq / calibrate_autoround: tokens the input-scale search scores
 
@@ -77,22 +77,21 @@ def calibrate_awq(model: LlamaForCausalLM, token_ids: list[int], weight_dtype: s
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(query_lens=[n], num_cached=[0], slot_mapping=None, use_cache=False)
     scales, clips = {}, {}
-    with torch_attention(model):
-        try:
-            model(torch.tensor(token_ids, device=device), positions, meta)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        keys = [(i, name) for i in range(len(model.layers)) for name in LAYER_LINEARS]
-        for i, name in tqdm(keys, desc=f"AWQ calibration ({weight_dtype})", unit="matrix", disable=not progress,
-                            leave=False):
-            key, layer = f"layers.{i}.{name}", model.layers[i]
-            w = getattr(layer, name).weight.data
-            module = awq_module(layer, name, positions, meta) if objective == "module" else None
-            scales[key], _, _ = search_input_scale(w, inputs[key], weight_dtype, group_size, grid, module=module)
-            if clip and weight_dtype == "int4":
-                clips[key], _ = search_clip(w, inputs[key], group_size, scales[key], grid, two_sided=two_sided)
-            del inputs[key]
+    try:
+        model(torch.tensor(token_ids, device=device), positions, meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    keys = [(i, name) for i in range(len(model.layers)) for name in LAYER_LINEARS]
+    for i, name in tqdm(keys, desc=f"AWQ calibration ({weight_dtype})", unit="matrix", disable=not progress,
+                        leave=False):
+        key, layer = f"layers.{i}.{name}", model.layers[i]
+        w = getattr(layer, name).weight.data
+        module = awq_module(layer, name, positions, meta) if objective == "module" else None
+        scales[key], _, _ = search_input_scale(w, inputs[key], weight_dtype, group_size, grid, module=module)
+        if clip and weight_dtype == "int4":
+            clips[key], _ = search_clip(w, inputs[key], group_size, scales[key], grid, two_sided=two_sided)
+        del inputs[key]
     return scales, clips
 
 

@@ -1,5 +1,5 @@
 """What every weight calibration shares: the quantized matrices' names, a shallow copy of a model,
-and running the model over whole calibration sequences (torch attention, no KV cache)."""
+and running the model over whole calibration sequences (no KV pool: torch attention and torch ops)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ...layers.attention import AttentionMetadata, TorchAttentionBackend
+from ...layers.attention import AttentionMetadata
 from ..llama import LlamaForCausalLM
 
 LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # each decoder layer's quantized matrices
@@ -26,43 +26,20 @@ def shallow_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
         for value in list(module.__dict__.values()) + list(module._parameters.values()) + list(module._buffers.values()):
             if isinstance(value, torch.Tensor):
                 memo[id(value)] = value
-    runner = getattr(model, "bound_runner", None)
-    if runner is not None:
-        memo[id(runner)] = None
-    clone = copy.deepcopy(model, memo)
-    clone.bound_runner = None
-    return clone
-
-
-@contextmanager
-def torch_attention(model: LlamaForCausalLM):
-    """Run the model's attention through the torch backend without a KV cache (calibration passes
-    over whole sequences), and give each layer back its backend, cache and Triton / CPU-kernel ops afterwards."""
-    attention = model.attention_layers()
-    saved = [(layer.backend, layer.k_cache, layer.v_cache) for layer in attention]
-    saved_triton, saved_native = model.use_triton_ops, model.use_native_ops
-    try:
-        model.use_triton_ops = model.use_native_ops = False
-        for layer in attention:
-            layer.backend = TorchAttentionBackend()
-        yield
-    finally:
-        model.use_triton_ops, model.use_native_ops = saved_triton, saved_native
-        for layer, (backend, k, v) in zip(attention, saved):
-            layer.backend, layer.k_cache, layer.v_cache = backend, k, v
+    return copy.deepcopy(model, memo)
 
 
 @contextmanager
 def training_pass(model: LlamaForCausalLM):
-    """torch_attention with autograd on (also inside inference mode) and the model's own parameters
-    frozen: calibrations that train their own tensors through the model's forward. Each
-    parameter's requires_grad is given back afterwards."""
+    """Autograd on (also inside inference mode) and the model's own parameters frozen: calibrations that
+    train their own tensors through the model's forward (a pass without a KV pool: torch attention).
+    Each parameter's requires_grad is given back afterwards."""
     params = list(model.parameters())
     trainable = [p.requires_grad for p in params]
     try:
         for p in params:
             p.requires_grad_(False)
-        with torch_attention(model), torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
             yield
     finally:
         for p, flag in zip(params, trainable):

@@ -14,7 +14,7 @@ from ...quant.gptq import gptq_int4, input_hessian
 from ...quant.int4 import dequantize_int4
 from ..llama import LlamaForCausalLM
 from .awq import AWQ_SEARCH_TOKENS
-from .common import LAYER_LINEARS, torch_attention
+from .common import LAYER_LINEARS
 
 GPTQ_TOKENS = 4096  # calibration tokens for weight_calibration="gptq": the first of autoround_token_ids
 GPTQ_OPTIONS = dict(act_order="static", clip=True)  # its calibrate_gptq options (also gptq-tuned's first stage)
@@ -78,24 +78,23 @@ def calibrate_gptq(model: LlamaForCausalLM, token_ids: list[int], group_size: in
             y = y + linear.bias.float()
         return y.to(x.dtype)
 
-    with torch_attention(model):
-        hidden = (embed or model.embed_tokens)(ids)
-        for i, layer in enumerate(tqdm(model.layers, desc="GPTQ calibration (int4)", unit="layer",
-                                       disable=not progress, leave=False)):
-            cfg = layer.cfg
-            x = layer.input_layernorm(hidden)
-            qkv = quantize(layer, i, "qkv_proj", x)
-            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            t = x.shape[0]
-            q, k = layer.rotary(positions, q.reshape(t, cfg.num_heads, cfg.head_dim),
-                                k.reshape(t, cfg.num_kv_heads, cfg.head_dim))
-            attn = layer.attn(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta).reshape(t, layer.q_size)
-            hidden = hidden + quantize(layer, i, "o_proj", attn)
-            x = layer.post_attention_layernorm(hidden)
-            act = layer.down_input(silu_and_mul(quantize(layer, i, "gate_up_proj", x)))
-            hidden = hidden + quantize(layer, i, "down_proj", act)
-        if head_group_size is not None:
-            x = model.norm(hidden).float()
-            parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size, damp,
-                                         act_order)
+    hidden = (embed or model.embed_tokens)(ids)
+    for i, layer in enumerate(tqdm(model.layers, desc="GPTQ calibration (int4)", unit="layer",
+                                   disable=not progress, leave=False)):
+        cfg = layer.cfg
+        x = layer.input_layernorm(hidden)
+        qkv = quantize(layer, i, "qkv_proj", x)
+        q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+        t = x.shape[0]
+        q, k = layer.rotary(positions, q.reshape(t, cfg.num_heads, cfg.head_dim),
+                            k.reshape(t, cfg.num_kv_heads, cfg.head_dim))
+        attn = layer.attn(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta).reshape(t, layer.q_size)
+        hidden = hidden + quantize(layer, i, "o_proj", attn)
+        x = layer.post_attention_layernorm(hidden)
+        act = layer.down_input(silu_and_mul(quantize(layer, i, "gate_up_proj", x)))
+        hidden = hidden + quantize(layer, i, "down_proj", act)
+    if head_group_size is not None:
+        x = model.norm(hidden).float()
+        parts["lm_head"] = gptq_int4(model.lm_head_weight.float(), input_hessian(x), head_group_size, damp,
+                                     act_order)
     return scales, parts
