@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 
@@ -179,7 +180,7 @@ def make_weights(model_path: str, model_config, model, tokenizer, fmt: tuple) ->
 
 
 def build_kv_pool(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                  factory: BlockManagerFactory | None = None, cache_class: type[KVCache] = KVCache,
+                  factory: BlockManagerFactory | None = None, cache_class: Callable[..., KVCache] = KVCache,
                   cache_config=None) -> tuple[BlockAllocator | None, KVCache | None]:
     """The block allocator and the KV cache (None, None with kv_cache=False). The pool's bytes
     (kv_cache_bytes, kv_cache_memory_fraction, or enough for the batch) become whole blocks.
@@ -237,7 +238,8 @@ def load_draft(config: EngineConfig, weights: Weights, device: torch.device, dty
 
 def build_speculator(config: EngineConfig, parts: EngineParts, runner: ModelRunner, block_manager, max_model_len: int,
                      draft: DraftWorker | None, stats: Callable[[], SpecStats]) -> Speculator | None:
-    """speculative=...: the method's proposer (or parts.proposer) and the verifier."""
+    """speculative=...: the method's proposer (or parts.proposer) and the verifier; stats(): the engine's
+    counters of the current run (the Engine passes them when it calls this)."""
     method = config.speculative
     if method is None:
         return None
@@ -282,19 +284,15 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
         check_config(config, model_config)
         tp = TensorParallel(config.tensor_parallel_size, device)
         block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len, parts.block_manager,
-                                                TPKVCache, tp.shard_config(model_config))
+                                                partial(TPKVCache, tp), tp.shard_config(model_config))
         model = tensor_parallel_weights(tp, config, model_path, device, dtype, max_model_len,
                                         block_manager.num_blocks if block_manager is not None else 0)
         weights = make_weights(model_path, model_config, model, load_tokenizer(model_path), weight_format(config))
     check_moe_parts(weights.model, parts.moe_router, parts.moe_experts)
     scheduler = Scheduler(config, block_manager, max_model_len, parts.scheduling_policy)
-    runner = (TPModelRunner if tp else ModelRunner)(weights.model, device, block_manager, kv_cache,
-                                                    config.attention_backend, parts.sampler, parts.model_parts(config))
-    if tp is not None:
-        runner.tensor_parallel = tp
-        if kv_cache is not None:
-            kv_cache.tensor_parallel = tp
-    runner.eos_token_ids = tuple(sorted(weights.eos_token_ids))
+    runner = (partial(TPModelRunner, tp) if tp else ModelRunner)(
+        weights.model, device, block_manager, kv_cache, config.attention_backend, parts.sampler,
+        parts.model_parts(config), tuple(sorted(weights.eos_token_ids)))
     if config.cuda_graphs:
         runner.enable_cuda_graphs(config.max_num_seqs, max_model_len)
     lora_registry = None
@@ -304,10 +302,7 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
     draft = None
     if config.speculative == "draft" and parts.proposer is None:
         draft = load_draft(config, weights, device, dtype, max_model_len, block_manager)
-    engine = Engine(config, device, dtype, weights, max_model_len, block_manager, kv_cache, scheduler, runner,
-                    parts=parts, draft=draft)
-    engine.lora_registry = lora_registry
-    engine.tensor_parallel = tp
-    engine.speculator = build_speculator(config, parts, runner, block_manager, max_model_len, draft,
-                                         lambda: engine.stats.spec)
-    return engine
+    return Engine(config, device, dtype, weights, max_model_len, block_manager, kv_cache, scheduler, runner,
+                  parts=parts, draft=draft, lora_registry=lora_registry, tensor_parallel=tp,
+                  speculator_factory=partial(build_speculator, config, parts, runner, block_manager, max_model_len,
+                                             draft))

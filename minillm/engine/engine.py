@@ -60,7 +60,11 @@ class Engine:
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, weights: Weights,
                  max_model_len: int, block_manager: BlockAllocator | None, kv_cache: KVCache | None,
-                 scheduler: Scheduler, runner: ModelRunner, parts=None, draft: DraftWorker | None = None):
+                 scheduler: Scheduler, runner: ModelRunner, parts=None, draft: DraftWorker | None = None,
+                 lora_registry=None, tensor_parallel=None, speculator_factory=None):
+        """lora_registry: enable_lora=True's LoRARegistry (minillm/lora.py); tensor_parallel: rank 0's
+        engine/parallel.TensorParallel (tensor_parallel_size > 1); speculator_factory(stats) -> the Speculator of
+        speculative=..., given this engine's counters (its proposers count into them), or None."""
         self.config, self.device, self.dtype = config, device, dtype
         self.weights = weights
         self.model_path, self.model_config = weights.model_path, weights.model_config
@@ -70,17 +74,14 @@ class Engine:
         self.scheduler, self.runner = scheduler, runner
         self.parts = parts              # the EngineParts it was built with (with_levers passes them on)
         self.draft = draft
-        # speculative=...: set by build_engine once this engine's stats exist (its proposers count into them).
-        self.speculator: Speculator | None = None
-        self.lora_registry = None   # enable_lora=True: a LoRARegistry (minillm/lora.py), set by build_engine
-        # tensor_parallel_size > 1: rank 0's engine/parallel.TensorParallel (the workers), set by build_engine
-        self.tensor_parallel = None
+        self.lora_registry, self.tensor_parallel = lora_registry, tensor_parallel
         self.owner_thread: threading.Thread | None = None  # set while a server thread owns the engine
         self.hourly_usd = config.gpu_hourly_usd if config.gpu_hourly_usd is not None else (
             DEFAULT_GPU_HOURLY_USD if device.type == "cuda" else DEFAULT_CPU_HOURLY_USD)
         self.device_label = device_name(device)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.stats = RunStats(self.device_label, self.hourly_usd)
+        self.speculator: Speculator | None = speculator_factory(lambda: self.stats.spec) if speculator_factory else None
         self._preemptions_at_reset = 0
         self._prefix_at_reset = (0, 0, 0)
         # CPU threads: "auto" re-decides them from the other processes' load (engine/thread_policy.py);

@@ -72,14 +72,15 @@ def _block_tables(meta: AttentionMetadata, seqs: list[Sequence], block_size: int
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_manager: BlockManager | None, kv_cache=None,
-                 attention_backend="torch", sampler: Sampler | None = None, parts: ModelParts = NO_PARTS):
+                 attention_backend="torch", sampler: Sampler | None = None, parts: ModelParts = NO_PARTS,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.model = model
         self.device = device
         self.block_manager = block_manager
         self.kv_cache = kv_cache
         self.sampler = sampler if sampler is not None else TorchSampler()
         self.parts = parts                         # the engine's model parts (checked by the builder)
-        self.eos_token_ids: tuple[int, ...] = ()   # set by the builder: banned until a request's min_tokens
+        self.eos_token_ids = tuple(eos_token_ids)   # banned until a request's min_tokens
         self.grammars = None   # a GrammarBackend (minillm/structured.py), made at the first structured request
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (cuda_graphs=True)
         self.lora: LoRAWeights | None = None       # set by enable_lora (enable_lora=True): the adapter slots

@@ -281,7 +281,9 @@ class TensorParallel:
 class TPKVCache(KVCache):
     """Rank 0's pool (its heads only): copy-on-write is replayed on every rank."""
 
-    tensor_parallel: TensorParallel
+    def __init__(self, tensor_parallel: TensorParallel, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tensor_parallel = tensor_parallel
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -292,7 +294,11 @@ class TPKVCache(KVCache):
 class TPModelRunner(ModelRunner):
     """Rank 0's runner: each forward is broadcast to the workers first; the head's rows too (ShardedLlama)."""
 
-    tensor_parallel: TensorParallel | None = None
+    tensor_parallel: TensorParallel | None = None   # None while the base class picks the backend the workers built
+
+    def __init__(self, tensor_parallel: TensorParallel, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tensor_parallel = tensor_parallel
 
     def set_attention_backend(self, backend) -> None:
         if self.tensor_parallel is not None:   # the workers built theirs by name at start-up
