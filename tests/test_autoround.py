@@ -6,7 +6,7 @@ import torch
 from test_gptq import correlated_inputs, output_error
 
 from minillm import LLM, EngineConfig
-from minillm.layers.attention import AttentionMetadata, TorchAttentionBackend
+from minillm.layers.attention import AttentionMetadata
 from minillm.models import quantize as quantize_module
 from minillm.models.calibrate import cache as cache_module
 from minillm.models.quantize import calibrate_autoround, calibrate_awq, quantize_model
@@ -71,9 +71,7 @@ def llm_like_tiny_model():
 
 def model_output(model, ids):
     meta = AttentionMetadata(query_lens=[len(ids)], num_cached=[0], slot_mapping=None, use_cache=False)
-    for layer in model.attention_layers():
-        layer.backend = TorchAttentionBackend()
-    with torch.inference_mode():
+    with torch.inference_mode():   # a pass without a pool: torch attention
         return model(ids, torch.arange(len(ids)), meta)
 
 

@@ -91,7 +91,6 @@ class RawModelProposer(StatelessProposer):
 
     def __init__(self, twin):
         self.twin, self.refused, self.proposed = twin, 0, 0
-        self.engine_runner = None
 
     def propose(self, seqs, budgets):
         proposals = []
@@ -107,7 +106,6 @@ class RawModelProposer(StatelessProposer):
                 self.refused += ok.count(False) > 0
             self.proposed += len(proposal)
             proposals.append(proposal)
-        self.engine_runner.bind()
         return proposals, [None] * len(seqs)
 
 
@@ -116,7 +114,6 @@ def test_grammar_breaking_proposals_are_never_kept(default_llm, temperature):
     twin = default_llm.with_levers(kv_cache=False)
     proposer = RawModelProposer(twin)
     spec = default_llm.with_levers(speculative="ngram", num_speculative_tokens=2, proposer=proposer)
-    proposer.engine_runner = spec.engine.runner
     # the model wants to answer in words; the grammar wants a phone number and a small JSON object
     prompts = ["Tell me about the sea.", "Who are you?"]
     sos = [StructuredOutputs(regex=PHONE), StructuredOutputs(json=SCHEMA)]

@@ -79,7 +79,7 @@ def test_triton_backend_matches_torch_backend(tiny_model, torch_tokens, launches
 
 
 def test_torch_backend_uses_no_triton_op_even_after_a_triton_engine(tiny_model, torch_tokens, launches):
-    """Engines sharing one model's weights: each sets the model's ops when it binds."""
+    """Engines sharing one model's weights: each runs its own ops (they come with each pass's ForwardContext)."""
     triton_llm = LLM(tiny_model, attention_backend="triton")
     torch_llm = triton_llm.with_levers(attention_backend="torch")
     prompts, params = [{"prompt_token_ids": PROMPTS[1]}], [PARAMS[1]]

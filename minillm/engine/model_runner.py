@@ -19,8 +19,8 @@ import torch
 from ..layers.attention import AttentionMetadata, CPUAttentionBackend, resolve_backend
 from ..layers.context import NO_PARTS, ForwardContext, ModelParts
 from ..layers.lora import LoRABatch, LoRAWeights, build_batch
-from ..models.moe import expert_token_counts
 from ..layers.sampler import SamplingBatch, TorchSampler, token_logprobs
+from ..models.moe import expert_token_counts
 from ..seams import Sampler
 from .block_manager import BlockManager
 from .cuda_graph import DecodeGraphs

@@ -170,6 +170,3 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head is not None:
             return self.quantized_head(hidden, parts.matmul_for(self.quantized_head)).float()
         return linear(hidden, self.lm_head_weight).float()
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.attn for layer in self.layers]

@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from ..layers.context import NO_PARTS, ModelParts
 from ..layers.linear import Linear
 from ..layers.parallel import RowParallelLinear, TPGroup, vocab_parallel_lookup
 from ..quant.linear import ChannelLinear
@@ -94,11 +95,11 @@ class ShardedLlama(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_lookup(super().embed, input_ids, self.vocab_start, self.vocab_end, self.group)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, parts: ModelParts = NO_PARTS) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab], the whole vocabulary on every rank."""
         if self.before_head is not None:
             self.before_head(hidden)
-        local = super().compute_logits(hidden)
+        local = super().compute_logits(hidden, parts)
         return self.group.all_gather_last(local)[..., :self.full_cfg.vocab_size]
 
 
