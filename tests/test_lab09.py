@@ -384,6 +384,15 @@ MISTAKES = {
         and not isinstance(value["age"], bool) and 0 <= value["age"] <= 120 \\
         and all(isinstance(value[k], str) and 1 <= len(value[k]) <= 20 for k in ("name", "city"))
 ''', "a Markdown fence around it is not JSON"),
+        ('''def valid_person(text):   # checks only the name's length
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(value) == {"name", "age", "city"} and isinstance(value["age"], int) \\
+        and not isinstance(value["age"], bool) and 0 <= value["age"] <= 120 and isinstance(value["city"], str) \\
+        and isinstance(value["name"], str) and 1 <= len(value["name"]) <= 20
+''', "an empty city"),
     ],
 }
 

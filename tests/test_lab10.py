@@ -287,6 +287,8 @@ MISTAKES = {
          "ONE copy of the base model"),
         ("# the first row\n" + _MEM.replace("largest = max(rows, key=lambda row: row[\"num_adapters\"])",
                                             "largest = rows[0]"), "the row with the most adapters"),
+        ("# the last row\n" + _MEM.replace("largest = max(rows, key=lambda row: row[\"num_adapters\"])",
+                                           "largest = rows[-1]"), "the row with the most adapters"),
         ("# a base model per adapter\n" + _MEM.replace("lora_bytes = model_bytes + num_adapters * per_adapter",
                                                        "lora_bytes = num_adapters * (model_bytes + per_adapter)"),
          "ONE copy of the base model"),

@@ -300,6 +300,8 @@ MISTAKES = {
          "the N = 1 row's step_s / this row's step_s"),
         ("# N = 1 divided by zero\n" + _COSTS.replace(' if r["num_allreduces"] else 0.0', ""),
          "allreduce_costs(your measured rows) raised ZeroDivisionError"),
+        ("# the first row taken as N = 1\n" + _COSTS.replace(
+            'next(r for r in rows if r["tensor_parallel_size"] == 1)', "rows[0]"), "whatever its place"),
     ],
     "test_answer_tp8_step_ms": [
         ("answer_tp8_step_ms = 70.6e9 * 2 / 3.35e12 * 1e3 / 8   # the weights only\n", "the all-reduces are missing"),
@@ -317,6 +319,8 @@ MISTAKES = {
         ("# no clamp\n" + _POLICY.replace("return min(max(desired, state.min_replicas), state.max_replicas)",
                                           "return desired"), "clamp the answer"),
         ("# floor\n" + _POLICY.replace("math.ceil", "math.floor"), "ceil, not floor or round"),
+        ("# the window's edge inside\n" + _POLICY.replace("if t > state.now_s - window_s", "if t >= state.now_s - window_s"),
+         "a sample exactly window_s old is outside the window"),
     ],
     "test_measure_choose_fleet": [
         ("# the fastest that meets the target\n" + _CHOOSE.replace('key=lambda row: row["usd_per_mtok"]',

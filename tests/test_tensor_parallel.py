@@ -218,6 +218,21 @@ def test_refusals_name_the_reason(default_model_dir, levers, words):
         assert word in str(info.value)
 
 
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    """Each rank takes one GPU (cuda:rank): a size above the GPU count is refused before any process starts."""
+    from minillm.engine.parallel import check_config
+    from minillm.config import EngineConfig
+    from minillm.models.presets import preset_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = preset_config("random:tiny-llama-tp")
+    check_config(EngineConfig(model="random:tiny-llama-tp", tensor_parallel_size=2), cfg, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 on device='cuda': this machine has 2 GPUs .*"
+                                         r"tensor_parallel_size <= 2, or device='cpu'"):
+        check_config(EngineConfig(model="random:tiny-llama-tp", tensor_parallel_size=4), cfg, torch.device("cuda"))
+    check_config(EngineConfig(model="random:tiny-llama-tp", tensor_parallel_size=4), cfg, torch.device("cpu"))
+
+
 def test_mixture_of_experts_is_refused():
     with pytest.raises(ValueError, match="mixture-of-experts models .mixtral. are not sharded"):
         LLM("random:tiny-mixtral", tensor_parallel_size=2)

@@ -281,7 +281,7 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
         block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len,
                                                 parts.block_manager)
     else:
-        check_config(config, model_config)
+        check_config(config, model_config, device)
         tp = TensorParallel(config.tensor_parallel_size, device)
         block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len, parts.block_manager,
                                                 partial(TPKVCache, tp), tp.shard_config(model_config))

@@ -62,10 +62,16 @@ def load_shard(config, model_path: str, group: TPGroup, device: torch.device, dt
     return shard
 
 
-def check_config(config, model_config) -> None:
+def check_config(config, model_config, device: torch.device | None = None) -> None:
     """What tensor_parallel_size > 1 cannot do (yet), refused with the reason before anything starts."""
     n = config.tensor_parallel_size
     check_tensor_parallel(model_config, n, config.weight_dtype, config.weight_group_size)
+    if device is not None and device.type == "cuda" and torchrun_env() is None:
+        gpus = torch.cuda.device_count()
+        if n > gpus:
+            raise ValueError(f"tensor_parallel_size={n} on device='cuda': this machine has {gpus} GPU"
+                             f"{'' if gpus == 1 else 's'} and each rank takes one (rank r on cuda:r); use "
+                             f"tensor_parallel_size <= {gpus}, or device='cpu' (one process per rank on gloo)")
     if not isinstance(config.attention_backend, str):
         raise ValueError(f"tensor_parallel_size={n} takes attention_backend='torch' or 'triton' (every rank builds "
                          f"its own backend by name), not an object ({type(config.attention_backend).__name__})")

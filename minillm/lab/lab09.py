@@ -747,6 +747,8 @@ VALID_CASES = [
     ('{"name": "", "age": 36, "city": "London"}', "an empty name"),
     ('{"name": "Ada Augusta Byron King Lovelace", "age": 36, "city": "London"}', "a name longer than 20 characters"),
     ('{"name": "Ada", "age": 36, "city": 7}', "a city that is not a string"),
+    ('{"name": "Ada", "age": 36, "city": ""}', "an empty city"),
+    ('{"name": "Ada", "age": 36, "city": "Llanfairpwllgwyngyll on Anglesey"}', "a city longer than 20 characters"),
     ('[{"name": "Ada", "age": 36, "city": "London"}]', "a list, not an object"),
     ('{"name": "Ada", "age": 36, "city": "Lon', "cut off in the middle (max_tokens reached)"),
     ("", "an empty answer"),

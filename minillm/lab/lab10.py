@@ -291,9 +291,11 @@ def check_memory(fn: Callable, rows: Sequence[dict] | None, model_bytes: int) ->
     """memory_for against the reference on the measured rows (and on a stub of two rows)."""
     if not rows:
         raise CheckFailed("lora_rows is empty: run the throughput cell above first")
-    stub = [{"num_adapters": 1, "adapter_bytes": 3_000_000}, {"num_adapters": 4, "adapter_bytes": 10_000_000}]
+    stub = [{"num_adapters": 1, "adapter_bytes": 3_000_000}, {"num_adapters": 4, "adapter_bytes": 10_000_000},
+            {"num_adapters": 2, "adapter_bytes": 5_500_000}]   # not in order: the largest row is not the last
     for case_rows, case_bytes, what, n in ((list(rows), model_bytes, "your measured rows", 100),
-                                           (stub, 500_000_000, "two rows: 1 adapter 3 MB, 4 adapters 10 MB", 100),
+                                           (stub, 500_000_000, "three rows: 1 adapter 3 MB, 4 adapters 10 MB, "
+                                                               "2 adapters 5.5 MB", 100),
                                            (stub, 500_000_000, "the same rows, 10 adapters", 10)):
         call = f"memory_for({what}, model_bytes={case_bytes}, num_adapters={n})"
         got = call_learner(fn, (case_rows, case_bytes, n), call)
@@ -460,7 +462,7 @@ def check_moe_run(result: dict | None) -> None:
         if mine != want:
             j = next((t for t, (p, q) in enumerate(zip(mine, want)) if p != q), min(len(mine), len(want)))
             raise CheckFailed(f"your routing and dispatch in the tiny Mixtral: prompt {i} parts from the engine's own "
-                              f"tokens at output token {j}: run the checks of exercises 3 and 4")
+                              f"tokens at output token {j}: run the checks of exercises 4 and 5")
     passed("your MoE in the engine", len(result["engine"]))
 
 

@@ -318,16 +318,18 @@ def check_allreduce_costs(fn: Callable, rows: Sequence[dict] | None) -> None:
     """allreduce_costs against the reference on the measured rows and on a stub of two rows."""
     if not rows:
         raise CheckFailed("tp_rows is empty: run the measurement cell above first")
-    stub = [{"tensor_parallel_size": 1, "step_s": 0.02, "allreduce_s": 0.0, "allreduce_bytes": 0, "num_allreduces": 0},
-            {"tensor_parallel_size": 2, "step_s": 0.025, "allreduce_s": 0.01, "allreduce_bytes": 4_000_000,
-             "num_allreduces": 50}]
+    stub = [{"tensor_parallel_size": 2, "step_s": 0.025, "allreduce_s": 0.01, "allreduce_bytes": 4_000_000,
+             "num_allreduces": 50},
+            {"tensor_parallel_size": 1, "step_s": 0.02, "allreduce_s": 0.0, "allreduce_bytes": 0, "num_allreduces": 0}]
     hints = {"tensor_parallel_size": "the row's tensor_parallel_size, unchanged",
              "allreduce_share": "allreduce_s / step_s: the share of a step spent in all-reduces",
              "allreduce_mb_per_step": "allreduce_bytes / 1e6 (megabytes, 10^6 bytes)",
              "us_per_allreduce": "1e6 * allreduce_s / num_allreduces (0.0 when a step has none, N = 1)",
-             "speedup": "the N = 1 row's step_s / this row's step_s (above 1: splitting paid)"}
+             "speedup": "the N = 1 row's step_s / this row's step_s (above 1: splitting paid); find the row whose "
+                        "tensor_parallel_size is 1, whatever its place"}
     for case_rows, what in ((list(rows), "your measured rows"),
-                            (stub, "two rows: N = 1 at 20 ms a step; N = 2 at 25 ms, 10 ms of it in 50 all-reduces")):
+                            (stub, "two rows, N = 2 first: N = 2 at 25 ms a step, 10 ms of it in 50 all-reduces; "
+                                   "N = 1 at 20 ms")):
         call = f"allreduce_costs({what})"
         got = call_learner(fn, (case_rows,), call)
         want = reference_allreduce_costs(case_rows)
@@ -424,11 +426,13 @@ def print_pays(rows: Sequence[dict]) -> None:
 
 # =================================================================== 7. the autoscaler's policy
 def reference_policy(state, target_ongoing: float = 2.0, upscale_window_s: float = 5.0,
-                     downscale_window_s: float = 30.0, rounding: Callable = math.ceil) -> int:
+                     downscale_window_s: float = 30.0, rounding: Callable = math.ceil, edge_inside: bool = False) -> int:
     """Exercise 5's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
-    replicas; down to ceil(largest load of the last downscale_window_s / target) when that is below; clamped."""
+    replicas; down to ceil(largest load of the last downscale_window_s / target) when that is below; clamped.
+    A sample exactly window_s old is outside the window (edge_inside=True: the usual mistake, t >= now - window)."""
     def over(window_s):
-        return [total for t, total, _ in state.history if t > state.now_s - window_s] or [state.total_ongoing_requests]
+        inside = (lambda t: t >= state.now_s - window_s) if edge_inside else (lambda t: t > state.now_s - window_s)
+        return [total for t, total, _ in state.history if inside(t)] or [state.total_ongoing_requests]
 
     want_up = rounding(min(over(upscale_window_s)) / target_ongoing)
     want_down = rounding(max(over(downscale_window_s)) / target_ongoing)
@@ -463,6 +467,8 @@ def _policy_cases() -> list[tuple]:
          "the load at 10 for the last 6 s (the up window is 5 s): go up to ceil(10 / 2) = 5"),
         (fleet_state(100.0, [4] * 37 + [10] * 3, running=2), {},
          "the load at 10 for only 3 s: not yet (the least load of the last 5 s is 4)"),
+        (fleet_state(100.0, [4] * 35 + [10] * 5, running=2), {},
+         "the load at 10 at t = 96 .. 100 and 4 at t = 95: the window of 5 s holds t > 95 only, up to 5"),
         (fleet_state(100.0, [4] * 30 + [10, 9, 8, 12, 10, 10, 7, 9, 11, 10], running=2), {},
          "a noisy high load (7 to 12) for 10 s: up to the LEAST load of the up window, ceil(7 / 2) = 4"),
         (fleet_state(100.0, [1] * 40, running=4), {}, "the load at 1 for 40 s on 4 replicas: down to 1"),
@@ -501,6 +507,9 @@ def _policy_hint(state, kwargs, got: int) -> str:
         return ("that is ceil(load now / target): with no windows the fleet follows every burst. Go up only to what "
                 "the whole up window asks for (its least load), down only to what the whole down window allows (its "
                 "largest load)")
+    if got == ref(edge_inside=True):
+        return ("a sample exactly window_s old is outside the window: keep the samples with t > now_s - window_s "
+                "(a 5 s window of 1 s ticks holds 5 samples, not 6)")
     if got in (ref(rounding=math.floor), ref(rounding=round)):
         return "ceil, not floor or round: 5 requests at 2 per replica need 3 replicas"
     return ("desired = target_replicas; up to ceil(min(up-window loads) / target) if that is more, else down to "
