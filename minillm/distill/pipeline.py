@@ -91,7 +91,7 @@ def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, p
     teacher_dir = _teacher_dir(recipe)
     teacher = load_teacher(teacher_dir, recipe.adapter)
     keep = select_layers(teacher.config.num_hidden_layers, recipe.num_layers, recipe.layer_strategy)
-    teacher_llm = LLM(str(teacher_dir), prefix_caching=True, **({"enable_lora": True} if recipe.adapter else {}))
+    teacher_llm = LLM(str(teacher_dir), **({"enable_lora": True} if recipe.adapter else {}))
     lora = None
     if recipe.adapter:
         from ..lora import LoRARequest
