@@ -264,3 +264,30 @@ def test_distilled_student_beats_its_baselines_quickly(two_layer_teacher_dir, tm
     assert distilled >= labelled + 0.10, message
     assert result.histories["distilled"][-1]["loss"] < result.histories["distilled"][0]["loss"], message
     assert (result.path / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------ the command
+@pytest.mark.parametrize("argv, words", [
+    (["--layers", "0"], "--layers 0 is outside 1..1000"),
+    (["--alpha", "1.5"], "--alpha 1.5 is outside 0.0..1.0"),
+    (["--steps", "many"], "--steps 'many' is not a number (1..100000)"),
+    (["--task", "summarize"], "invalid choice: 'summarize' (choose from 'extract', 'intent')"),
+])
+def test_command_refuses_bad_values(argv, words, capsys):
+    from minillm.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["distill", *argv])
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_command_exports_a_gguf_and_refuses_a_folder_without_a_model(tiny_teacher_dir, tmp_path, capsys):
+    from minillm.cli import main
+
+    assert main(["distill", "export", str(tiny_teacher_dir), "--type", "f16", "--out", str(tmp_path / "out"),
+                 "--name", "tiny"]) == 0
+    assert (tmp_path / "out" / "tiny.F16.gguf").is_file() and (tmp_path / "out" / "Modelfile").is_file()
+    assert "tiny.F16.gguf" in capsys.readouterr().out
+    assert main(["distill", "export", str(tmp_path), "--type", "q8_0"]) == 2
+    assert f"{str(tmp_path)!r} is not a Hugging Face directory (no config.json)" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from ..llm import LLM
 from .evaluate import format_report, generate_answers, score_answers
 from .student import build_student, load_teacher, save_student, select_layers
 from .tasks import check_task, make_examples
-from .teacher import label_items, teacher_answers, teacher_items
+from .teacher import decode_answer, label_items, teacher_answers, teacher_items
 from .train import plot_loss_curves, top1_agreement, train_student
 
 
@@ -105,7 +105,7 @@ def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, p
     answers = teacher_answers(teacher_llm, recipe.task, train + heldout, lora, progress, recipe.max_answer_tokens)
     train_answers, heldout_answers = answers[:len(train)], answers[len(train):]
     seconds["teacher answers"] = time.perf_counter() - clock
-    teacher_texts = [tokenizer.decode(a).split("\n", 1)[0].strip() for a in heldout_answers]
+    teacher_texts = [decode_answer(tokenizer, a) for a in heldout_answers]
     rows = {"teacher": {**score_answers(recipe.task, heldout, teacher_texts), "agreement": 1.0,
                         "layers": teacher.config.num_hidden_layers, "params_m": _params_m(teacher)}}
     clock = time.perf_counter()

@@ -43,11 +43,12 @@ class TrainingItem:
 
 
 def _answer_ids(token_ids: list[int], tokenizer) -> list[int]:
-    """The answer up to and including the first token that holds a newline (the answer's end in the few-shot format)."""
+    """The answer up to and including its end: the first token that holds a newline (the few-shot format's end) or
+    an end-of-sequence token (SmolLM2 often closes its turn instead; the student then learns to stop by itself)."""
     kept = []
     for token in token_ids:
         kept.append(token)
-        if "\n" in tokenizer.decode([token]):
+        if token in tokenizer.all_special_ids or "\n" in tokenizer.decode([token]):
             break
     return kept
 
@@ -67,7 +68,8 @@ def teacher_answers(llm, task: str, examples: list[Example], lora_request=None, 
 
 
 def decode_answer(tokenizer, answer_ids: list[int]) -> str:
-    return tokenizer.decode(answer_ids).split("\n", 1)[0].strip()
+    """The answer's text as generate() gives it: up to the newline, special tokens (the end of the turn) left out."""
+    return tokenizer.decode(answer_ids, skip_special_tokens=True).split("\n", 1)[0].strip()
 
 
 def _prefix_text(task: str) -> str:
