@@ -292,3 +292,30 @@ def test_command_exports_a_gguf_and_refuses_a_folder_without_a_model(tiny_teache
     assert "tiny.F16.gguf" in capsys.readouterr().out
     assert main(["distill", "export", str(tmp_path), "--type", "q8_0"]) == 2
     assert f"{str(tmp_path)!r} is not a Hugging Face directory (no config.json)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_distilled_student_beats_its_baselines(tmp_path):
+    """The comparison on the default model (minutes on 2 cores): a 6-layer student on the extraction task, scored on
+    32 held-out messages. Measured on a 2-core CPU (13 min, seed 0): teacher 93.8% fields right, 100% valid JSON;
+    distilled 16.7% / 78.1% / top-1 agreement 84.0%; labels only 4.2% / 93.8% / 69.9%; pruned untrained 0 / 0 / 0.
+    The student is far from the bar at this budget (64 messages, 48 steps); the margins over its baselines are what
+    this test holds."""
+    from minillm import LLM
+    from minillm.distill.evaluate import generate_answers, score_answers
+    from minillm.distill.pipeline import DistillRecipe, distill
+    from minillm.distill.tasks import make_examples
+
+    recipe = DistillRecipe(task="extract", num_layers=6, num_train=64, num_heldout=32, steps=48, batch_size=8, lr=1e-3,
+                           seed=0)
+    result = distill(recipe, tmp_path / "student", compare=True, progress=False)
+    rows, message = result.rows, f"\n{result.report}"
+    distilled, pruned, labelled = (rows[f"student {n}"] for n in ("distilled", "pruned", "labels only"))
+    assert distilled["score"] >= labelled["score"] + 0.08, message
+    assert distilled["agreement"] >= labelled["agreement"] + 0.08, message
+    assert distilled["score"] >= pruned["score"] + 0.10 and distilled["agreement"] >= pruned["agreement"] + 0.5, message
+    assert rows["teacher"]["score"] >= 0.85, message
+    # the saved student answers the same through minillm's engine after a reload
+    heldout = make_examples("extract", "heldout", 32)
+    again = score_answers("extract", heldout, generate_answers(LLM(str(result.path)), "extract", heldout))
+    assert again["score"] == pytest.approx(distilled["score"]), message
