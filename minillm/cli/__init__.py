@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, doctor, generate, memory, quality
+from . import bench, distill, doctor, generate, memory, quality
 from .set_levers import _parse_levers
 
 __all__ = ["DELEGATED", "_parse_levers", "main"]   # _parse_levers: `from minillm.cli import _parse_levers`
-DESCRIPTION = "minillm generate | bench | quality | memory | doctor | model — the command line."
+DESCRIPTION = "minillm generate | bench | quality | memory | doctor | model | distill — the command line."
 
 
 # Commands with their own argument parsers, in their own modules (each exposes main(argv) -> int).
@@ -30,6 +30,8 @@ DELEGATED = {
                                                              "read per decode step vs batch size, in one run"),
     ("bench", "fleet"): ("minillm.bench.fleet", "the fleet simulator: a simulated day hour by hour, the warm replicas "
                                                  "a p99 TTFT target needs, --validate against a real Ray Serve fleet"),
+    ("distill", "export"): ("minillm.cli.distill", "a Hugging Face Llama directory (a student, or 'default') to GGUF "
+                                                    "F16 / Q8_0 / Q4_0 with an Ollama Modelfile beside it"),
     ("cost",): ("minillm.bench.cost", "$ per million output tokens as the levers stack, measured here, plotted"),
 }
 
@@ -39,7 +41,9 @@ def _delegate(argv: list[str]) -> int | None:
 
     for prefix, (module, _) in DELEGATED.items():
         if tuple(argv[:len(prefix)]) == prefix:
-            return importlib.import_module(module).main(argv[len(prefix):])
+            target = importlib.import_module(module)
+            entry = target.cmd_export if prefix == ("distill", "export") else target.main
+            return entry(argv[len(prefix):])
     return None
 
 
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     quality.add_parser(sub)
     memory.add_parser(sub)
     doctor.add_parsers(sub)
+    distill.add_parser(sub)
 
     args = parser.parse_args(argv)
     try:
