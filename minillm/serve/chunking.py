@@ -7,7 +7,7 @@ so does `minillm serve` (and serve_in_thread), while `LLM()` keeps the engine's 
 The budget (`max_num_batched_tokens`) is the largest step the engine runs: smaller chunks let decodes and
 short prompts in sooner, but each chunk re-reads the weights and the cached K/V of the chunks before it.
 On a CPU a chunk of 512 tokens keeps a long prompt's prefill throughput near whole-prompt prefill (measured
-by scripts in docs/PERFORMANCE.md: `python -m minillm.serve.chunking`); a GPU takes 2048, as vLLM's
+by `python -m minillm.bench.chunking`, docs/PERFORMANCE.md); a GPU takes 2048, as vLLM's
 default for an online server on a data-center GPU.
 """
 
@@ -37,35 +37,3 @@ def server_levers(engine, chunked_prefill: bool | None = True, max_num_batched_t
     elif levers.get("chunked_prefill") and not engine.config.chunked_prefill:
         levers["max_num_batched_tokens"] = default_max_num_batched_tokens(engine.device)
     return levers
-
-
-def _measure(num_tokens: int = 4096, chunks: tuple[int, ...] = (256, 512, 1024, 2048)) -> None:
-    """Prefill time of one `num_tokens` prompt on the default model, whole and in chunks (best of 2)."""
-    import time
-
-    from ..llm import LLM
-    from ..sampling import SamplingParams
-
-    base = LLM()
-    ids = [(i * 7919) % 40000 + 100 for i in range(num_tokens)]
-
-    def seconds(llm) -> float:
-        runs = []
-        for _ in range(2):
-            start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1))
-            runs.append(time.perf_counter() - start)
-        return min(runs)
-
-    seconds(base)   # warm-up
-    whole = seconds(base)
-    print(f"{'whole':>6}: {whole:6.2f} s  {num_tokens / whole:6.0f} tok/s")
-    for chunk in chunks:
-        t = seconds(base.with_levers(chunked_prefill=True, max_num_batched_tokens=chunk))
-        print(f"{chunk:>6}: {t:6.2f} s  {num_tokens / t:6.0f} tok/s  {whole / t:5.2f}x whole-prompt throughput")
-
-
-if __name__ == "__main__":
-    import sys
-
-    _measure(int(sys.argv[1]) if len(sys.argv) > 1 else 4096)
