@@ -155,3 +155,20 @@ def test_tokenize_errors_name_the_field(server, path, body, param, message):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and re.search(message, error["message"]), error
+
+
+def test_lm_eval_loglikelihood_batch_of_four_matches_one_at_a_time(server, offline):
+    """What `lm_eval --model local-completions --batch_size 4` sends to score continuations (tokenized requests,
+    echo, logprobs=1, max_tokens=1, seed): the batch's choices, sorted by index, score as the prompts do alone."""
+    ids = offline["prompt_ids"]
+    batch = [ids[0], ids[1], ids[2], ids[0] + ids[2]]
+    body = {"model": "smollm2", "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    together = post(server, "/v1/completions", body).json()["choices"]
+    assert [c["index"] for c in together] == [0, 1, 2, 3]
+    for prompt, choice in zip(batch, together):
+        alone = post(server, "/v1/completions", {**body, "prompt": prompt}).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(alone["logprobs"]["token_logprobs"][1:], abs=1e-4)
+        assert lp["tokens"] == alone["logprobs"]["tokens"]
