@@ -17,7 +17,8 @@ from conftest import assert_engine_idle
 from minillm.serve import serve_in_thread
 from minillm.serve.chunking import CPU_CHUNK_TOKENS, default_max_num_batched_tokens, server_levers
 
-LONG_TOKENS = 3000
+LONG_TOKENS = 3000     # the head-of-line test: ~12 chunks of 256
+STEP_TOKENS = 2000     # the live-metrics test: one whole-prompt step of seconds
 
 
 def long_prompt(num_tokens: int, salt: int = 0) -> list[int]:
@@ -90,7 +91,7 @@ def test_metrics_are_live_during_a_long_prefill_step(default_llm):
     short one sent meanwhile waiting (before, the gauges changed only after a step: 0 and 0)."""
     with serve_in_thread(default_llm, chunked_prefill=False) as server:
         engine = default_llm.engine
-        long = Timed(server.url, {"prompt": long_prompt(LONG_TOKENS), "max_tokens": 1})
+        long = Timed(server.url, {"prompt": long_prompt(STEP_TOKENS), "max_tokens": 1})
         long.start()
         wait_until(lambda: engine.scheduler.running, what="the long prompt's admission")
         steps_before = len(engine.stats.steps)
@@ -103,7 +104,7 @@ def test_metrics_are_live_during_a_long_prefill_step(default_llm):
         short.join()
     assert inside_step, "the scrape came after the long step: the prompt is too short for this machine"
     assert seen["num_requests_running"] == 1 and seen["num_requests_waiting"] == 1, seen
-    assert seen["kv_blocks_used"] >= LONG_TOKENS // engine.block_manager.block_size, seen
+    assert seen["kv_blocks_used"] >= STEP_TOKENS // engine.block_manager.block_size, seen
     assert long.response.status_code == 200 and short.response.status_code == 200
     assert_engine_idle(default_llm)
 
@@ -157,12 +158,18 @@ def head_of_line(default_llm, chunked: bool) -> tuple[Timed, Timed]:
 
 def test_no_request_waits_behind_a_long_prefill_with_chunked_prefill(default_llm):
     """Chunked (the server's default): the short request is prefilled beside the long prompt's next chunk, its
-    second token decodes beside the chunk after, and it finishes in well under a third of the long one's time. Whole-prompt prefill: it waits for all of it."""
+    second token decodes beside the chunk after, and it finishes in well under a third of the long one's time."""
     long, short = head_of_line(default_llm, chunked=True)
     ratio = short.latency_s / long.latency_s
+    print(f"chunked: short {short.latency_s:.2f} s, long {long.latency_s:.2f} s, ratio {ratio:.3f}")
     assert short.end_s < long.end_s and ratio < 1 / 3, \
         f"chunked: short {short.latency_s:.2f} s beside long {long.latency_s:.2f} s (ratio {ratio:.2f}, want < 0.33)"
-    print(f"chunked: short {short.latency_s:.2f} s, long {long.latency_s:.2f} s, ratio {ratio:.3f}")
+
+
+@pytest.mark.slow
+def test_without_chunked_prefill_a_short_request_waits_for_the_whole_prefill(default_llm):
+    """The baseline the test above is measured against: whole-prompt prefill is one step, the short request
+    joins only after it (head-of-line blocking)."""
     long, short = head_of_line(default_llm, chunked=False)
     print(f"whole-prompt: short {short.latency_s:.2f} s, long {long.latency_s:.2f} s, "
           f"ratio {short.latency_s / long.latency_s:.3f}")
