@@ -17,7 +17,7 @@ from conftest import assert_engine_idle
 from minillm.serve import serve_in_thread
 from minillm.serve.chunking import CPU_CHUNK_TOKENS, default_max_num_batched_tokens, server_levers
 
-LONG_TOKENS = 3000     # the head-of-line test: ~12 chunks of 256
+LONG_TOKENS = 3000     # the head-of-line test: ~16 chunks of 192
 STEP_TOKENS = 2000     # the live-metrics test: one whole-prompt step of seconds
 
 
@@ -139,8 +139,8 @@ def test_a_disconnected_client_is_aborted_at_its_next_chunk(default_llm):
 
 
 def head_of_line(default_llm, chunked: bool) -> tuple[Timed, Timed]:
-    # 256-token chunks: the long prompt takes ~12 steps, the short request 2 or 3 of them
-    with serve_in_thread(default_llm, chunked_prefill=chunked, max_num_batched_tokens=256 if chunked else None) \
+    # 192-token chunks: the long prompt takes ~16 steps, the short request 2 or 3 of them
+    with serve_in_thread(default_llm, chunked_prefill=chunked, max_num_batched_tokens=192 if chunked else None) \
             as server:
         engine = default_llm.engine
         long = Timed(server.url, {"prompt": long_prompt(LONG_TOKENS, salt=3 + chunked), "max_tokens": 1})
