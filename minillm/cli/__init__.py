@@ -24,6 +24,8 @@ DELEGATED = {
                                             "routes); --demo-autoscale prints a 1 -> 2 -> 1 timeline"),
     ("bench", "serve"): ("minillm.bench.serve", "load generator against an OpenAI-compatible endpoint "
                                                  "(Poisson arrivals or fixed concurrency; vLLM-style report)"),
+    ("bench", "prefill"): ("minillm.bench.prefill", "TTFT and prefill tok/s by prompt length (128 to 8192): minillm "
+                                                     "fp32/int8/int4 beside transformers, CTranslate2, llama.cpp"),
     ("bench", "lora"): ("minillm.bench.lora", "one batch mixing N LoRA adapters vs merging each into the weights "
                                                "and serving the groups one after another: tok/s and memory"),
     ("bench", "many-models"): ("minillm.bench.many_models", "multi-LoRA batched vs merge-and-swap, then MoE bytes "

@@ -1,8 +1,9 @@
-"""The routes of the OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The routes of the OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /tokenize and /detokenize (minillm/serve/tokens.py).
 
-`build_app(async_engine, model_name)` returns a FastAPI app. A completion request is parsed
-(minillm/serve/parsing.py: every refusal a 400 in OpenAI's shape, minillm/serve/errors.py),
-admitted to the AsyncEngine, watched for its client leaving (the engine then frees its KV blocks),
+`build_app(async_engine, model_name)` returns a FastAPI app. A completion request (its `prompt` a string,
+token ids, or a list of either: one engine request per prompt) is parsed (minillm/serve/parsing.py: every
+refusal a 400 in OpenAI's shape, minillm/serve/errors.py), admitted to the AsyncEngine (all its prompts or none), watched for its client leaving (the engine then frees its KV blocks),
 and answered in one body or as server-sent events (minillm/serve/responses.py). The routes are
 module-level functions over the app's ServerState (`app.state.server`).
 """
@@ -23,6 +24,7 @@ from .errors import ApiError, add_error_handlers, type_name
 from .parsing import ParsedRequest, engine_error, parse_chat, parse_completion
 from .responses import complete, stream_events
 from .stream import RequestStream
+from .tokens import detokenize, tokenize
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
 
@@ -59,8 +61,8 @@ async def read_body(request: Request) -> dict:
 
 async def admit(state: ServerState, req: ParsedRequest, request_id: str) -> RequestStream:
     try:
-        return await state.async_engine.add_request(req.params, request_id=request_id, fill_context=req.fill_context,
-                                                    lora_request=req.lora_request, **req.inputs)
+        return await state.async_engine.add_requests(req.params, req.prompts, request_id=request_id,
+                                                     fill_context=req.fill_context, lora_request=req.lora_request)
     except (ValueError, TypeError) as exc:
         raise engine_error(exc, req) from None
     except EngineStoppedError as exc:
@@ -104,6 +106,18 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     state = _state(request)
     return await run(state, request, parse_chat(await read_body(request), state.model_name, state.loras))
+
+
+@router.post("/tokenize")
+async def tokenize_route(request: Request):
+    state = _state(request)
+    return tokenize(state.async_engine.llm, await read_body(request), state.model_name)
+
+
+@router.post("/detokenize")
+async def detokenize_route(request: Request):
+    state = _state(request)
+    return detokenize(state.async_engine.llm, await read_body(request), state.model_name)
 
 
 @router.get("/v1/models")

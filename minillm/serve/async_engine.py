@@ -26,16 +26,15 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..outputs import returned_sequences
 from ..sampling import SamplingParams
 from .metrics import EngineGauges, ServerMetrics, render_prometheus
+from .requests import ChoiceState, RequestState, add_to_engine
 from .stream import RequestStream, StreamEvent
 
 if TYPE_CHECKING:
-    from ..engine.sequence import Sequence
     from ..llm import LLM
 
 logger = logging.getLogger("minillm.serve")
@@ -49,44 +48,12 @@ class EngineStoppedError(RuntimeError):
     """The engine thread has stopped (shutdown, or it crashed): no new requests."""
 
 
-@dataclass
-class _Choice:
-    """What one continuation has been sent so far."""
-
-    seq: "Sequence"
-    index: int
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    sent_prompt: bool = False         # the prompt's ids (and logprobs) went out with an event
-    done: bool = False
-
-
-@dataclass
-class _Request:
-    """A request's state on both sides: the caller's loop and queue, the engine thread's Sequence."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    accepted: asyncio.Future
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict] | None = None
-    fill_context: bool = False       # max_tokens unset: run until EOS or the context is full
-    cache_salt: str | None = None
-    lora_request: object | None = None   # a LoRARequest (enable_lora=True); None: the base model
-    arrival_s: float = 0.0           # time.perf_counter() when the caller asked
-    seq: "Sequence | None" = None    # the first continuation (seq.group: all of them)
-    choices: list[_Choice] = field(default_factory=list)   # what each returned choice was sent
-    holdback_chars: int = 0
-    counted_first_token: bool = False
-
-
 class AsyncEngine:
     """Owns `llm.engine` in a background thread until shutdown(); `llm` must not be stepped elsewhere meanwhile."""
 
-    def __init__(self, llm: "LLM", start: bool = True):
+    def __init__(self, llm: "LLM", start: bool = True, levers: dict | None = None):
+        """`levers`: EngineConfig fields set on the engine while this serves it, and restored at shutdown
+        ({"chunked_prefill": True, "max_num_batched_tokens": 512}: minillm/serve/chunking.py server_levers)."""
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         with _owned_lock:
             if llm.engine.owner_thread is not None:
@@ -96,18 +63,19 @@ class AsyncEngine:
                 raise RuntimeError("this LLM's engine has requests in flight; let them finish before serving it")
             # from now on only self._thread may step it: llm.generate() meanwhile raises (Engine._check_owner)
             llm.engine.owner_thread = self._thread
+        self._restore = self._set_levers(llm.engine, levers or {})
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.metrics = ServerMetrics()
-        self.gauges = EngineGauges()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, RequestState] = {}
         self._stopping = False
         self._stopped = threading.Event()
+        self._pending_lock = threading.Lock()
+        self._num_pending = 0            # requests queued as commands, not yet admitted (waiting, for /metrics)
         self.crash: BaseException | None = None
-        self._update_gauges()
         if start:
             self._thread.start()
 
@@ -128,22 +96,50 @@ class AsyncEngine:
                                       ("messages", messages)) if v is not None]
         if len(given) != 1:
             raise TypeError(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
+        one = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
+        return await self.add_requests(params, [{given[0]: one[given[0]]}], request_id=request_id,
+                                       fill_context=fill_context, cache_salt=cache_salt, lora_request=lora_request)
+
+    async def add_requests(self, params: SamplingParams, inputs: list[dict], *, request_id: str | None = None,
+                           fill_context: bool = False, cache_salt: str | None = None,
+                           lora_request=None) -> RequestStream:
+        """Queue several prompts (each a dict with one of prompt=, prompt_token_ids=, messages=) as one
+        request, all or nothing: if the engine refuses any, none is queued and ValueError / TypeError names it
+        ("prompt[2] of 3: ..."). Each prompt is its own engine request (with params.n continuations); the one
+        stream carries them all, prompt p's choice j as event.index p * n + j (as vLLM numbers them)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not inputs:
+            raise ValueError("inputs is empty: give at least one prompt")
+        for i, one in enumerate(inputs):
+            if not isinstance(one, dict) or len(one) != 1 or next(iter(one)) not in (
+                    "prompt", "prompt_token_ids", "messages"):
+                raise TypeError(f"inputs[{i}] must be a dict with one key of prompt, prompt_token_ids, messages; "
+                                f"got {one!r:.80}")
         if not self.is_running:
             raise EngineStoppedError(self.stopped_reason())
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(_ids)}"
-        request = _Request(request_id, loop, asyncio.Queue(), loop.create_future(), params, prompt=prompt,
-                           prompt_token_ids=prompt_token_ids, messages=messages, fill_context=fill_context,
-                           cache_salt=cache_salt, lora_request=lora_request, arrival_s=time.perf_counter())
-        self._commands.put(("add", request))
+        ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+        events, accepted, now = asyncio.Queue(), loop.create_future(), time.perf_counter()
+        requests = [RequestState(rid, loop, events, accepted, params, **one, fill_context=fill_context,
+                             cache_salt=cache_salt, lora_request=lora_request, arrival_s=now, index_offset=p * params.n)
+                    for p, (rid, one) in enumerate(zip(ids, inputs))]
+        with self._pending_lock:
+            self._num_pending += len(requests)
+        self._commands.put(("add", requests))
         try:
-            num_prompt_tokens = await request.accepted
+            num_prompt_tokens = await accepted
         except asyncio.CancelledError:
-            self.abort(request_id, "the caller was cancelled before admission")
+            for rid in ids:
+                self.abort(rid, "the caller was cancelled before admission")
             raise
-        return RequestStream(request_id, request.events, params.n, num_prompt_tokens, self.abort)
+
+        def abort(_request_id: str, reason: str) -> None:
+            for rid in ids:
+                self.abort(rid, reason)
+
+        return RequestStream(request_id, events, params.n * len(inputs), num_prompt_tokens, abort)
 
     async def generate(self, params: SamplingParams, **inputs) -> tuple[str, list[int], StreamEvent]:
         """Run one request (n = 1) to the end: (text, token ids, last event)."""
@@ -179,9 +175,31 @@ class AsyncEngine:
         if self._thread.is_alive():
             raise RuntimeError(f"the engine thread did not stop within {timeout_s} s")
 
+    @staticmethod
+    def _set_levers(engine, levers: dict) -> dict:
+        """Set EngineConfig fields on an idle engine (validated as EngineConfig does); returns the old values."""
+        if not levers:
+            return {}
+        try:
+            dataclasses.replace(engine.config, **levers)   # __post_init__ checks the combination
+        except (ValueError, TypeError):
+            with _owned_lock:
+                engine.owner_thread = None
+            raise
+        configs = {id(c): c for c in (engine.config, engine.scheduler.config)}.values()
+        old = {name: getattr(engine.config, name) for name in levers}
+        for config in configs:
+            for name, value in levers.items():
+                setattr(config, name, value)
+        return old
+
     def _release_engine(self) -> None:
-        """Hand the engine back: any thread may step it again (Engine.owner_thread cleared)."""
+        """Hand the engine back as it was built (its levers restored): any thread may step it again."""
         with _owned_lock:
+            for config in {id(c): c for c in (self.engine.config, self.engine.scheduler.config)}.values():
+                for name, value in self._restore.items():
+                    setattr(config, name, value)
+            self._restore = {}
             self.engine.owner_thread = None
 
     def stopped_reason(self) -> str:
@@ -198,7 +216,6 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                self._update_gauges()
         except BaseException as exc:  # a bug in this loop: keep no caller waiting forever
             self.crash = exc
             logger.exception("minillm engine thread crashed")
@@ -216,8 +233,8 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if kind == "add":
-                    self._reply(payload, error=EngineStoppedError(reason))
-            self._update_gauges()
+                    self._settle_pending(payload)
+                    self._reply(payload[0], error=EngineStoppedError(reason))
             self._release_engine()
 
     def _drain(self, block: bool) -> None:
@@ -228,6 +245,7 @@ class AsyncEngine:
         while True:
             kind, payload = command
             if kind == "add":
+                self._settle_pending(payload)
                 self._admit(payload)
             elif kind == "abort":
                 self._abort(*payload)
@@ -239,40 +257,34 @@ class AsyncEngine:
                 break
         self._publish()  # aborted requests get their last event now
 
-    def _admit(self, request: _Request) -> None:
-        llm, engine = self.llm, self.engine
-        try:
-            if request.messages is not None:
-                text, ids = None, llm.chat_token_ids(request.messages)
-            elif request.prompt_token_ids is not None:
-                text, ids = llm._tokenize({"prompt_token_ids": request.prompt_token_ids})
-            else:
-                text, ids = llm._tokenize(request.prompt)
-            params = request.params
-            room = engine.max_model_len - len(ids)  # output tokens the context leaves (< 1: the engine refuses)
-            if request.fill_context:
-                limit = engine.max_model_len
-                if engine.block_manager is not None and not engine.block_manager.contiguous:
-                    limit = min(limit, engine.block_manager.capacity_tokens)
-                params = dataclasses.replace(params, max_tokens=max(1, limit - len(ids)))
-            elif room >= 1 and params.max_tokens > room:  # the engine would cut it at the context; say so (as vLLM)
-                raise ValueError(f"max_tokens={params.max_tokens} is too large: the prompt has {len(ids)} tokens and "
-                                 f"the context (max_model_len) is {engine.max_model_len}, so max_tokens may be at "
-                                 f"most {room}")
-            request.seq = engine.add_request(ids, params, prompt=text, request_id=request.request_id,
-                                             cache_salt=request.cache_salt, lora_request=request.lora_request)
-        except (ValueError, TypeError) as exc:
-            self.metrics.rejected += 1
-            self._reply(request, error=exc)
-            return
-        except Exception as exc:  # e.g. a chat template that raises on these messages
-            self.metrics.rejected += 1
-            self._reply(request, error=ValueError(f"{type(exc).__name__}: {exc}"))
-            return
-        request.holdback_chars = max((len(s) for s in params.stop), default=1) - 1
-        request.choices = [_Choice(s, s.index) for s in request.seq.group]
-        self._active[request.request_id] = request
-        self._reply(request, num_prompt_tokens=len(ids))
+    def _settle_pending(self, requests: list[RequestState]) -> None:
+        with self._pending_lock:
+            self._num_pending -= len(requests)
+
+    def _admit(self, requests: list[RequestState]) -> None:
+        """Admit a request's prompts, all or none: if the engine refuses one, the ones already queued are taken
+        back before any step runs (their blocks were never allocated) and the caller gets the refusal."""
+        admitted: list[RequestState] = []
+        for p, request in enumerate(requests):
+            try:
+                add_to_engine(self.llm, request)
+            except Exception as exc:
+                for done in admitted:
+                    self.engine.abort(done.seq, "abort", "another prompt of its request was refused")
+                self.metrics.rejected += 1
+                if not isinstance(exc, (ValueError, TypeError)):   # e.g. a chat template that raises
+                    exc = ValueError(f"{type(exc).__name__}: {exc}")
+                if len(requests) > 1:
+                    exc = type(exc)(f"prompt[{p}] of {len(requests)}: {exc}")
+                self._reply(request, error=exc)
+                return
+            admitted.append(request)
+        for request in admitted:
+            params = request.seq.params
+            request.holdback_chars = max((len(s) for s in params.stop), default=1) - 1
+            request.choices = [ChoiceState(s, request.index_offset + s.index) for s in request.seq.group]
+            self._active[request.request_id] = request
+        self._reply(requests[0], num_prompt_tokens=sum(r.seq.num_prompt_tokens for r in admitted))
 
     def _abort(self, request_id: str, reason: str) -> None:
         request = self._active.get(request_id)
@@ -304,7 +316,8 @@ class AsyncEngine:
                 continue
             if ranked:
                 metrics.generation_tokens += sum(s.num_output_tokens for s in group)
-                request.choices = [_Choice(s, i) for i, s in enumerate(returned_sequences(request.seq))]
+                request.choices = [ChoiceState(s, request.index_offset + i)
+                                   for i, s in enumerate(returned_sequences(request.seq))]
             for choice in request.choices:
                 if not choice.done:
                     self._publish_choice(request, choice, count_tokens=not ranked)
@@ -315,7 +328,7 @@ class AsyncEngine:
                     metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
                 metrics.e2e_s.observe(time.perf_counter() - request.arrival_s)
 
-    def _publish_choice(self, request: _Request, choice: _Choice, count_tokens: bool) -> None:
+    def _publish_choice(self, request: RequestState, choice: ChoiceState, count_tokens: bool) -> None:
         seq = choice.seq
         output = seq.token_ids[seq.num_prompt_tokens:]
         new_ids = output[choice.sent_tokens:]
@@ -342,10 +355,14 @@ class AsyncEngine:
         self._send(request, event)
         choice.done = finished
 
-    def _update_gauges(self) -> None:
+    @property
+    def gauges(self) -> EngineGauges:
+        """The scheduler as it is now, read from any thread (lengths and counters, atomic under the GIL), so a
+        scrape during a long step sees the request being prefilled as running. Requests sent but not yet
+        admitted (the engine thread admits between steps) count as waiting."""
         sched, bm = self.engine.scheduler, self.engine.block_manager
-        self.gauges = EngineGauges(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
+        return EngineGauges(
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + max(0, self._num_pending),
             kv_blocks_used=bm.num_used_blocks if bm is not None else 0,
             kv_blocks_total=bm.num_blocks if bm is not None else 0,
             prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
@@ -353,16 +370,16 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ thread -> loop
     @staticmethod
-    def _call(request: _Request, fn, *args) -> None:
+    def _call(request: RequestState, fn, *args) -> None:
         try:
             request.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
 
-    def _send(self, request: _Request, event: StreamEvent) -> None:
+    def _send(self, request: RequestState, event: StreamEvent) -> None:
         self._call(request, request.events.put_nowait, event)
 
-    def _reply(self, request: _Request, num_prompt_tokens: int | None = None, error: BaseException | None = None):
+    def _reply(self, request: RequestState, num_prompt_tokens: int | None = None, error: BaseException | None = None):
         def settle() -> None:
             if request.accepted.done():  # the caller was cancelled meanwhile
                 return

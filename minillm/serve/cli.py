@@ -33,7 +33,9 @@ class ServeArgumentParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = ServeArgumentParser(
         prog="minillm serve", usage="%(prog)s [MODEL] [--FLAG [VALUE] ...]   (every flag below)", description="An OpenAI-compatible HTTP server on the minillm engine: /v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics.", epilog=SCHEME)
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics. The server chunks long prompts "
+        "(--chunked-prefill, max_num_batched_tokens 512 on a CPU, 2048 on a GPU) unless the flags say otherwise.",
+        epilog=SCHEME)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it (the same as --model MODEL)")
     server = parser.add_argument_group("server")
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..llm import LLM
         from .app import build_app
         from .async_engine import AsyncEngine
+        from .chunking import server_levers
         from .server import default_model_name, lora_modules_from
 
         lora_entries = lora_module_entries(args.lora_modules)   # a bad entry is refused before the model loads
@@ -97,15 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model, **kwargs)
         name = args.served_model_name or default_model_name(llm)
         loras = lora_modules_from(lora_entries, llm, name)
-        async_engine = AsyncEngine(llm)
+        # the server chunks long prompts unless --no-chunked-prefill (chunking.py); flags given win
+        levers = server_levers(llm.engine, chunked_prefill=None if "chunked_prefill" in kwargs else True,
+                               max_num_batched_tokens=kwargs.get("max_num_batched_tokens"))
+        async_engine = AsyncEngine(llm, levers=levers)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ImportError, OSError) as exc:
         print(f"minillm serve: {exc}", file=sys.stderr)
         return 2
     bm = llm.engine.block_manager
     pool = f"{bm.num_blocks} KV blocks of {bm.block_size} tokens" if bm is not None else "no KV cache"
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    chunking = (f"chunked prefill of {llm.engine.config.max_num_batched_tokens} tokens a step"
+                if llm.engine.config.chunked_prefill else "whole-prompt prefill")
     print(f"minillm serve: {name!r} on {llm.device}, max_model_len {llm.engine.max_model_len}, {pool}, "
-          f"max_num_seqs {llm.config.max_num_seqs}\n  OpenAI base_url: http://{shown_host}:{args.port}/v1   "
+          f"max_num_seqs {llm.config.max_num_seqs}, {chunking}\n  OpenAI base_url: http://{shown_host}:{args.port}/v1   "
           f"metrics: http://{shown_host}:{args.port}/metrics", flush=True)
     try:
         if loras:

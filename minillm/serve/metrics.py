@@ -55,7 +55,7 @@ class ServerMetrics:
 
 @dataclass(frozen=True)
 class EngineGauges:
-    """The engine's state after the engine thread's latest iteration."""
+    """The engine's state at the moment of the scrape (AsyncEngine.gauges reads the scheduler live)."""
 
     num_running: int = 0
     num_waiting: int = 0

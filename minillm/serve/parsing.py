@@ -22,7 +22,7 @@ from typing import Any
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import FIELDS as STRUCTURED_FIELDS
 from ..structured import StructuredOutputs
-from .errors import ApiError, bad_type
+from .errors import ApiError, bad_type, type_name
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
@@ -85,6 +85,11 @@ class ParsedRequest:
     echo_only: bool = False                     # echo with max_tokens=0: score the prompt, generate nothing
     model: str | None = None                    # the `model` the client named (None: the base model)
     lora_request: object | None = None          # the LoRARequest that name selects (--lora-modules); None: base
+    prompts: list[dict] | None = None           # completions: every prompt's inputs (a list of prompts); else [inputs]
+
+    def __post_init__(self) -> None:
+        if self.prompts is None:
+            self.prompts = [self.inputs]
 
 
 def _sampling(body: dict, max_tokens_field: str, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
@@ -238,23 +243,11 @@ def _select_model(req: ParsedRequest, body: dict, loras: dict | None) -> ParsedR
 
 def parse_completion(body: dict, model_name: str, loras: dict | None = None) -> ParsedRequest:
     if "prompt" not in body:
-        raise ApiError("prompt is missing: give a string or a list of token ids", "prompt", "missing_field")
+        raise ApiError("prompt is missing: give a string, a list of token ids, or a list of either", "prompt", "missing_field")
     _unknown_fields(body, COMPLETION_FIELDS)
     stream, include_usage, return_ids = _common(body, model_name, loras)
     original = body
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:  # a batch of prompts
-            raise ApiError(f"prompt is a list of {len(prompt)} prompts; this server takes one prompt per request "
-                           f"(send {len(prompt)} requests: they are batched together on the server)",
-                           "prompt", "invalid_value")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        inputs = {"prompt": prompt}
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        inputs = {"prompt_token_ids": prompt}
-    else:
-        raise bad_type("prompt", prompt, "a string or a list of integer token ids")
+    prompts = _prompts(body["prompt"])
     echo = _bool(body, "echo")
     echo_only = echo and body.get("max_tokens") == 0   # what evaluation harnesses send to score a prompt
     if echo_only:   # one token is generated (a step reads the prompt) and dropped, as vLLM does
@@ -262,8 +255,40 @@ def parse_completion(body: dict, model_name: str, loras: dict | None = None) -> 
     params, fill = _sampling(body, "max_tokens", default_max_tokens=16)  # OpenAI's default for completions
     if echo and params.logprobs is not None:
         params.prompt_logprobs = params.logprobs
-    return _select_model(ParsedRequest("completion", inputs, params, fill, stream, include_usage, return_ids,
-                                       params.logprobs is not None, echo, echo_only), original, loras)
+    req = ParsedRequest("completion", prompts[0], params, fill, stream, include_usage, return_ids,
+                        params.logprobs is not None, echo, echo_only, prompts=prompts)
+    return _select_model(req, original, loras)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt) -> list[dict]:
+    """OpenAI's four forms of `prompt`: a string, a list of token ids, a list of strings, a list of token-id
+    lists. Each prompt is one engine input ({"prompt": str} or {"prompt_token_ids": [...]}), refused by its place."""
+    expected = "a string, a list of token ids, a list of strings or a list of token-id lists"
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not isinstance(prompt, list):
+        raise bad_type("prompt", prompt, expected)
+    if not prompt:
+        raise ApiError(f"prompt is an empty list; give {expected}", "prompt", "invalid_value")
+    if _is_ids(prompt):
+        return [{"prompt_token_ids": prompt}]
+    prompts = []
+    for i, one in enumerate(prompt):
+        if isinstance(one, str):
+            prompts.append({"prompt": one})
+        elif isinstance(one, list) and one and _is_ids(one):
+            prompts.append({"prompt_token_ids": one})
+        elif isinstance(one, list) and not one:
+            raise ApiError(f"prompt[{i}] of {len(prompt)} is an empty list of token ids; give at least one token",
+                           "prompt", "invalid_value")
+        else:
+            raise ApiError(f"prompt[{i}] of {len(prompt)} is {json.dumps(one)[:80]} ({type_name(one)}); each prompt "
+                           "of a list must be a string or a list of integer token ids", "prompt", "invalid_type")
+    return prompts
 
 
 def _message_text(i: int, content: Any) -> str:
@@ -280,6 +305,23 @@ def _message_text(i: int, content: Any) -> str:
     raise bad_type(f"messages[{i}].content", content, "a string or a list of text parts")
 
 
+def parse_messages(raw) -> list[dict]:
+    """A chat request's `messages` -> [{"role": str, "content": str}], text parts joined; 400 naming the entry."""
+    if not isinstance(raw, list):
+        raise bad_type("messages", raw, "a list of {\"role\": ..., \"content\": ...} objects")
+    if not raw:
+        raise ApiError("messages is empty: give at least one message", "messages", "invalid_value")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise bad_type(f"messages[{i}]", m, "an object with role and content")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_type(f"messages[{i}].role", role, "a string such as \"system\", \"user\" or \"assistant\"")
+        messages.append({"role": role, "content": _message_text(i, m.get("content"))})
+    return messages
+
+
 def parse_chat(body: dict, model_name: str, loras: dict | None = None) -> ParsedRequest:
     if "messages" not in body:
         raise ApiError("messages is missing: give a list like [{\"role\": \"user\", \"content\": \"Hi\"}]",
@@ -293,19 +335,7 @@ def parse_chat(body: dict, model_name: str, loras: dict | None = None) -> Parsed
     if "messages" not in body:
         raise ApiError("messages is missing: give a list like [{\"role\": \"user\", \"content\": \"Hi\"}]",
                        "messages", "missing_field")
-    raw = body["messages"]
-    if not isinstance(raw, list):
-        raise bad_type("messages", raw, "a list of {\"role\": ..., \"content\": ...} objects")
-    if not raw:
-        raise ApiError("messages is empty: give at least one message", "messages", "invalid_value")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise bad_type(f"messages[{i}]", m, "an object with role and content")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise bad_type(f"messages[{i}].role", role, "a string such as \"system\", \"user\" or \"assistant\"")
-        messages.append({"role": role, "content": _message_text(i, m.get("content"))})
+    messages = parse_messages(body["messages"])
     params, fill = _sampling(body, "max_completion_tokens", default_max_tokens=None)
     return _select_model(ParsedRequest("chat", {"messages": messages}, params, fill, stream, include_usage,
                                        return_ids, params.logprobs is not None), body, loras)

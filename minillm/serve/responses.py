@@ -20,7 +20,8 @@ from .stream import RequestStream, StreamEvent
 
 
 def _usage(num_prompt_tokens: int, finals: list[StreamEvent]) -> dict:
-    """Usage over every choice: the prompt once (it is prefilled once), the completion tokens of all choices."""
+    """Usage over every choice: each prompt once (it is prefilled once for its n choices), the completion tokens
+    of all choices."""
     completion = sum(e.num_output_tokens for e in finals)
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
             "total_tokens": num_prompt_tokens + completion}
@@ -67,7 +68,8 @@ def _decoder(tokenizer) -> Callable[[int], str]:
 def _echoed(req: ParsedRequest, event: StreamEvent, tokenizer) -> tuple[str, list]:
     """The prompt's text and logprob entries for echo=true (the first prompt token has no logprob)."""
     ids = event.prompt_token_ids or []
-    text = req.inputs["prompt"] if "prompt" in req.inputs else (
+    inputs = req.prompts[event.index // req.params.n]   # choice p * n + j belongs to prompt p
+    text = inputs["prompt"] if "prompt" in inputs else (
         "" if tokenizer is None else tokenizer.decode(ids))
     entries = [(ids[0], None, None, None)] + list(event.prompt_logprobs or []) if ids and req.logprobs else []
     return text, entries
@@ -83,7 +85,7 @@ async def complete(request: Request, req: ParsedRequest, stream: RequestStream, 
                    tokenizer):
     """The whole answer in one body (stream=false), once every choice has finished; 499 if the client left."""
     decode = _decoder(tokenizer)
-    n = req.params.n
+    n = stream.num_choices   # every prompt's n choices
     texts, ids, entries = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
     prompts, finals = [("", [])] * n, [None] * n
     try:
@@ -111,7 +113,7 @@ async def complete(request: Request, req: ParsedRequest, stream: RequestStream, 
                        "server_error")
     if failed is not None:  # the server is shutting down
         raise ApiError(f"the request was aborted: {failed.error}", None, "aborted", 503, "server_error")
-    usage = _usage(finals[0].num_prompt_tokens, [] if req.echo_only else finals)
+    usage = _usage(stream.num_prompt_tokens, [] if req.echo_only else finals)
     choices = []
     for i, final in enumerate(finals):
         text = prompts[i][0] + "".join(texts[i])
@@ -151,7 +153,7 @@ async def stream_events(req: ParsedRequest, stream: RequestStream, base: dict, w
             out["usage"] = None
         return out
 
-    n = req.params.n
+    n = stream.num_choices   # every prompt's n choices
     offsets = [0] * n   # where each choice's next token's text starts (completions' text_offset)
     finals: list[StreamEvent] = []
     try:  # Starlette cancels this generator when the client disconnects; the watcher catches it too

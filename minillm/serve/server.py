@@ -8,7 +8,8 @@
         client = openai.OpenAI(base_url=server.base_url, api_key="none")
         ...
 
-Uvicorn runs its own event loop in its own thread, so this works inside a Jupyter kernel
+The server chunks long prompts (chunked_prefill=True, minillm/serve/chunking.py) so that no request waits
+behind another's whole prefill; `llm` gets its own levers back at close(). Uvicorn runs its own event loop in its own thread, so this works inside a Jupyter kernel
 (whose loop is already running in the main thread). While the server runs, its engine thread
 owns `llm.engine`: do not call llm.generate() until close().
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from .app import build_app
 from .async_engine import AsyncEngine
+from .chunking import server_levers
 
 if TYPE_CHECKING:
     from ..llm import LLM
@@ -55,13 +57,14 @@ class ServerHandle:
     """A running server: `.base_url` ("http://127.0.0.1:54321/v1") for OpenAI clients, `.url`, `.port`, `.close()`."""
 
     def __init__(self, llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
-                 log_level: str = "warning", lora_modules=None):
+                 log_level: str = "warning", lora_modules=None, chunked_prefill: bool | None = True,
+                 max_num_batched_tokens: int | None = None):
         import uvicorn
 
         self.llm = llm
         self.model_name = model_name or default_model_name(llm)
         self.lora_modules = lora_modules_from(lora_modules, llm, self.model_name)
-        self.async_engine = AsyncEngine(llm)
+        self.async_engine = AsyncEngine(llm, levers=server_levers(llm.engine, chunked_prefill, max_num_batched_tokens))
         self.app = build_app(self.async_engine, self.model_name, self.lora_modules)
         try:
             self._socket = _bind(host, port)
@@ -114,11 +117,14 @@ class ServerHandle:
 
 
 def serve_in_thread(llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
-                    log_level: str = "warning", lora_modules=None) -> ServerHandle:
+                    log_level: str = "warning", lora_modules=None, chunked_prefill: bool | None = True,
+                    max_num_batched_tokens: int | None = None) -> ServerHandle:
     """Start the OpenAI-compatible server on `llm` in a background thread; returns once it accepts connections.
     `lora_modules`: {name: path}, ["name=path", ...] or [LoRARequest, ...] (an LLM built with enable_lora=True): a
-    request's `model` field selects an adapter by its name."""
-    return ServerHandle(llm, host, port, model_name, log_level, lora_modules)
+    request's `model` field selects an adapter by its name. `chunked_prefill` (default True, as vLLM serves;
+    None: as `llm` was built) and `max_num_batched_tokens` (None: 512 on a CPU, 2048 on a GPU when chunking)
+    hold while the server runs; close() gives `llm` back with its own levers."""
+    return ServerHandle(llm, host, port, model_name, log_level, lora_modules, chunked_prefill, max_num_batched_tokens)
 
 
 def lora_modules_from(modules, llm: "LLM", model_name: str) -> dict:

@@ -1,0 +1,47 @@
+"""minillm bench prefill: the lengths it runs, the FLOP arithmetic, and a run on a tiny model (values, not timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minillm import LLM
+from minillm.bench.prefill import (attention_flops, compare_prefill, format_prefill, matmul_flops, prompt_ids,
+                                   prompt_lengths)
+
+
+def test_prompt_lengths_clamp_to_the_context_and_refuse_bad_values():
+    assert prompt_lengths([128, 512, 2048, 8192], 8192) == [128, 512, 2048, 8191]
+    assert prompt_lengths([8192, 100000, 64], 128) == [64, 127]
+    with pytest.raises(ValueError, match=r"--lengths 0: a prompt length is an integer >= 1"):
+        prompt_lengths([16, 0], 128)
+
+
+def test_flop_arithmetic_on_the_default_model_shape(default_llm):
+    cfg = default_llm.engine.model_config   # SmolLM2-135M: 30 layers, 9 heads of 64, hidden 576, tied, vocab 49152
+    assert (cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.hidden_size) == (30, 9, 64, 576)
+    embedding = 49152 * 576
+    per_token = cfg.num_params - embedding    # 134,515,008 parameters, 28,311,552 of them the embedding
+    assert cfg.num_params == 134515008 and per_token == 106203456
+    assert matmul_flops(cfg, 1024) == 2 * per_token * 1024 + 2 * embedding
+    # attention: 2 matmuls x 2 FLOPs x 30 layers x 576 (9 x 64) x 1024 * 1025 / 2 pairs
+    assert attention_flops(cfg, 1024) == 4 * 30 * 576 * 524800
+    share = [attention_flops(cfg, n) / (attention_flops(cfg, n) + matmul_flops(cfg, n)) for n in (128, 8192)]
+    assert [round(s, 4) for s in share] == [0.0205, 0.5714]   # grows with the prompt: 2% at 128, 57% at 8192
+
+
+def test_compare_prefill_runs_every_length_and_says_why_a_peer_is_skipped():
+    llm = LLM("random:tiny-llama", max_model_len=128)
+    lengths = prompt_lengths([16, 64, 500], llm.engine.max_model_len)
+    result = compare_prefill(llm, lengths, {"minillm", "transformers", "llama.cpp"}, rounds=1, gguf=None,
+                             progress=False)
+    ran = [(r.engine, r.num_tokens) for r in result["rows"] if r.skipped is None]
+    assert ran == [(e, n) for n in (16, 64, 127) for e in ("minillm fp32", "minillm int8", "minillm int4 g128")]
+    assert all(r.ttft_s > 0 and r.tok_per_s == r.num_tokens / r.ttft_s for r in result["rows"] if r.skipped is None)
+    skipped = {r.engine: r.skipped for r in result["rows"] if r.skipped is not None}
+    assert "no local model directory" in skipped["transformers fp32"]
+    assert skipped["llama.cpp"].startswith(("not installed", "no --gguf"))
+    table = format_prefill(result)
+    assert "transformers fp32    skipped: no local model directory" in table
+    assert len([line for line in table.splitlines() if line.startswith("minillm")]) == 9
+    assert prompt_ids(5, 100) == [16, 78, 43, 8, 70]   # (7919 i + 13) mod 97 + 3: never the special ids 0-2
+    assert len(prompt_ids(127, 32000)) == 127 and min(prompt_ids(4000, 32000)) >= 3
