@@ -130,3 +130,9 @@ def test_the_package_holds_no_instructor_pipeline():
             offenders += [f"{path.relative_to(PACKAGE)} imports {name}" for name in names
                           if name.split(".")[0] in {"grading", "nbgrader"}]
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_performance_page_holds_current_numbers_only():
+    """docs/PERFORMANCE.md is a reference (current tables, the command beside each): history goes to docs/notes."""
+    lines = (REPO_ROOT / "docs" / "PERFORMANCE.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, f"docs/PERFORMANCE.md has {len(lines)} lines: move superseded runs to docs/notes"
