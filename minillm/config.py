@@ -89,6 +89,9 @@ class EngineConfig:
     # Every value listed is built; anything else is refused at construction with the allowed values.
     chunked_prefill: bool = lever(False,
         'split long prompts into chunks of max_num_batched_tokens, beside the running decodes')
+    long_prefill_token_threshold: int = lever(0,
+        "chunked prefill: one prompt's chunk takes at most this many tokens a step, leaving the rest of the budget "
+        "to other requests (vLLM's --long-prefill-token-threshold); 0: a chunk may take the whole budget")
     weight_dtype: str | None = lever(None, 'None (the model dtype) | int8 | int4 | fp8 (minillm/quant)')
     weight_group_size: int = lever(128, 'int4: input channels per scale and zero (32, 64 or 128)')
     weight_calibration: str | None = lever(None,
@@ -143,6 +146,9 @@ class EngineConfig:
              f"max_num_seqs={self.max_num_seqs!r} must be an integer in [1, 4096]")
         need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
+        need(isinstance(self.long_prefill_token_threshold, int) and not isinstance(self.long_prefill_token_threshold, bool)
+             and self.long_prefill_token_threshold >= 0,
+             f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an integer >= 0 (0: off)")
         need(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
              f"block_size={self.block_size!r} must be an integer in [1, 1024]")
         need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),

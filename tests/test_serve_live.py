@@ -72,12 +72,15 @@ def test_server_levers_default_to_chunked_prefill_per_device(default_llm):
     assert engine.config.chunked_prefill is False   # LLM()'s own default is unchanged
     assert default_max_num_batched_tokens("cpu") == CPU_CHUNK_TOKENS == 512
     assert default_max_num_batched_tokens("cuda") == 2048
-    assert server_levers(engine) == {"chunked_prefill": True, "max_num_batched_tokens": 512}
+    assert server_levers(engine) == {"chunked_prefill": True, "max_num_batched_tokens": 512,
+                                     "long_prefill_token_threshold": 256}
     assert server_levers(engine, chunked_prefill=None) == {}
     assert server_levers(engine, chunked_prefill=False) == {"chunked_prefill": False}
-    assert server_levers(engine, max_num_batched_tokens=64) == {"chunked_prefill": True, "max_num_batched_tokens": 64}
+    assert server_levers(engine, max_num_batched_tokens=64) == {"chunked_prefill": True, "max_num_batched_tokens": 64,
+                                                                "long_prefill_token_threshold": 32}
     with serve_in_thread(default_llm) as server:
-        assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens) == (True, 512)
+        assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens,
+                engine.config.long_prefill_token_threshold) == (True, 512, 256)
         assert engine.scheduler.config.chunked_prefill is True
         assert httpx.post(server.base_url + "/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
     assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens) == (False, 8192)   # given back

@@ -292,9 +292,9 @@ class Scheduler:
         """Chunked prefill: one token budget per step, shared by decodes and prompt chunks.
 
         Decodes go first (one token each), then the unfinished prompts of running requests,
-        then newly admitted ones, each taking as many prompt tokens as the budget has left.
-        While a request waits, the running prompts leave it up to half the budget: a short
-        request is admitted beside a long prompt's chunks instead of waiting for its whole prefill.
+        then newly admitted ones, each taking as many prompt tokens as the budget has left, and at most
+        long_prefill_token_threshold (when set): a long prompt then leaves room in every step, so a short
+        request is admitted beside its chunks instead of waiting for its whole prefill (vLLM's cap).
         """
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
@@ -302,15 +302,13 @@ class Scheduler:
         for seq in decodes:
             seq.num_scheduled_tokens = 1
         budget -= len(decodes)
-        head = self.waiting[0] if self.waiting and self._fits(self.waiting[0]) else None
-        reserve = min(head.prefill_target, budget // 2) if head is not None and self.policy.may_admit(
-            self.running) else 0
+        cap = cfg.long_prefill_token_threshold or budget
         chunks: list[Sequence] = []
         for seq in list(self.running):
             remaining = seq.prefill_target - seq.num_cached_tokens
-            if budget - reserve <= 0 or seq in decodes or remaining < 1 or (remaining == 1 and not seq.pending_forks):
+            if budget <= 0 or seq in decodes or remaining < 1 or (remaining == 1 and not seq.pending_forks):
                 continue   # (remaining 1 without forks: a decode the budget left out)
-            n = min(remaining, budget - reserve)
+            n = min(remaining, budget, cap)
             if bm is not None and not bm.contiguous:
                 if not self._can_write(seq, seq.num_cached_tokens + n):
                     break  # wait for blocks; decodes keep going
@@ -322,7 +320,7 @@ class Scheduler:
         while admit and budget > 0 and self.waiting and self._fits(self.waiting[0]):
             seq = self.waiting[0]
             prefix = self._match(seq)
-            n = min(seq.prefill_target - len(prefix) * (bm.block_size if prefix else 0), budget)
+            n = min(seq.prefill_target - len(prefix) * (bm.block_size if prefix else 0), budget, cap)
             if not self._admit(seq, n, prefix):
                 break
             chunks.append(seq)

@@ -36,4 +36,8 @@ def server_levers(engine, chunked_prefill: bool | None = True, max_num_batched_t
         levers["max_num_batched_tokens"] = max_num_batched_tokens
     elif levers.get("chunked_prefill") and not engine.config.chunked_prefill:
         levers["max_num_batched_tokens"] = default_max_num_batched_tokens(engine.device)
+    if levers.get("chunked_prefill") and not engine.config.long_prefill_token_threshold:
+        # half the budget: a long prompt leaves the other half of every step to a request that arrives meanwhile
+        levers["long_prefill_token_threshold"] = max(1, levers.get("max_num_batched_tokens",
+                                                                   engine.config.max_num_batched_tokens) // 2)
     return levers
