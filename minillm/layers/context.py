@@ -50,10 +50,6 @@ class ModelParts:
             return None
         return self.quantized_matmul
 
-    @property
-    def empty(self) -> bool:
-        return self == NO_PARTS
-
 
 NO_PARTS = ModelParts()
 
