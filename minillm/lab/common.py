@@ -416,3 +416,77 @@ def print_no_gpu_timing(what: str) -> None:
     """A timing cell's output without a GPU; ``what`` ends "On a GPU this cell times your kernel ..."."""
     print("No GPU here: the kernel ran in Triton's interpreter, which checks values, not speed.")
     print(f"On a GPU this cell times your kernel {what}.")
+
+
+# --- The learner's timing harness, graded without a clock ------------------------------------------
+# Every lab 01-11 has the learner write the measurement: warm up, repeat, take the median and the spread,
+# compute the lab's ratio. A check cannot compare times (machines differ, and a busy one lies), so it hands
+# the learner's harness a FakeClock in place of time.perf_counter and a fake engine whose calls move that
+# clock by known costs: the warm-up calls cost much more, the timed ones vary, one is an outlier. Then
+# the median, the spread and the ratio each have exactly one right value, and keeping the warm-up, taking
+# the mean, the min or the first sample each give another one (timing_mistake names which).
+class FakeClock:
+    """A clock that moves only when told: ``clock()`` reads it (as ``time.perf_counter()`` would),
+    ``clock.advance(seconds)`` is what a fake engine's call does to it."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = float(start)
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"seconds={seconds!r} must be >= 0: a clock does not run backwards")
+        self.now += float(seconds)
+
+
+def scripted_costs(base: float, warmup: int, repeats: int, seed: int = 0) -> list[float]:
+    """Seconds each of ``warmup + repeats`` calls costs, in call order: each warm-up call 20x ``base`` (a
+    compile, a cold cache), the timed ones ``base`` times a factor in [0.8, 1.2] with one 4x outlier (another
+    process took the core), so that the median differs from the mean, the min, the first sample, and from any
+    statistic that keeps a warm-up call. ``repeats`` >= 3."""
+    import random
+
+    if repeats < 3 or warmup < 0 or not base > 0:
+        raise ValueError(f"scripted_costs(base={base!r}, warmup={warmup!r}, repeats={repeats!r}): "
+                         "base > 0, warmup >= 0 and repeats >= 3")
+    rng = random.Random(seed)
+    timed = [base * rng.uniform(0.8, 1.2) for _ in range(repeats)]
+    timed[rng.randrange(1, repeats)] = base * 4.0
+    return [base * 20.0] * warmup + timed
+
+
+def timing_summary(samples: Sequence[float]) -> dict:
+    """The reference statistics of timed samples (warm-up already dropped): median, min, max, count."""
+    if not samples:
+        raise ValueError("timing_summary needs at least one timed sample")
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def timing_mistake(got: float, costs: Sequence[float], warmup: int) -> str:
+    """Why ``got`` is not the median of ``costs[warmup:]``: the statistic it matches, or ''."""
+    timed, every = list(costs[warmup:]), list(costs)
+    guesses = [
+        (statistics.median(every), "the median of every call, warm-up included: drop the first `warmup` calls"),
+        (statistics.fmean(timed), "the mean: one slow outlier moves it, use the median"),
+        (statistics.fmean(every), "the mean of every call, warm-up included"),
+        (min(timed), "the minimum: report the median (and the min and max as the spread)"),
+        (max(timed), "the maximum: report the median"),
+        (timed[0], "the first timed call alone: repeat and take the median"),
+        (every[0], "the first call, a warm-up: it pays for compiling and cold caches"),
+        (sum(timed), "the total of the timed calls: divide, or take the median of each call's time"),
+    ]
+    for value, why in guesses:
+        if is_close(got, value, rel=1e-6):
+            return why
+    return ""
+
+
+def print_beside_reference(what: str, yours: float, reference: float, reference_hardware: str, unit: str = "",
+                           digits: int = 3, device: str = "auto") -> None:
+    """Your measurement on this machine beside the course's reference run, each labelled with its hardware."""
+    print(f"{what}: yours {_format_measured(float(yours), unit, digits)} on {device_label(device)}; "
+          f"reference {_format_measured(float(reference), unit, digits)} on {reference_hardware}")
