@@ -2,6 +2,9 @@
 
     python -m grading.report          # = make labs-report: one row per lab, then every problem; exit 1 on any
 
+It ends with each lab's time (grading.timing): the full-mode compute measured on this machine, reading estimated
+from the word count, writing from the lines to write, against the time the header states.
+
 A lab's code cells are of four kinds:
 
 - **written**: nbgrader solution cells, the learner's code (``measure_*`` ones are measurements the learner
@@ -30,6 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grading import timing
 from grading.build import SOURCE_DIR, discover_labs, model_answer_regions, read_master
 
 PREDICT = re.compile(r"\bPredict\b")
@@ -190,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
           "set a predicted_* variable;\nmeasure / answer: solution cells graded as a measurement / a short answer; "
           "model: model answers of the explain questions")
     problems = [p for r in reports for p in r.problems]
+    rows = [timing.estimate(r.lab, args.source) for r in reports]
+    print("\n" + timing.format_table(rows))
+    problems += [p for row in rows for p in timing.problems(row)]
     if problems:
         print(f"\n{len(problems)} problem(s):")
         for problem in problems:

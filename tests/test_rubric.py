@@ -85,3 +85,32 @@ def test_report_counts_a_lab(tmp_path):
                      "no checked short answer", "no model answers", "no points table"):
         assert expected in text
     assert "quick-mode" not in text and "does not say" not in text
+
+
+def test_lab_time_counts_reading_writing_and_the_measured_run(tmp_path):
+    """grading.timing on a small master: solution lines (no blanks, comments), words read (no solutions, no tests),
+    the header's stated time against compute + reading + writing within 20%."""
+    from grading import timing
+
+    header = "# Lab 99\n\n**Time:** about 10 minutes."
+    cells = [nbformat.v4.new_markdown_cell(header),
+             nbformat.v4.new_markdown_cell(" ".join(["word"] * 360)),
+             nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    # a comment\n\n    a = 1\n    return a\n"
+                                       "    ### END SOLUTION",
+                                       metadata={"nbgrader": {"solution": True, "grade": False, "grade_id": "f",
+                                                              "locked": False, "schema_version": 3}}),
+             nbformat.v4.new_code_cell("assert f() == 1 " * 50, metadata={"nbgrader": {
+                 "solution": False, "grade": True, "grade_id": "test_f", "locked": True, "points": 1,
+                 "schema_version": 3}})]
+    path = tmp_path / "99_x" / "99_x.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    row = timing.estimate("99_x", tmp_path, times={})
+    assert row["lines"] == 2 and row["writing_min"] == 2 * timing.MINUTES_PER_LINE
+    assert row["words"] == 360 + len(timing.WORD.findall(header))
+    assert row["stated_min"] == 10 and row["total_min"] is None
+    assert "never measured" in timing.problems(row)[0]
+    reading = row["words"] / timing.READING_WPM
+    for compute_min, ok in ((10 - 3 - reading, True), (10 / 1.3 - 3 - reading, False), (10 / 0.75 - 3 - reading, False)):
+        row = timing.estimate("99_x", tmp_path, times={"99_x": {"full_s": compute_min * 60, "measured_on": "here"}})
+        assert (timing.problems(row) == []) is ok, (compute_min, timing.problems(row))
