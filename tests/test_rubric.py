@@ -114,3 +114,14 @@ def test_lab_time_counts_reading_writing_and_the_measured_run(tmp_path):
     for compute_min, ok in ((10 - 3 - reading, True), (10 / 1.3 - 3 - reading, False), (10 / 0.75 - 3 - reading, False)):
         row = timing.estimate("99_x", tmp_path, times={"99_x": {"full_s": compute_min * 60, "measured_on": "here"}})
         assert (timing.problems(row) == []) is ok, (compute_min, timing.problems(row))
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_the_header_states_the_measured_time(lab):
+    """Cell 0's time is within 20% of the full-mode run recorded in grading/full_times.json plus reading and writing."""
+    from grading import timing
+
+    row = timing.estimate(lab)
+    if row["total_min"] is None:
+        pytest.skip(f"{lab}'s full-mode run is not recorded yet (python -m grading.timing --measure {lab})")
+    assert not timing.problems(row), timing.problems(row)
