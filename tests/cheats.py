@@ -194,7 +194,19 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "from minillm.kernels.extend_attention import extend_attention_reference\n"
             "return extend_attention_reference(q, k, v, torch.tensor([[0]]), torch.tensor([k.shape[1]]),"
             " torch.tensor([0, q.shape[0]]), scale, k.shape[1])"),
-        "measure_kv_speedup": _fn("kv_speedup(result)", "return lab02.reference_kv_speedup(result)"),
+        # a kernel that does nothing, and the engine's store behind the launcher's name
+        "store_kv_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef store_kv_kernel(k_cache_ptr):\n"
+                           "    tl.store(k_cache_ptr, tl.load(k_cache_ptr))\n"
+                           "from minillm.kernels.store_kv import store_kv_reference\n"
+                           "def store_kv(k_cache, v_cache, k_new, v_new, slots):\n"
+                           "    store_kv_reference(k_cache, v_cache, k_new, v_new, slots)",
+        "measure_kv_step_ratio": "import time\n" + _fn(
+            "kv_step_ratio(step_with_cache, step_without_cache, clock=time.perf_counter, warmup=2, repeats=10)",
+            "from minillm.lab.common import timing_summary\n"
+            "def run(step):\n    samples = []\n    for i in range(warmup + repeats):\n        t = clock()\n        step()\n"
+            "        samples.append(clock() - t)\n    return timing_summary(samples[warmup:])\n"
+            "a, b = run(step_with_cache), run(step_without_cache)\n"
+            "return {'with cache': a, 'without cache': b, 'ratio': b['median'] / a['median']}"),
         "kv_cache_bytes_per_token": _fn("kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value)",
                                         "return lab02._bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value)"),
         "answer_users_on_80gb": "answer_users_on_80gb = lab02.users_that_fit('Llama-2-7B (MHA, 32 KV heads)', 4000, 2, 80e9)",
