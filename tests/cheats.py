@@ -174,6 +174,14 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "roofline_time": _fn("roofline_time_s(flops, bytes_moved, peak_flops_per_s, bandwidth_bytes_per_s)",
                              "return lab01.reference_roofline_time_s(flops, bytes_moved, peak_flops_per_s, bandwidth_bytes_per_s)"),
         "answer_ridge_batch_h100": "answer_ridge_batch_h100 = lab01.ridge_batch(989e12, 3.35e12, 6.74e9, 2)",
+        "measure_ttft_timing": "import time\n" + _fn(
+            "time_ttft(prefill, prompt_lengths, clock=time.perf_counter, warmup=1, repeats=3)",
+            "from minillm.lab.common import timing_summary\n"
+            "rows = []\nfor n in prompt_lengths:\n    samples = []\n    for i in range(warmup + repeats):\n"
+            "        t = clock()\n        prefill(n)\n        samples.append(clock() - t)\n"
+            "    rows.append({'prompt_tokens': n, **timing_summary(samples[warmup:])})\n"
+            "by = {r['prompt_tokens']: r['median'] for r in rows}\n"
+            "return {'rows': rows, 'ratio': by[max(by)] / by[min(by)]}"),
     },
     "02_kv_cache": {
         "append_kv": "from minillm.layers.attention import TorchAttentionBackend\n" + _fn(
