@@ -229,6 +229,13 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "largest_batch_meeting_floor(batch_sizes, per_user_tps, floor)",
             "rows = [{'batch': b, 'per_user_tps': t, 'usd_per_mtok': -b} for b, t in zip(batch_sizes, per_user_tps)]\n"
             "return lab08.reference_choose_batch_size(rows, floor)"),
+        "measure_batching_speedup": "import time\n" + _fn(
+            "batching_speedup(run_one_at_a_time, run_batched, clock=time.perf_counter, warmup=1, repeats=3)",
+            "def timed(run):\n    samples = []\n    for i in range(warmup + repeats):\n        t = clock()\n"
+            "        tokens = run()\n        samples.append(clock() - t)\n"
+            "    return lab03.reference_run_timing([0.0] * warmup + samples[warmup:], warmup, tokens)\n"
+            "one, batched = timed(run_one_at_a_time), timed(run_batched)\n"
+            "return {'one at a time': one, 'batched': batched, 'ratio': batched['tokens_per_s'] / one['tokens_per_s']}"),
     },
     "04_paged_attention": {
         "BlockAllocator": "from minillm.engine.block_manager import BlockManager\nclass BlockAllocator(BlockManager):\n"
