@@ -648,8 +648,9 @@ def reference_kv_speedup(result: dict) -> tuple[float | None, float]:
 # The course's reference run, on the machine the course was written on: the notebook's measurement cell in full mode
 # (MINILLM_QUICK unset: STEP_PROMPT_LEN = 256, 2 warm-up and 10 timed decode steps per engine, SmolLM2-135M in fp32),
 # i.e. kv_step_ratio(DecodeStepper(LLM(), ids, 12), DecodeStepper(LLM().with_levers(kv_cache=False), ids, 12),
-# warmup=2, repeats=10) with ids = common.prompt_token_ids(tokenizer, 256). The machine was shared (the engine ran
-# on 1 thread), so these are slower than an idle 2-core run; the ratio is what to compare.
+# warmup=2, repeats=10) with ids = common.prompt_token_ids(tokenizer, 256). The machine was shared with several
+# other jobs (the engine ran on 1 thread), so the times are slower than an idle 2-core run; the ratio, a quotient
+# of two times taken under the same load, is what to compare.
 REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
 REFERENCE_PROMPT_LEN = 256
 REFERENCE_STEP_S = {"with cache": 0.243, "without cache": 6.32}   # median seconds per decode step
