@@ -174,6 +174,14 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "roofline_time": _fn("roofline_time_s(flops, bytes_moved, peak_flops_per_s, bandwidth_bytes_per_s)",
                              "return lab01.reference_roofline_time_s(flops, bytes_moved, peak_flops_per_s, bandwidth_bytes_per_s)"),
         "answer_ridge_batch_h100": "answer_ridge_batch_h100 = lab01.ridge_batch(989e12, 3.35e12, 6.74e9, 2)",
+        "measure_ttft_timing": "import time\n" + _fn(
+            "time_ttft(prefill, prompt_lengths, clock=time.perf_counter, warmup=1, repeats=3)",
+            "from minillm.lab.common import timing_summary\n"
+            "rows = []\nfor n in prompt_lengths:\n    samples = []\n    for i in range(warmup + repeats):\n"
+            "        t = clock()\n        prefill(n)\n        samples.append(clock() - t)\n"
+            "    rows.append({'prompt_tokens': n, **timing_summary(samples[warmup:])})\n"
+            "by = {r['prompt_tokens']: r['median'] for r in rows}\n"
+            "return {'rows': rows, 'ratio': by[max(by)] / by[min(by)]}"),
     },
     "02_kv_cache": {
         "append_kv": "from minillm.layers.attention import TorchAttentionBackend\n" + _fn(
@@ -194,7 +202,19 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "from minillm.kernels.extend_attention import extend_attention_reference\n"
             "return extend_attention_reference(q, k, v, torch.tensor([[0]]), torch.tensor([k.shape[1]]),"
             " torch.tensor([0, q.shape[0]]), scale, k.shape[1])"),
-        "measure_kv_speedup": _fn("kv_speedup(result)", "return lab02.reference_kv_speedup(result)"),
+        # a kernel that does nothing, and the engine's store behind the launcher's name
+        "store_kv_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef store_kv_kernel(k_cache_ptr):\n"
+                           "    tl.store(k_cache_ptr, tl.load(k_cache_ptr))\n"
+                           "from minillm.kernels.store_kv import store_kv_reference\n"
+                           "def store_kv(k_cache, v_cache, k_new, v_new, slots):\n"
+                           "    store_kv_reference(k_cache, v_cache, k_new, v_new, slots)",
+        "measure_kv_step_ratio": "import time\n" + _fn(
+            "kv_step_ratio(step_with_cache, step_without_cache, clock=time.perf_counter, warmup=2, repeats=10)",
+            "from minillm.lab.common import timing_summary\n"
+            "def run(step):\n    samples = []\n    for i in range(warmup + repeats):\n        t = clock()\n        step()\n"
+            "        samples.append(clock() - t)\n    return timing_summary(samples[warmup:])\n"
+            "a, b = run(step_with_cache), run(step_without_cache)\n"
+            "return {'with cache': a, 'without cache': b, 'ratio': b['median'] / a['median']}"),
         "kv_cache_bytes_per_token": _fn("kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value)",
                                         "return lab02._bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value)"),
         "answer_users_on_80gb": "answer_users_on_80gb = lab02.users_that_fit('Llama-2-7B (MHA, 32 KV heads)', 4000, 2, 80e9)",
@@ -209,6 +229,13 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "largest_batch_meeting_floor(batch_sizes, per_user_tps, floor)",
             "rows = [{'batch': b, 'per_user_tps': t, 'usd_per_mtok': -b} for b, t in zip(batch_sizes, per_user_tps)]\n"
             "return lab08.reference_choose_batch_size(rows, floor)"),
+        "measure_batching_speedup": "import time\n" + _fn(
+            "batching_speedup(run_one_at_a_time, run_batched, clock=time.perf_counter, warmup=1, repeats=3)",
+            "def timed(run):\n    samples = []\n    for i in range(warmup + repeats):\n        t = clock()\n"
+            "        tokens = run()\n        samples.append(clock() - t)\n"
+            "    return lab03.reference_run_timing([0.0] * warmup + samples[warmup:], warmup, tokens)\n"
+            "one, batched = timed(run_one_at_a_time), timed(run_batched)\n"
+            "return {'one at a time': one, 'batched': batched, 'ratio': batched['tokens_per_s'] / one['tokens_per_s']}"),
     },
     "04_paged_attention": {
         "BlockAllocator": "from minillm.engine.block_manager import BlockManager\nclass BlockAllocator(BlockManager):\n"

@@ -23,7 +23,7 @@ MASTER = SOURCE_DIR / "01_prefill_decode" / "01_prefill_decode.ipynb"
 @pytest.fixture(scope="module")
 def experiments() -> dict:
     """The measurements the master notebook defines, as the learner reads them."""
-    return notebook_functions(MASTER, "measure_ttft", "measure_decode", "token_times_from_metrics", "measured_points")
+    return notebook_functions(MASTER, "measure_decode", "token_times_from_metrics", "measured_points")
 
 
 # ------------------------------------------------------------------ checks accept the references
@@ -194,13 +194,29 @@ class FakeLLM:
         return [SimpleNamespace(metrics=metrics)]
 
 
-def test_measure_ttft_warms_up_then_takes_the_best_of_repeats(experiments):
-    llm = FakeLLM()
-    rows = experiments["measure_ttft"](llm, [16, 64], repeats=2)
-    assert llm.calls == [(8, 1), (16, 1), (16, 1), (64, 1), (64, 1)]
-    assert [r["prompt_tokens"] for r in rows] == [16, 64]
-    assert rows[0]["ttft_s"] == pytest.approx(0.026)
-    assert rows[1]["prefill_tokens_per_s"] == pytest.approx(64 / 0.074)
+def test_time_ttft_check_passes_the_solution_and_prefill_runs_the_engine(default_llm, passes, graded_namespace):
+    time_ttft = graded_namespace["time_ttft"]
+    assert passes(lab01.check_time_ttft, time_ttft).startswith("✓ time_ttft: all 3")
+    prefill = lab01.Prefill(default_llm)
+    timing = time_ttft(prefill, [24, 8], warmup=1, repeats=2)
+    assert prefill.calls == 6 and [r["prompt_tokens"] for r in timing["rows"]] == [24, 8]
+    assert all(r["min"] <= r["median"] <= r["max"] for r in timing["rows"])
+    assert timing["ratio"] == pytest.approx(timing["rows"][0]["median"] / timing["rows"][1]["median"])
+    assert default_llm.stats.num_prompt_tokens == 8   # the last request: 8 prompt tokens, prefilled
+    with pytest.raises(ValueError, match="num_tokens=0"):
+        prefill(0)
+    rows = lab01.ttft_rows_from_timing(timing)
+    assert rows[1]["prefill_tokens_per_s"] == pytest.approx(8 / timing["rows"][1]["median"])
+    fig = lab01.ttft_figure(rows, DEVICE)
+    assert list(fig.data[0].error_y.array) == pytest.approx([(r["max_s"] - r["ttft_s"]) * 1e3 for r in rows])
+
+
+def test_print_ttft_timing_shows_the_reference(capsys):
+    timing = {"rows": [{"prompt_tokens": 16, "median": 0.05, "min": 0.04, "max": 0.09},
+                       {"prompt_tokens": 256, "median": 0.4, "min": 0.38, "max": 0.5}], "ratio": 8.0}
+    lab01.print_ttft_timing(timing)
+    out = capsys.readouterr().out
+    assert "TTFT(256) / TTFT(16): yours 8x" in out and lab01.REFERENCE_HARDWARE in out
 
 
 def test_measure_decode_and_token_times(experiments):
@@ -216,8 +232,6 @@ def test_measure_decode_and_token_times(experiments):
 
 
 def test_measure_on_the_real_engine(default_llm, experiments):
-    rows = experiments["measure_ttft"](default_llm, [8, 24])
-    assert [r["prompt_tokens"] for r in rows] == [8, 24] and all(r["ttft_s"] > 0 for r in rows)
     decode = experiments["measure_decode"](default_llm, num_tokens=3, prompt_tokens=8)
     assert decode["output_tokens"] == 3 and len(decode["itl_s"]) == 2
     assert decode["tokens_per_s"] == pytest.approx(1 / decode["tpot_s"])
@@ -424,14 +438,13 @@ def graded_namespace() -> dict:
     """The state the graded cells read, built cheaply: part 1's experiments run on fake engines (the full run's
     eight prompt lengths, so the 256-token row is not the last; decode steps with one slow step), this device's
     numbers made up, and the master's solution cells run over it."""
-    fns = notebook_functions(MASTER, "measure_ttft", "measure_decode", "token_times_from_metrics")
+    fns = notebook_functions(MASTER, "measure_decode", "token_times_from_metrics")
     num_params, bytes_per_param = 134.5e6, 4.0
     namespace = {
-        "lab01": lab01, "common": common, "math": math, "statistics": statistics,
+        "lab01": lab01, "common": common, "math": math, "statistics": statistics, "time": __import__("time"),
         "DEVICE": DEVICE, "NUM_PARAMS": num_params, "BYTES_PER_PARAM": bytes_per_param,
         "llm": SimpleNamespace(weight_bytes=num_params * bytes_per_param),
         "bandwidth": 20e9, "peak_flops": 200e9,
-        "ttft_rows": fns["measure_ttft"](FakeLLM(), lab01.FULL_PROMPT_LENGTHS),
         "decode": fns["measure_decode"](VariedLLM(), num_tokens=9),
         "token_times_from_metrics": fns["token_times_from_metrics"],
         "predicted_ttft_ratio_256_vs_16": 16, "predicted_decode_step_ms": None,
@@ -439,15 +452,37 @@ def graded_namespace() -> dict:
     return run_solution_cells(MASTER, namespace)
 
 
+_TIME_TTFT = """
+import statistics, time
+def time_ttft(prefill, prompt_lengths, clock=time.perf_counter, warmup=1, repeats=3):
+    rows = []
+    for n in prompt_lengths:
+        samples = []
+        for i in range(warmup + repeats):
+            start = {read}
+            prefill(n)
+            elapsed = {read} - start
+            if {keep}:
+                samples.append(elapsed)
+        rows.append({{"prompt_tokens": n, "median": {stat}(samples), "min": min(samples), "max": max(samples)}})
+    by_length = {{row["prompt_tokens"]: row["median"] for row in rows}}
+    return {{"rows": rows, "ratio": {ratio}}}
+"""
+
+
+def _time_ttft(read="clock()", keep="i >= warmup", stat="statistics.median",
+               ratio="by_length[max(by_length)] / by_length[min(by_length)]"):
+    return _TIME_TTFT.format(read=read, keep=keep, stat=stat, ratio=ratio)
+
+
 MISTAKES = {
-    "test_measure_prefill_decode": [
-        ("measured_ttft_ratio = ttft_by_tokens[16] / ttft_by_tokens[256]", "measured_ttft_ratio"),
-        ('measured_ttft_ratio = ttft_rows[-1]["ttft_s"] / ttft_rows[0]["ttft_s"]', "not by position"),
-        ('measured_decode_step_ms = statistics.mean(decode["itl_s"]) * 1e3', "measured_decode_step_ms"),
-        ('measured_decode_step_ms = statistics.median(decode["itl_s"])', "measured_decode_step_ms"),
-        ("prefill_vs_decode_speed = (1e3 / measured_decode_step_ms) / (256 / ttft_by_tokens[256])",
-         "prefill_vs_decode_speed"),
-        ('prefill_vs_decode_speed = (256 / ttft_by_tokens[256]) / decode["tokens_per_s"]', "prefill_vs_decode_speed"),
+    "test_measure_ttft_timing": [
+        (_time_ttft(keep="True"), "warm-up included"),
+        (_time_ttft(stat="statistics.fmean"), "the mean"),
+        (_time_ttft(stat="min"), "the minimum"),
+        (_time_ttft(ratio="by_length[min(by_length)] / by_length[max(by_length)]"), "upside down"),
+        (_time_ttft(ratio='rows[-1]["median"] / rows[0]["median"]'), "the last row over the first"),
+        (_time_ttft(read="time.perf_counter()"), "never read `clock`"),
     ],
     "test_ttft_tpot": [
         ("def ttft_tpot_s(a, t):\n    return t[0], (None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1))",

@@ -3,6 +3,8 @@ widgets update on slider changes, and the solution plugged into the engine gives
 
 from __future__ import annotations
 
+from kernel_utils import DEVICE  # noqa: F401 - first: picks the interpreter before triton is imported
+
 import math
 import re
 from types import SimpleNamespace
@@ -11,28 +13,42 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells
+from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, run_solution_cells,
+                       solution_module_fixture, solution_source)
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab02
 from minillm.lab.common import CheckFailed
 
 MASTER = SOURCE_DIR / "02_kv_cache" / "02_kv_cache.ipynb"
+MODULE_HEADER = """\
+import statistics
+import time
+import torch
+import triton
+import triton.language as tl
+from minillm.lab import common, lab02
+"""
+LAUNCHER = "def store_kv("  # the code cell that launches the kernel, kept with the solution cells
+KERNEL_ID = "store_kv_kernel"  # the @triton.jit exercise: Triton reads its source from a file, so it is imported
+solution = solution_module_fixture(MASTER, MODULE_HEADER, LAUNCHER, "lab02_solution")
 
 
 @pytest.fixture(scope="module")
 def experiments() -> dict:
     """The seam and the kv on/off measurement the master notebook defines, as the learner reads them."""
-    return notebook_functions(MASTER, "plug_in", "measure_kv_toggle", "summarize_kv_toggle")
+    return notebook_functions(MASTER, "plug_in", "measure_kv_toggle", "summarize_kv_toggle", "run_with_kernel",
+                              common=lab02.common)
 
 
 def _master_namespace() -> dict:
     """The master's solution cells and the markdown specs, executed (markers are comments)."""
     nb = nbformat.read(MASTER, as_version=4)
-    namespace: dict = {"torch": torch}
+    namespace: dict = {"torch": torch, "time": __import__("time"), "statistics": __import__("statistics"),
+                       "lab02": lab02}
     for cell in nb.cells:
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution") and grade_id != KERNEL_ID:
             exec(compile(cell.source, f"<master:{grade_id}>", "exec"), namespace)
         if cell.cell_type == "markdown":
             for block in re.findall(r"```python\n(.*?)```", cell.source, flags=re.S):
@@ -55,13 +71,17 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     for name in ("append_kv", "attend_with_cache", "kv_cache_bytes_per_token", "kv_cache_bytes"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
-    assert set(graded) == {"test_append_kv", "test_attend_with_cache", "test_in_engine", "test_measure_kv_speedup",
-                           "test_kv_cache_bytes_per_token", "test_kv_cache_bytes", "test_answer_users_on_80gb"}
+    assert set(graded) == {"test_append_kv", "test_attend_with_cache", "test_in_engine", "test_store_kv_kernel",
+                           "test_measure_kv_step_ratio", "test_kv_cache_bytes_per_token", "test_kv_cache_bytes",
+                           "test_answer_users_on_80gb"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
         assert meta[gid][0].source.startswith("lab02.check_"), f"{gid} does not call its check first"
-    assert sum(m["points"] for m in graded.values()) == 15
+    assert sum(m["points"] for m in graded.values()) == 17
+    assert nb.metadata["minillm"]["kernels"] == {KERNEL_ID: [KERNEL_ID]}
+    setup = nb.cells[2].source  # the interpreter must be chosen before the notebook imports triton
+    assert setup.index('os.environ["TRITON_INTERPRET"] = "1"') < setup.index("import triton") < setup.index("from minillm")
     for cell in nb.cells:
         if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
@@ -506,21 +526,43 @@ def _attend(expand="repeat_interleave", dim=", dim=0", scale=" * scale", first="
     return _ATTEND.format(expand=expand, dim=dim, scale=scale, first=first, out=out)
 
 
-_SPEEDUP = """
-import statistics
-def kv_speedup(result):
-    def step_time(run):
-        decode = [d for d, kind in zip(run["duration_s"], run["kind"]) if kind == "decode"]
-        {step}
-    fast, slow = step_time(result["with cache"]), step_time(result["without cache"])
-    step_ratio = None if fast is None or slow is None else {ratio}
-    return step_ratio, {total}
+_STEP_RATIO = """
+import statistics, time
+def kv_step_ratio(step_with_cache, step_without_cache, clock=time.perf_counter, warmup=2, repeats=10):
+    def time_steps(step):
+        samples = []
+        for i in range(warmup + repeats):
+            start = {read}
+            step()
+            elapsed = {read} - start
+            if {keep}:
+                samples.append(elapsed)
+        return {{"median": {stat}(samples), "min": min(samples), "max": max(samples)}}
+    fast, slow = time_steps(step_with_cache), time_steps(step_without_cache)
+    return {{"with cache": fast, "without cache": slow, "ratio": {ratio}}}
 """
 
 
-def _speedup(step="return statistics.median(decode[-4:]) if decode else None", ratio="slow / fast",
-             total='sum(result["without cache"]["duration_s"]) / sum(result["with cache"]["duration_s"])'):
-    return _SPEEDUP.format(step=step, ratio=ratio, total=total)
+def _step_ratio(read="clock()", keep="i >= warmup", stat="statistics.median", ratio='slow["median"] / fast["median"]'):
+    return _STEP_RATIO.format(read=read, keep=keep, stat=stat, ratio=ratio)
+
+
+KERNEL_LINE = {  # a wrong kernel: the solution with one line changed (old, new)
+    "no_mask": [("tl.load(k_new_ptr + src, mask=in_row), mask=in_row)", "tl.load(k_new_ptr + src))"),
+                ("tl.load(v_new_ptr + src, mask=in_row), mask=in_row)", "tl.load(v_new_ptr + src))")],
+    "mask_off_by_one": [("in_row = dims < head_dim", "in_row = dims <= head_dim")],
+    "token_major_pool": [("dst = (head * num_slots + slot) * head_dim + dims", "dst = (slot * num_kv_heads + head) * head_dim + dims")],
+    "slot_is_token": [("slot = tl.load(slots_ptr + token)", "slot = token")],
+}
+
+
+def kernel_mistake(name: str) -> str:
+    """The learner's notebook with a wrong kernel: the kernel cell, then the launcher cell, re-run."""
+    return f"store_kv_kernel = WRONG[{name!r}]\n{LAUNCHER_SOURCE}"
+
+
+LAUNCHER_SOURCE = next(c.source for c in nbformat.read(MASTER, as_version=4).cells
+                       if c.cell_type == "code" and c.source.startswith(LAUNCHER))
 
 
 MISTAKES = {
@@ -549,14 +591,18 @@ MISTAKES = {
                           "got size 13 for tensor number 1 in the list. attend_with_cache returned shape [9, 5, 64], "
                           "expected [num_q, num_heads, head_dim]"),  # forgot the final transpose: the engine crashes
     ],
-    "test_measure_kv_speedup": [
-        (_speedup(ratio="fast / slow", total='sum(result["with cache"]["duration_s"]) / sum(result["without cache"]["duration_s"])'),
-         "upside down"),
-        (_speedup(step="return statistics.fmean(decode[-4:]) if decode else None"), "took the mean"),
-        (_speedup(step="return statistics.median(decode[:4]) if decode else None"), "took the FIRST 4"),
-        (_speedup(step="return statistics.median(decode[-4:])"), "the prefill only (num_steps=1)"),  # the edge case
-        (_speedup(total='sum(result["without cache"]["duration_s"][1:]) / sum(result["with cache"]["duration_s"][1:])'),
-         "left out the prefill"),
+    "test_store_kv_kernel": [
+        (kernel_mistake("no_mask"), "lanes past head_dim must be masked"),
+        (kernel_mistake("mask_off_by_one"), "Case: one decode token into slot 9, head_dim 80"),
+        (kernel_mistake("token_major_pool"), "Note the layouts differ"),
+        (kernel_mistake("slot_is_token"), "token i went to slot i"),
+    ],
+    "test_measure_kv_step_ratio": [
+        (_step_ratio(keep="True"), "warm-up included"),
+        (_step_ratio(stat="statistics.fmean"), "the mean"),
+        (_step_ratio(stat="min"), "the minimum"),
+        (_step_ratio(ratio='fast["median"] / slow["median"]'), "upside down"),
+        (_step_ratio(read="time.perf_counter()"), "never read `clock`"),
     ],
     "test_kv_cache_bytes_per_token": [
         ("def kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_value):\n"
@@ -591,18 +637,37 @@ MISTAKES = {
 
 
 @pytest.fixture(scope="module")
-def graded_namespace(llm, llm_no_cache) -> dict:
-    """What the graded test cells read: the master's solution cells, the setup cell's names (quick mode) and, for
-    the measurement, a made-up kv on/off run in place of a real one."""
+def wrong_kernels(tmp_path_factory) -> dict:
+    """Each KERNEL_LINE variant of the solution kernel, imported from its own file (Triton reads the source)."""
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
+    folder = tmp_path_factory.mktemp("lab02_wrong")
+    kernels = {}
+    for name, changes in KERNEL_LINE.items():
+        wrong = source
+        for old, new in changes:
+            assert wrong.count(old) == 1, (name, old)
+            wrong = wrong.replace(old, new)
+        path = folder / f"lab02_{name}.py"
+        path.write_text(wrong)
+        kernels[name] = import_file(path, f"lab02_{name}").store_kv_kernel
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def graded_namespace(llm, llm_no_cache, solution, wrong_kernels) -> dict:
+    """What the graded test cells read: the master's solution cells (imported from a file, for the kernel), the
+    launcher, and the setup cell's names (quick mode)."""
     from minillm import SamplingParams
 
     from minillm.lab import common
 
-    seed = {"lab02": lab02, "common": common, "torch": torch, "statistics": __import__("statistics"),
-            "SamplingParams": SamplingParams,
-            "llm": llm, "llm_no_cache": llm_no_cache, "cfg": llm.model_config, "KV_BYTES_PER_VALUE": 4,
-            "CHECK_PROMPTS": lab02.DEFAULT_CHECK_PROMPTS[:2], "CHECK_TOKENS": 6, "kv_result": _fake_result()}
-    return run_solution_cells(MASTER, seed)
+    ns = {name: value for name, value in vars(solution).items() if not name.startswith("__")}
+    ns.update({"lab02": lab02, "common": common, "torch": torch, "statistics": __import__("statistics"),
+               "time": __import__("time"), "SamplingParams": SamplingParams, "WRONG": wrong_kernels,
+               "llm": llm, "llm_no_cache": llm_no_cache, "cfg": llm.model_config, "KV_BYTES_PER_VALUE": 4,
+               "CHECK_PROMPTS": lab02.DEFAULT_CHECK_PROMPTS[:2], "CHECK_TOKENS": 6})
+    exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)   # its globals are ns: the kernel is looked up there
+    return ns
 
 
 @pytest.mark.parametrize("grade_id, mistake, names_the_case",
@@ -618,14 +683,62 @@ def llm_backend_restored(namespace) -> bool:
     return lab02.common.check_engine(namespace["llm"]).config.attention_backend == "torch"
 
 
-def test_speedup_check_on_made_up_runs(passes):
-    namespace = run_solution_cells(MASTER, {"lab02": lab02, "torch": torch, "statistics": __import__("statistics")})
-    assert passes(lab02.check_kv_speedup, namespace["kv_speedup"], _fake_result()).startswith("✓ kv_speedup: all 4")
+def test_toggle_speedup_on_made_up_runs():
     step, total = lab02.reference_kv_speedup(lab02.made_up_run([0.5, 0.1, 0.1, 0.3, 0.1], [0.5, 0.6, 0.7, 0.8, 0.9]))
     assert step == pytest.approx(7.5) and total == pytest.approx(3.5 / 1.1)
     assert lab02.reference_kv_speedup(lab02.made_up_run([0.2], [0.3]))[0] is None
-    with pytest.raises(CheckFailed, match="return the pair"):
-        lab02.check_kv_speedup(lambda result: 4.3)
+
+
+# --------------------------------------------------------------------- exercise 3: the kernel; 4: the harness
+def test_solution_kernel_passes_every_case(solution, passes):
+    assert passes(lab02.check_store_kv, solution.store_kv).startswith("✓ store_kv: all 3")
+    assert passes(lab02.check_store_kv, solution.store_kv, lab02.HIDDEN_KERNEL_CASES, 5).startswith("✓ store_kv: all 2")
+
+
+def test_stub_kernel_raises_not_implemented(tmp_path):
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
+    start = source.index("    ### BEGIN SOLUTION\n    slot = tl.load")
+    end = source.index("    ### END SOLUTION\n", start)
+    stubbed = source[:start] + "    # YOUR CODE HERE\n    raise NotImplementedError()\n" + source[end + len("    ### END SOLUTION\n"):]
+    path = tmp_path / "lab02_stub.py"
+    path.write_text(stubbed)
+    module = import_file(path, "lab02_stub")
+    with pytest.raises(NotImplementedError, match="store_kv_kernel is still a stub"):
+        module.store_kv(*(torch.zeros(1, 2, 4) for _ in range(4)), torch.tensor([0]))
+
+
+def test_engine_runs_the_learner_kernel_with_its_own_tokens(llm, solution, experiments, capsys):
+    result = experiments["run_with_kernel"](llm, solution.store_kv, ["The capital of France is"], 2)
+    assert result["equal"] and result["kernel_calls"] == 2 * llm.model_config.num_layers, result   # prefill + 1 decode
+    lab02.print_kernel_run(result)
+    assert "✓ the same as the engine's own backend" in capsys.readouterr().out
+
+
+def test_kernel_timing_says_so_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: tests/test_gpu_kernels.py times kernels")
+    lab02.print_kernel_timing(lab02.time_store_kv(lambda *args: None))
+    assert "No GPU here" in capsys.readouterr().out
+
+
+def test_step_ratio_check_passes_the_solution_and_the_stepper_runs_the_engine(solution, llm, llm_no_cache, passes):
+    assert passes(lab02.check_kv_step_ratio, solution.kv_step_ratio).startswith("✓ kv_step_ratio: all 3")
+    ids = lab02.common.prompt_token_ids(llm.tokenizer, 12)
+    cached, uncached = lab02.DecodeStepper(llm, ids, 3), lab02.DecodeStepper(llm_no_cache, ids, 3)
+    steps_before = len(llm.stats.steps)
+    result = solution.kv_step_ratio(cached, uncached, warmup=1, repeats=2)
+    assert cached.calls == uncached.calls == 3 and cached.context_len == 15
+    assert all(result[k]["min"] <= result[k]["median"] <= result[k]["max"] for k in ("with cache", "without cache"))
+    assert result["ratio"] == pytest.approx(result["without cache"]["median"] / result["with cache"]["median"])
+    assert not llm.engine.has_unfinished() and not llm_no_cache.engine.has_unfinished()
+    with pytest.raises(RuntimeError, match="all 3 decode steps are spent"):
+        cached()
+    with pytest.raises(ValueError, match="num_steps=0"):
+        lab02.DecodeStepper(llm, ids, 0)
+    assert steps_before >= 0
+    lab02.print_step_ratio(result, 12)
+    figure = lab02.plot_step_times(result, "cpu: test")
+    assert list(figure.data[0].x) == ["with cache", "without cache"]
 
 
 def test_users_on_80gb_answer_counts_whole_users(capsys):

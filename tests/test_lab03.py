@@ -21,7 +21,8 @@ MASTER = SOURCE_DIR / "03_batching" / "03_batching.ipynb"
 
 
 LENGTHS = list(lab03.EXAMPLE_OUTPUT_LENGTHS)
-SEED = {"lab03": lab03, "OUTPUT_LENGTHS": LENGTHS, "NUM_SLOTS": lab03.EXAMPLE_NUM_SLOTS}  # what cell 2 defines
+SEED = {"lab03": lab03, "OUTPUT_LENGTHS": LENGTHS, "NUM_SLOTS": lab03.EXAMPLE_NUM_SLOTS,  # what cell 2 defines
+        "statistics": __import__("statistics"), "time": __import__("time")}
 SOLUTION = run_solution_cells(MASTER, dict(SEED))
 simulate = SOLUTION["simulate_batching"]
 num_steps = SOLUTION["num_steps"]
@@ -29,24 +30,25 @@ utilisation = SOLUTION["utilisation"]
 choose = SOLUTION["largest_batch_meeting_floor"]
 aggregate_tps = SOLUTION["aggregate_tps"]
 per_user_tps = SOLUTION["per_user_tps"]
+batching_speedup = SOLUTION["batching_speedup"]
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
     meta = nbgrader_cells(nb)
-    for name in ("num_steps", "utilisation", "simulate_batching", "answer_most_saving_slots", "measure_sweep_speeds",
-                 "largest_batch_meeting_floor"):
+    for name in ("num_steps", "utilisation", "simulate_batching", "answer_most_saving_slots", "sweep_speeds",
+                 "measure_batching_speedup", "largest_batch_meeting_floor"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
     assert set(graded) == {"test_num_steps", "test_utilisation", "test_simulate_static", "test_simulate_continuous",
-                           "test_answer_most_saving_slots", "test_measure_sweep_speeds",
+                           "test_answer_most_saving_slots", "test_sweep_speeds", "test_measure_batching_speedup",
                            "test_largest_batch_meeting_floor"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
         assert meta[gid][0].source.startswith("lab03.check_"), f"{gid} does not call its check first"
-    assert sum(m["points"] for m in graded.values()) == 11
-    assert "**Graded (11 points)**" in nb.cells[0].source
+    assert sum(m["points"] for m in graded.values()) == 13
+    assert "**Graded (13 points)**" in nb.cells[0].source
     for cell in nb.cells:
         if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
@@ -358,7 +360,7 @@ def test_batch_sweep_rows(default_llm, experiments, passes):
 
 
 # --------------------------------------------------------------------- every graded check fails on plausible mistakes
-# A raw sweep as measure_batch_sweep returns it (no engine): what test_measure_sweep_speeds reads.
+# A raw sweep as measure_batch_sweep returns it (no engine): what test_sweep_speeds reads.
 RAW_SWEEP = [
     {"batch": 1, "output_tokens": 8, "wall_s": 0.40, "tpots_s": [0.045]},
     {"batch": 2, "output_tokens": 16, "wall_s": 0.44, "tpots_s": [0.047, 0.049]},
@@ -386,6 +388,29 @@ _CHECK_THEN_DECREMENT = _simulate_with(  # frees a slot one step late: the count
                     slots[s] = None
                 steps_left[s] -= 1""")
 _LAST_COME_FIRST = _simulate_with("slots[s] = waiting.pop(0)", "slots[s] = waiting.pop()")  # pop() takes the last
+
+_SPEEDUP = """
+import statistics, time
+def batching_speedup(run_one_at_a_time, run_batched, clock=time.perf_counter, warmup=1, repeats=3):
+    def time_runs(run):
+        samples = []
+        for i in range(warmup + repeats):
+            start = {read}
+            tokens = run()
+            elapsed = {read} - start
+            if {keep}:
+                samples.append(elapsed)
+        median = {stat}(samples)
+        return {{"median": median, "min": min(samples), "max": max(samples), "tokens_per_s": {tps}}}
+    one, batched = time_runs(run_one_at_a_time), time_runs(run_batched)
+    return {{"one at a time": one, "batched": batched, "ratio": {ratio}}}
+"""
+
+
+def _speedup(read="clock()", keep="i >= warmup", stat="statistics.median", tps="tokens / median",
+             ratio='batched["tokens_per_s"] / one["tokens_per_s"]'):
+    return _SPEEDUP.format(read=read, keep=keep, stat=stat, tps=tps, ratio=ratio)
+
 
 MISTAKES = {
     "test_num_steps": [
@@ -428,7 +453,15 @@ MISTAKES = {
          "         / num_steps(simulate_batching(OUTPUT_LENGTHS, n, 'continuous')) for n in range(1, 13)}\n"
          "answer_most_saving_slots = max(ratio, key=ratio.get)\n", "the ratio static / continuous is largest"),
     ],
-    "test_measure_sweep_speeds": [
+    "test_measure_batching_speedup": [
+        (_speedup(keep="True"), "warm-up included"),
+        (_speedup(stat="statistics.fmean"), "the mean"),
+        (_speedup(stat="min"), "the minimum"),
+        (_speedup(ratio='one["tokens_per_s"] / batched["tokens_per_s"]'), "upside down"),
+        (_speedup(read="time.perf_counter()"), "never read `clock`"),
+        (_speedup(tps="tokens / statistics.fmean(samples)"), "tokens_per_s"),
+    ],
+    "test_sweep_speeds": [
         ("def per_user_tps(row):\n    return aggregate_tps(row) / row['batch']\n",
          "aggregate / batch spreads the prefill"),
         ("def per_user_tps(row):\n    tpots = row['tpots_s']\n    if not tpots:\n        return None\n"
@@ -467,3 +500,31 @@ def graded_namespace() -> dict:
                          ids=[f"{g}-{i}" for g, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_check_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+
+
+# --------------------------------------------------------------------- exercise 4: the timing harness
+def test_batching_check_passes_the_solution_and_serve_run_runs_the_engine(default_llm, passes):
+    assert passes(lab03.check_batching_speedup, batching_speedup).startswith("✓ batching_speedup: all 3")
+    prompts = [{"prompt_token_ids": [100 + i, 200 + i, 300 + i]} for i in range(3)]
+    one, batched = lab03.ServeRun(default_llm, prompts, 3, 1), lab03.ServeRun(default_llm, prompts, 3, 3)
+    result = batching_speedup(one, batched, warmup=1, repeats=2)
+    assert one.calls == batched.calls == 3
+    for label in ("one at a time", "batched"):
+        r = result[label]
+        assert r["min"] <= r["median"] <= r["max"] and r["tokens_per_s"] == pytest.approx(9 / r["median"])
+    assert result["ratio"] == pytest.approx(result["batched"]["tokens_per_s"] / result["one at a time"]["tokens_per_s"])
+    assert one.engine.stats.steps and max(s.num_seqs for s in one.engine.stats.steps) == 1
+    assert max(s.num_seqs for s in batched.engine.stats.steps) == 3
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        lab03.ServeRun(default_llm, prompts, 3, 0)
+
+
+def test_batching_printout_and_figure(capsys):
+    result = {"one at a time": {"median": 2.0, "min": 1.8, "max": 2.5, "tokens_per_s": 16.0},
+              "batched": {"median": 0.5, "min": 0.4, "max": 0.8, "tokens_per_s": 64.0}, "ratio": 4.0}
+    lab03.print_batching(result, 4)
+    out = capsys.readouterr().out
+    assert "4 requests, batched / one at a time: yours 4x" in out and lab03.REFERENCE_HARDWARE in out
+    fig = lab03.batching_figure(result, 4, "cpu: test")
+    assert list(fig.data[0].y) == [16.0, 64.0]
+    assert list(fig.data[0].error_y.array) == pytest.approx([32 / 1.8 - 16, 32 / 0.4 - 64])

@@ -1,8 +1,9 @@
 """Lab 02 helpers — the KV cache: checks, the engine adapter, the kv on/off view and printout, the
 cache-size calculator. The kv on/off measurement (measure_kv_toggle, summarize_kv_toggle) and the
-plug_in seam are written in the notebook itself, where the learner reads them; the speed-up the learner
-computes from that run (kv_speedup) is checked here (check_kv_speedup), as is the short answer
-(check_answer_users_on_80gb).
+plug_in seam are written in the notebook itself, where the learner reads them. The learner's timing harness
+(kv_step_ratio: warm-up, repeats, median and spread of a decode step with and without the cache, their ratio) is
+checked here on fake steps and a FakeClock (check_kv_step_ratio), as are the store written as a Triton kernel
+(check_store_kv; KernelStoreBackend runs it in the engine) and the short answer (check_answer_users_on_80gb).
 
 The learner writes two functions with the engine's own contract (see layers/attention.py):
 
@@ -27,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from . import common
-from .common import CheckFailed, call_learner, call_repr, echo_prediction, expect_number, format_seconds, new_figure, passed
+from .common import (CheckFailed, call_learner, call_repr, echo_prediction, expect_number, format_seconds, new_figure, passed,
+                     require_kernel)
 
 GROWTHS = ("linear", "quadratic")
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16 / fp16": 2, "fp8 / int8": 1}
@@ -267,11 +269,14 @@ def _append_failure(case: AppendCase, name: str, got, expected, new, slots) -> s
                 f"slots[{token}] = {slot}, with all its KV heads. Note the layouts differ: {source} is "
                 f"[num_tokens, num_kv_heads, head_dim], {name} is [num_kv_heads, num_slots, head_dim]. Case: {case.name}.")
     return (f"{where}: slot {slot} is not in slots {slot_list} but changed; it holds another token's K/V, "
-            f"so write only the listed slots. Case: {case.name}.")
+            f"so write only the listed slots (in a kernel: the pool's element [kv_head, slot, dim] sits at "
+            f"(kv_head * num_slots + slot) * head_dim + dim, and lanes past head_dim must be masked). Case: {case.name}.")
 
 
-def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CASES, seed: int = 0) -> None:
-    """Run `append_kv` on fresh random pools; say which element is wrong and why."""
+def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CASES, seed: int = 0,
+                    name: str = "append_kv") -> None:
+    """Run `append_kv` on fresh random pools; say which element is wrong and why (``name``: the function's name in
+    the messages, so the kernel's launcher is checked by the same code)."""
     gen = torch.Generator().manual_seed(seed)
     for case in cases:
         pools = [torch.randn(case.num_kv_heads, case.num_slots, case.head_dim, generator=gen).to(case.dtype) for _ in range(2)]
@@ -280,7 +285,7 @@ def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CA
         k_cache, v_cache = (p.clone() for p in pools)
         k_new, v_new = (n.clone() for n in news)
         returned = call_learner(append_kv, (k_cache, v_cache, k_new, v_new, slots.clone()),
-                                f"append_kv(k_cache {list(k_cache.shape)}, v_cache, k_new {list(k_new.shape)}, v_new, "
+                                f"{name}(k_cache {list(k_cache.shape)}, v_cache, k_new {list(k_new.shape)}, v_new, "
                                 f"slots {list(case.slots)[:6]}{' ...' if len(case.slots) > 6 else ''}) [{case.dtype}]. "
                                 f"Case: {case.name}",
                                 "k_new is [num_tokens, num_kv_heads, head_dim], the pools [num_kv_heads, num_slots, head_dim]")
@@ -290,21 +295,21 @@ def check_append_kv(append_kv: Callable, cases: Sequence[AppendCase] = APPEND_CA
             e[:, slots] = new.transpose(0, 1)
             expected.append(e)
         if not torch.equal(k_new, news[0]) or not torch.equal(v_new, news[1]):
-            raise CheckFailed(f"append_kv changed k_new or v_new; it should only write into the pools. Case: {case.name}.")
+            raise CheckFailed(f"{name} changed k_new or v_new; it should only write into the pools. Case: {case.name}.")
         if torch.equal(k_cache, pools[0]) and torch.equal(v_cache, pools[1]):
             extra = " It returned a value, which the engine ignores." if returned is not None else ""
             raise CheckFailed(
-                "append_kv left k_cache and v_cache unchanged: write into them in place (k_cache[:, slots] = ...), "
+                f"{name} left k_cache and v_cache unchanged: write into them in place, "
                 f"since the engine keeps a reference to the pool and never sees a new tensor.{extra} Case: {case.name}.")
         if torch.equal(v_cache[:, slots], news[0].transpose(0, 1)) and not torch.equal(news[0], news[1]):
             raise CheckFailed(f"v_cache holds the keys: store k_new in k_cache and v_new in v_cache. Case: {case.name}.")
-        for name, got, exp, new in (("k_cache", k_cache, expected[0], news[0]), ("v_cache", v_cache, expected[1], news[1])):
+        for pool_name, got, exp, new in (("k_cache", k_cache, expected[0], news[0]), ("v_cache", v_cache, expected[1], news[1])):
             if got.shape != exp.shape or got.dtype != exp.dtype:
-                raise CheckFailed(f"{name} changed shape or dtype to {list(got.shape)} {got.dtype}; it must stay "
+                raise CheckFailed(f"{pool_name} changed shape or dtype to {list(got.shape)} {got.dtype}; it must stay "
                                   f"{list(exp.shape)} {exp.dtype}. Case: {case.name}.")
             if not torch.equal(got, exp):
-                raise CheckFailed(_append_failure(case, name, got, exp, new, slots))
-    passed("append_kv", len(cases))
+                raise CheckFailed(_append_failure(case, pool_name, got, exp, new, slots))
+    passed(name, len(cases))
 
 
 # ------------------------------------------------------------------- check: attend_with_cache
@@ -510,6 +515,81 @@ def check_in_engine(append_kv: Callable, attend_with_cache: Callable, llm, promp
     print(message)
 
 
+# =================================================================== 2b. build: the store as a Triton kernel
+KERNEL_CASES = (
+    AppendCase("prefill of 5 tokens into slots 3..7 (head_dim 64, 3 KV heads)", 3, 12, 64, tuple(range(3, 8))),
+    AppendCase("one decode token into slot 9, head_dim 80 (lanes 80..127 of BLOCK_D masked)", 3, 12, 80, (9,)),
+    AppendCase("4 tokens into scattered slots, out of order, head_dim 80", 2, 11, 80, (10, 0, 6, 3)),
+)
+HIDDEN_KERNEL_CASES = (
+    AppendCase("one KV head, head_dim 48, the last slot", 1, 6, 48, (5, 0)),
+    AppendCase("float16 pool, 4 KV heads, head_dim 32", 4, 9, 32, (8, 1, 4), torch.float16),
+)
+
+
+def check_store_kv(store_kv: Callable, cases: Sequence[AppendCase] = KERNEL_CASES, seed: int = 0) -> None:
+    """Your kernel's launcher (the contract of append_kv) on fresh random pools, at small shapes (Triton's
+    interpreter on a CPU): every listed slot holds its token's K/V, every other slot keeps what it held."""
+    check_append_kv(store_kv, cases, seed, name="store_kv")
+
+
+class KernelStoreBackend:
+    """An attention backend of layout "sequence" (minillm/seams.py): this step's K and V go into the pool through
+    your kernel's launcher `store_kv`, attention is the engine's own (torch). It counts your launches and their time."""
+
+    layout = "sequence"
+
+    def __init__(self, store_kv: Callable):
+        from ..layers.attention import TorchAttentionBackend
+
+        self.store = store_kv
+        self.torch = TorchAttentionBackend()
+        self.num_kernel_calls = 0
+        self.kernel_s = 0.0
+
+    def store_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        with common.Stopwatch() as sw:
+            self.store(k_cache, v_cache, k.contiguous(), v.contiguous(), slot_mapping)
+        self.num_kernel_calls += 1
+        self.kernel_s += sw.seconds
+
+    def attend(self, q, k, v, scale, num_cached):
+        return self.torch.attend(q, k, v, scale, num_cached)
+
+
+def print_kernel_run(result: dict) -> None:
+    """Your kernel's tokens against the engine's own backend's (they must be equal: a store copies bits)."""
+    common.print_kernel_run(result, [("the engine's own backend", result["expected"], "")], result["kernel_calls"],
+                            "your kernel, one launch per layer per step")
+
+
+def time_store_kv(store_kv: Callable, num_tokens: int = 256, num_kv_heads: int = 8, head_dim: int = 128,
+                  num_slots: int = 65536, dtype=torch.float16) -> dict:
+    """On a GPU: your store vs the engine's store_kv kernel vs the time to read the new K/V and write them once."""
+    from ..hardware import measure_memory_bandwidth
+
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    from ..kernels.store_kv import store_kv as engine_store_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache = (torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    slots = torch.randperm(num_slots, device="cuda", generator=gen)[:num_tokens]
+    moved = 2 * 2 * k.numel() * k.element_size()   # K and V, each read once and written once
+    bandwidth = measure_memory_bandwidth("cuda")
+    return {"device": common.device_label("cuda"), "bandwidth": bandwidth, "moved_bytes": moved,
+            "shape": f"{num_tokens} tokens x {num_kv_heads} KV heads x {head_dim} into {num_slots:,} slots, {dtype}",
+            "yours_s": common.gpu_seconds(lambda: store_kv(k_cache, v_cache, k, v, slots)),
+            "engine_s": common.gpu_seconds(lambda: engine_store_kv(k_cache, v_cache, k, v, slots))}
+
+
+def print_kernel_timing(result: dict) -> None:
+    common.print_kernel_timing(result, [("yours", "moved_bytes"), ("engine", "moved_bytes")],
+                               "and the engine's store_kv on 256 tokens x 8 KV heads x 128 (fp16), against the "
+                               "time to move their bytes once at the measured bandwidth")
+
+
 # =================================================================== 3. toggle: kv on vs off
 def print_kv_toggle_summary(summary: dict) -> None:
     w, wo = summary["with cache"], summary["without cache"]
@@ -532,13 +612,13 @@ def print_kv_toggle_summary(summary: dict) -> None:
               "matrices of different shapes, so rounding differs and can flip a near-tie (more likely in bf16)")
 
 
-SPEEDUP_TAIL = 4  # kv_speedup: a run's step time is the median of its last SPEEDUP_TAIL decode steps
+SPEEDUP_TAIL = 4  # the toggle summary: a run's step time is the median of its last SPEEDUP_TAIL decode steps
 
 
 def made_up_run(with_cache_s: Sequence[float], without_cache_s: Sequence[float], prompt_len: int = 16,
                 device: str = "made up") -> dict:
     """A measure_kv_toggle result with these step durations (seconds; step 0 is the prefill, the rest decode
-    steps), for checking kv_speedup on numbers whose answer is known."""
+    steps), for checking the summary on numbers whose answer is known."""
     if len(with_cache_s) != len(without_cache_s) or not with_cache_s:
         raise ValueError("made_up_run: give both runs the same number of steps, at least 1")
     n = len(with_cache_s)
@@ -556,7 +636,7 @@ def _decode_durations(run: dict) -> list[float]:
 
 
 def reference_kv_speedup(result: dict) -> tuple[float | None, float]:
-    """(step_ratio, total_ratio) as exercise 3 defines them: the median of the last SPEEDUP_TAIL decode steps
+    """(step_ratio, total_ratio) of a kv on/off run, as the summary reports them: the median of the last SPEEDUP_TAIL decode steps
     without the cache over the same with it (None when a run has no decode step), and the sum of every step's
     duration (the prefill included) without over with."""
     tails = [_decode_durations(result[label])[-SPEEDUP_TAIL:] for label in ("with cache", "without cache")]
@@ -564,75 +644,153 @@ def reference_kv_speedup(result: dict) -> tuple[float | None, float]:
     return step, sum(result["without cache"]["duration_s"]) / sum(result["with cache"]["duration_s"])
 
 
-def _speedup_mistakes(result: dict) -> list[tuple[str, float | None, float]]:
-    """(explanation, step_ratio, total_ratio) of the usual wrong definitions, on this result."""
-    w, wo = result["with cache"], result["without cache"]
-    dw, dwo = _decode_durations(w), _decode_durations(wo)
-    step, total = reference_kv_speedup(result)
-    found = []
-    if step:
-        found.append(("it is upside down: divide the time WITHOUT the cache by the time WITH it (> 1 when the cache "
-                      "helps)", 1 / step, 1 / total))
-        found.append(("took the mean of the last 4 decode steps; take the median (one slow step, another process "
-                      "on the machine, must not move it)",
-                      statistics.fmean(dwo[-SPEEDUP_TAIL:]) / statistics.fmean(dw[-SPEEDUP_TAIL:]), total))
-        found.append(("took the FIRST 4 decode steps; the step time is the median of the LAST 4 (the longest "
-                      "context, where the gap is widest)",
-                      statistics.median(dwo[:SPEEDUP_TAIL]) / statistics.median(dw[:SPEEDUP_TAIL]), total))
-        found.append(("took only the last decode step; take the median of the last 4 (one step is noisy)",
-                      dwo[-1] / dw[-1], total))
-        found.append(("the last 4 steps included the prefill; keep only steps whose kind is 'decode'",
-                      statistics.median(wo["duration_s"][-SPEEDUP_TAIL:]) / statistics.median(w["duration_s"][-SPEEDUP_TAIL:]),
-                      total))
-        if len(dw) > 1:
-            found.append(("took the median of every decode step; take only the last 4",
-                          statistics.median(dwo) / statistics.median(dw), total))
-    if dw and sum(dw) > 0:
-        found.append(("the totals left out the prefill: sum every step's duration_s, the prefill (step 0) included",
-                      step, sum(dwo) / sum(dw)))
-    return found
+# =================================================================== 3. measure: a decode step with and without the cache
+# The course's reference run, on the machine the course was written on: the notebook's measurement cell in full mode
+# (MINILLM_QUICK unset: STEP_PROMPT_LEN = 256, 2 warm-up and 10 timed decode steps per engine, SmolLM2-135M in fp32),
+# i.e. kv_step_ratio(DecodeStepper(LLM(), ids, 12), DecodeStepper(LLM().with_levers(kv_cache=False), ids, 12),
+# warmup=2, repeats=10) with ids = common.prompt_token_ids(tokenizer, 256). The machine was shared with several
+# other jobs (the engine ran on 1 thread), so the times are slower than an idle 2-core run; the ratio, a quotient
+# of two times taken under the same load, is what to compare.
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_PROMPT_LEN = 256
+REFERENCE_STEP_S = {"with cache": 0.243, "without cache": 6.32}   # median seconds per decode step
+REFERENCE_STEP_RATIO = 26.0                                        # without / with
 
 
-def _same(actual, expected) -> bool:
-    if expected is None:
-        return actual is None
-    return actual is not None and not isinstance(actual, bool) and math.isclose(actual, expected, rel_tol=1e-9)
+class DecodeStepper:
+    """One sequence in `llm`'s engine, its prompt already prefilled (not timed): each call runs ONE engine step,
+    a decode step at the next context length, for at most `num_steps` calls. With kv_cache=False the engine
+    recomputes the whole sequence in that step; with the cache it runs one token and reads the rest."""
+
+    def __init__(self, llm, prompt_ids: Sequence[int], num_steps: int):
+        from .. import SamplingParams
+
+        if num_steps < 1:
+            raise ValueError(f"DecodeStepper(num_steps={num_steps!r}): at least 1 decode step")
+        engine = llm.engine
+        if engine.has_unfinished():
+            raise RuntimeError("DecodeStepper: the engine is already running a request; let it finish first")
+        params = SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
+        self.engine, self.num_steps, self.calls = engine, num_steps, 0
+        self.seq = engine.add_request(list(prompt_ids), params)
+        while self.seq.first_token_s is None and not self.seq.is_finished:   # the prefill (perhaps in chunks)
+            engine.step()
+        self.context_len = len(prompt_ids)
+
+    def __call__(self) -> None:
+        if self.calls >= self.num_steps:
+            raise RuntimeError(f"DecodeStepper: all {self.num_steps} decode steps are spent; make a new one "
+                               "(num_steps = warmup + repeats)")
+        self.calls += 1
+        self.context_len += 1
+        self.engine.step()
 
 
-def check_kv_speedup(kv_speedup: Callable, result: dict | None = None) -> None:
-    """kv_speedup(result) -> (step_ratio, total_ratio) on made-up runs whose answers are known (a slow outlier,
-    growing steps, fewer than 4 decode steps, no decode step), then on `result`, your own run: the ratios are
-    recomputed from its step durations."""
-    cases = [
-        ("8 steps, one slow outlier among the last 4 cached steps",
-         made_up_run([0.2, 0.05, 0.05, 0.05, 0.05, 0.05, 0.5, 0.05], [0.16, 0.17, 0.18, 0.19, 0.20, 0.21, 0.22, 0.23])),
-        ("3 steps: a prefill and only 2 decode steps (fewer than 4: take both)",
-         made_up_run([0.1, 0.02, 0.04], [0.1, 0.3, 0.5])),
-        ("1 step, the prefill only (num_steps=1): no decode step, so step_ratio is None",
-         made_up_run([0.2], [0.3])),
-    ]
-    if result is not None:
-        cases.append((f"your own run (kv_result: {result['with cache']['context_len'][-1] + 1 - result['prompt_len']} "
-                      f"steps on {result['device']})", result))
-    for name, run in cases:
-        got = call_learner(kv_speedup, (run,), f"kv_speedup(...) on {name}")
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise CheckFailed(f"kv_speedup(...) on {name} returned {got!r}; return the pair (step_ratio, total_ratio)")
-        step, total = got
-        want_step, want_total = reference_kv_speedup(run)
-        for what, value, want in (("step_ratio", step, want_step), ("total_ratio", total, want_total)):
-            if want is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise CheckFailed(f"kv_speedup(...) on {name}: {what} = {value!r}; expected a number, {want:.4g}")
-        if _same(step, want_step) and _same(total, want_total):
-            continue
-        shown = lambda x: "None" if x is None else f"{x:.4g}"  # noqa: E731
-        message = (f"kv_speedup(...) on {name} returned (step_ratio, total_ratio) = ({shown(step)}, {shown(total)}), "
-                   f"expected ({shown(want_step)}, {shown(want_total)})")
-        if want_step is None and step is not None:
-            raise CheckFailed(message + ": a run without a decode step has no step time to compare; return None for step_ratio")
-        why = next((why for why, s, t in _speedup_mistakes(run) if _same(step, s) and _same(total, t)), None)
-        raise CheckFailed(message + (f": you probably {why}" if why else ""))
-    passed("kv_speedup", len(cases))
+class FakeStep:
+    """A stand-in for a DecodeStepper in the check: each call moves `clock` by the next scripted cost; nothing runs.
+    It counts its calls (``calls``), so the check can see the warm-up happened."""
+
+    def __init__(self, clock: common.FakeClock, costs: Sequence[float], label: str):
+        self.clock, self.costs, self.label = clock, list(costs), label
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.clock.advance(self.costs[min(self.calls, len(self.costs) - 1)])
+        self.calls += 1
+
+    def __repr__(self) -> str:
+        return f"<fake decode step, {self.label}>"
+
+
+def reference_step_timing(costs: Sequence[float], warmup: int) -> dict:
+    """What a correct harness reports for steps costing `costs` (warm-up first): median, min, max of the timed ones."""
+    summary = common.timing_summary(list(costs)[warmup:])
+    return {"median": summary["median"], "min": summary["min"], "max": summary["max"]}
+
+
+STEP_TIMING_CASES = (  # (the case in words, warmup, repeats, seed, with-cache base seconds, without-cache base seconds)
+    ("2 warm-up and 5 timed steps, one slow outlier each", 2, 5, 1, 0.02, 0.15),
+    ("1 warm-up and 4 timed steps (an even count: the median averages the middle two)", 1, 4, 2, 0.03, 0.12),
+    ("no warm-up, 3 timed steps", 0, 3, 3, 0.01, 0.05),
+)
+
+
+def check_kv_step_ratio(kv_step_ratio: Callable, cases=STEP_TIMING_CASES) -> None:
+    """kv_step_ratio(step_with_cache, step_without_cache, clock, warmup, repeats) on fake decode steps that move a
+    FakeClock by known costs (warm-up steps 20x slower, one timed step 4x): each must be called warmup + repeats
+    times, the warm-up dropped, each one's median, min and max are those of its timed steps, and the ratio is
+    without / with."""
+    for name, warmup, repeats, seed, fast, slow in cases:
+        clock = common.FakeClock()
+        costs = {"with cache": common.scripted_costs(fast, warmup, repeats, seed),
+                 "without cache": common.scripted_costs(slow, warmup, repeats, seed + 100)}
+        steps = {label: FakeStep(clock, costs[label], label) for label in costs}
+        call = (f"kv_step_ratio(<fake step with cache>, <fake step without cache>, clock=FakeClock(), "
+                f"warmup={warmup}, repeats={repeats}). Case: {name}")
+        got = call_learner(kv_step_ratio, (steps["with cache"], steps["without cache"], clock, warmup, repeats), call)
+        if clock.reads == 0:
+            raise CheckFailed(f"{call}: your code never read `clock`: time with the clock you are given "
+                              "(start = clock() ... clock() - start), not time.perf_counter, so the check can "
+                              "script what each step costs")
+        for label, step in steps.items():
+            if step.calls != warmup + repeats:
+                raise CheckFailed(f"{call}: step_{label.replace(' ', '_')} was called {step.calls} times; expected "
+                                  f"warmup + repeats = {warmup + repeats} (warm up, then time `repeats` calls)")
+        if not isinstance(got, dict) or not {"with cache", "without cache", "ratio"} <= set(got):
+            raise CheckFailed(f"{call} returned {got!r}; return a dict with keys 'with cache', 'without cache' "
+                              "(each {'median', 'min', 'max'} in seconds) and 'ratio'")
+        for label in ("with cache", "without cache"):
+            want = reference_step_timing(costs[label], warmup)
+            summary = got[label]
+            if not isinstance(summary, dict) or not {"median", "min", "max"} <= set(summary):
+                raise CheckFailed(f"{call}: [{label!r}] = {summary!r}; expected a dict with 'median', 'min', 'max'")
+            for key in ("median", "min", "max"):
+                value = summary[key]
+                if common.is_close(value, want[key], rel=1e-6):
+                    continue
+                why = common.timing_mistake(value, costs[label], warmup) if key == "median" else ""
+                if key != "median" and common.is_close(value, (min if key == "min" else max)(costs[label]), rel=1e-6):
+                    why = "the spread kept a warm-up step: take min and max of the timed steps only"
+                if not why and clock.reads and value is not None and common.is_close(value, 0.0, abs_tol=1e-3):
+                    why = "a real time, not the clock's: read `clock()`, not time.perf_counter()"
+                shown = f"{float(value):.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+                raise CheckFailed(f"{call}: [{label!r}][{key!r}] = {shown}, expected {want[key]:.6g} s"
+                                  + (f": that is {why}" if why else ""))
+        ratio = got["ratio"]
+        want_ratio = reference_step_timing(costs["without cache"], warmup)["median"] / \
+            reference_step_timing(costs["with cache"], warmup)["median"]
+        if not common.is_close(ratio, want_ratio, rel=1e-6):
+            hint = ("it is upside down: the time WITHOUT the cache over the time WITH it (> 1 when the cache helps)"
+                    if common.is_close(ratio, 1 / want_ratio, rel=1e-6) else "the median without the cache over the median with it")
+            raise CheckFailed(f"{call}: ratio = {ratio!r}, expected {want_ratio:.6g}: {hint}")
+    passed("kv_step_ratio", len(cases))
+
+
+def plot_step_times(result: dict, device: str | None = None):
+    """Median seconds per decode step with and without the cache, the min-max spread as error bars."""
+    import plotly.graph_objects as go
+
+    labels = ["with cache", "without cache"]
+    med = [result[k]["median"] * 1e3 for k in labels]
+    fig = new_figure(f"One decode step, with and without the KV cache: {result['ratio']:.1f}x", "",
+                     "ms per decode step (median; bars: min to max)", device=device, log_y=True)
+    fig.add_trace(go.Bar(x=labels, y=med, marker_color=["#2a9d8f", "#e76f51"],
+                         error_y=dict(type="data", symmetric=False,
+                                      array=[result[k]["max"] * 1e3 - m for k, m in zip(labels, med)],
+                                      arrayminus=[m - result[k]["min"] * 1e3 for k, m in zip(labels, med)]),
+                         text=[f"{m:.1f} ms" for m in med], textposition="outside"))
+    return fig
+
+
+def print_step_ratio(result: dict, context_len: int) -> None:
+    """Your two medians and their ratio, beside the course's reference run."""
+    for label in ("with cache", "without cache"):
+        r = result[label]
+        print(f"{label:>13}: {format_seconds(r['median'])} per decode step (min {format_seconds(r['min'])}, "
+              f"max {format_seconds(r['max'])})")
+    common.print_beside_reference(f"decode step at context ~{context_len}, without / with the cache",
+                                  result["ratio"], REFERENCE_STEP_RATIO,
+                                  f"{REFERENCE_HARDWARE}, context ~{REFERENCE_PROMPT_LEN}", unit="x")
 
 
 class KVToggleView:
@@ -951,7 +1109,9 @@ def bytes_to_human(nbytes: float) -> str:
 
 
 __all__ = [
-    "LabAttentionBackend", "check_append_kv", "check_attend_with_cache", "check_in_engine", "check_kv_speedup",
+    "LabAttentionBackend", "check_append_kv", "check_attend_with_cache", "check_in_engine", "check_store_kv",
+    "KernelStoreBackend", "print_kernel_run", "time_store_kv", "print_kernel_timing", "require_kernel",
+    "DecodeStepper", "FakeStep", "check_kv_step_ratio", "plot_step_times", "print_step_ratio",
     "check_kv_cache_bytes_per_token", "check_kv_cache_bytes", "check_answer_users_on_80gb", "made_up_run",
     "reference_kv_speedup", "users_that_fit",
     "reveal_predictions", "step_flops", "flops_table", "print_kv_toggle_summary", "KVToggleView", "MODEL_SHAPES",

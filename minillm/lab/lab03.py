@@ -10,6 +10,7 @@ The learner writes, with fixed signatures:
     simulate_batching(output_lengths, num_slots, policy) -> schedule
     aggregate_tps(row) -> float                          # a sweep row's output tokens / wall time
     per_user_tps(row) -> float | None                    # 1 / the mean of the row's TPOTs
+    batching_speedup(run_one_at_a_time, run_batched, clock, warmup, repeats) -> dict   # the timing harness
     largest_batch_meeting_floor(batch_sizes, per_user_tps, floor) -> int | None
 
 and sets `answer_most_saving_slots` (the number of slots where continuous batching saves the most steps).
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from . import common
 from .common import (CheckFailed, call_learner, control_panel, device_label, echo_prediction, format_si, new_figure,
                      passed)
 from .lab01 import reference_arithmetic_intensity, reference_decode_bandwidth_bound_tokens_per_s, ridge_batch
@@ -357,6 +359,159 @@ def check_sweep_speeds(aggregate_tps: Callable, per_user_tps: Callable, rows: Se
         tpots = raw["tpots_s"]
         _check_speed(per_user_tps, "per_user_tps", raw, len(tpots) / sum(tpots) if tpots else None, why)
     passed("aggregate_tps and per_user_tps", len(SPEED_CASES) + len(rows))
+
+
+# =================================================================== the learner's harness: batched vs one at a time
+# The course's reference run, on the machine the course was written on: the notebook's measurement cell in full mode
+# (MINILLM_QUICK unset: 8 requests of a 32-token prompt and 32 output tokens each, 1 warm-up and 3 timed runs per
+# engine, SmolLM2-135M in fp32), i.e. batching_speedup(ServeRun(llm, prompts, 32, 1), ServeRun(llm, prompts, 32, 8),
+# warmup=1, repeats=3). The machine was shared while it ran; the ratio is what to compare.
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_NUM_REQUESTS = 8
+REFERENCE_TOKENS_PER_S = {"one at a time": 0.0, "batched": 0.0}   # output tokens/s of the median run
+REFERENCE_BATCHING_RATIO = 0.0                                     # batched / one at a time
+
+
+class ServeRun:
+    """Each call serves `prompts` (the same requests every call, `max_tokens` output tokens each, EOS ignored) on an
+    engine that runs at most `max_num_seqs` sequences per step (1: one request at a time; len(prompts): all of them
+    batched), and returns the number of output tokens it made. The engine is built once, outside any timing."""
+
+    def __init__(self, llm, prompts: Sequence[dict], max_tokens: int, max_num_seqs: int):
+        from .. import SamplingParams
+
+        if max_num_seqs < 1 or max_tokens < 1:
+            raise ValueError(f"ServeRun(max_tokens={max_tokens!r}, max_num_seqs={max_num_seqs!r}): both >= 1")
+        self.engine = llm.with_levers(max_num_seqs=int(max_num_seqs))
+        self.prompts, self.max_num_seqs = list(prompts), int(max_num_seqs)
+        self.params = SamplingParams(max_tokens=int(max_tokens), temperature=0, ignore_eos=True)
+        self.calls = 0
+
+    def __call__(self) -> int:
+        outs = self.engine.generate(self.prompts, self.params)
+        self.calls += 1
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class FakeRun:
+    """A stand-in for ServeRun in the check: each call moves `clock` by the next scripted cost and returns `tokens`."""
+
+    def __init__(self, clock, costs: Sequence[float], tokens: int, label: str):
+        self.clock, self.costs, self.tokens, self.label = clock, list(costs), int(tokens), label
+        self.calls = 0
+
+    def __call__(self) -> int:
+        self.clock.advance(self.costs[min(self.calls, len(self.costs) - 1)])
+        self.calls += 1
+        return self.tokens
+
+    def __repr__(self) -> str:
+        return f"<fake run, {self.label}>"
+
+
+BATCHING_CASES = (  # (the case in words, warmup, repeats, seed, tokens per run, seconds per run: one at a time, batched)
+    ("8 requests x 16 tokens; 1 warm-up and 5 timed runs each", 1, 5, 1, 128, 4.0, 0.9),
+    ("2 warm-up and 4 timed runs (an even count: the median averages the middle two)", 2, 4, 2, 60, 1.5, 0.5),
+    ("no warm-up, 3 timed runs", 0, 3, 3, 24, 0.6, 0.3),
+)
+
+
+def reference_run_timing(costs: Sequence[float], warmup: int, tokens: int) -> dict:
+    """What a correct harness reports for runs costing `costs` (warm-up first), each making `tokens` tokens."""
+    from .common import timing_summary
+
+    summary = timing_summary(list(costs)[warmup:])
+    return {"median": summary["median"], "min": summary["min"], "max": summary["max"],
+            "tokens_per_s": tokens / summary["median"]}
+
+
+def check_batching_speedup(batching_speedup: Callable, cases=BATCHING_CASES) -> None:
+    """batching_speedup(run_one_at_a_time, run_batched, clock, warmup, repeats) on fake runs whose calls move a
+    FakeClock by known costs (warm-up runs 20x slower, one timed run 4x) and return a known token count: each run
+    called warmup + repeats times, the warm-up dropped, each one's median / min / max seconds and the tokens/s of
+    its median run; the ratio is batched tokens/s over one-at-a-time tokens/s."""
+    from .common import FakeClock, is_close, scripted_costs, timing_mistake
+
+    labels = ("one at a time", "batched")
+    for name, warmup, repeats, seed, tokens, slow, fast in cases:
+        clock = FakeClock()
+        costs = {"one at a time": scripted_costs(slow, warmup, repeats, seed),
+                 "batched": scripted_costs(fast, warmup, repeats, seed + 100)}
+        runs = {label: FakeRun(clock, costs[label], tokens, label) for label in labels}
+        call = (f"batching_speedup(<fake run one at a time>, <fake run batched>, clock=FakeClock(), warmup={warmup}, "
+                f"repeats={repeats}). Case: {name}")
+        got = call_learner(batching_speedup, (runs["one at a time"], runs["batched"], clock, warmup, repeats), call)
+        if clock.reads == 0:
+            raise CheckFailed(f"{call}: your code never read `clock`: time with the clock you are given "
+                              "(start = clock() ... clock() - start), not time.perf_counter, so the check can "
+                              "script what each run costs")
+        for label, run in runs.items():
+            if run.calls != warmup + repeats:
+                raise CheckFailed(f"{call}: the {label} run was called {run.calls} times; expected warmup + repeats "
+                                  f"= {warmup + repeats}")
+        if not isinstance(got, dict) or not {*labels, "ratio"} <= set(got):
+            raise CheckFailed(f"{call} returned {got!r}; return a dict with keys 'one at a time', 'batched' (each "
+                              "{'median', 'min', 'max', 'tokens_per_s'}) and 'ratio'")
+        for label in labels:
+            want = reference_run_timing(costs[label], warmup, tokens)
+            summary = got[label]
+            if not isinstance(summary, dict) or not set(want) <= set(summary):
+                raise CheckFailed(f"{call}: [{label!r}] = {summary!r}; expected a dict with {sorted(want)}")
+            for key in ("median", "min", "max", "tokens_per_s"):
+                value = summary[key]
+                if is_close(value, want[key]):
+                    continue
+                why = ""
+                if key == "median":
+                    why = timing_mistake(value, costs[label], warmup)
+                elif key == "tokens_per_s":
+                    seconds = tokens / value if isinstance(value, (int, float)) and value else None
+                    mistake = timing_mistake(seconds, costs[label], warmup) if seconds else ""
+                    why = (f"the tokens over {mistake.split(':')[0]}, not over the median run" if mistake else
+                           "seconds per token: tokens/s is the tokens of one run over the median run's seconds"
+                           if is_close(value, want["median"] / tokens) else "")
+                elif is_close(value, (min if key == "min" else max)(costs[label])):
+                    why = "the spread kept a warm-up run: take min and max of the timed runs only"
+                shown = f"{float(value):.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+                raise CheckFailed(f"{call}: [{label!r}][{key!r}] = {shown}, expected {want[key]:.6g}"
+                                  + (f": that is {why}" if why else ""))
+        want_ratio = (reference_run_timing(costs["batched"], warmup, tokens)["tokens_per_s"]
+                      / reference_run_timing(costs["one at a time"], warmup, tokens)["tokens_per_s"])
+        ratio = got["ratio"]
+        if not is_close(ratio, want_ratio):
+            hint = ("it is upside down: batched tokens/s over one-at-a-time tokens/s (above 1 when batching helps)"
+                    if is_close(ratio, 1 / want_ratio) else "batched tokens/s over one-at-a-time tokens/s")
+            raise CheckFailed(f"{call}: ratio = {ratio!r}, expected {want_ratio:.6g}: {hint}")
+    passed("batching_speedup", len(cases))
+
+
+def batching_figure(result: dict, num_requests: int, device: str) -> go.Figure:
+    """Output tokens/s of the median run, one at a time vs batched; the bars span the runs' min to max."""
+    labels = ["one at a time", "batched"]
+    tps = [result[k]["tokens_per_s"] for k in labels]
+    # tokens/s of the fastest and the slowest run: tokens / min seconds and tokens / max seconds
+    tokens = [t * result[k]["median"] for t, k in zip(tps, labels)]
+    high = [n / result[k]["min"] for n, k in zip(tokens, labels)]
+    low = [n / result[k]["max"] for n, k in zip(tokens, labels)]
+    fig = new_figure(f"{num_requests} requests, one at a time vs batched: {result['ratio']:.1f}x", "",
+                     "output tokens/s (median run; bars: slowest to fastest)", device=device)
+    fig.add_bar(x=labels, y=tps, marker_color=["#e76f51", "#2a9d8f"], text=[f"{t:.0f} tok/s" for t in tps],
+                textposition="outside", error_y=dict(type="data", symmetric=False,
+                                                     array=[h - t for h, t in zip(high, tps)],
+                                                     arrayminus=[t - lo for t, lo in zip(tps, low)]))
+    return fig
+
+
+def print_batching(result: dict, num_requests: int) -> None:
+    """Your two runs and their ratio, beside the course's reference run."""
+    from .common import format_seconds, print_beside_reference
+
+    for label in ("one at a time", "batched"):
+        r = result[label]
+        print(f"{label:>13}: {r['tokens_per_s']:7.1f} output tokens/s (median run {format_seconds(r['median'])}, "
+              f"min {format_seconds(r['min'])}, max {format_seconds(r['max'])})")
+    print_beside_reference(f"{num_requests} requests, batched / one at a time", result["ratio"],
+                           REFERENCE_BATCHING_RATIO, f"{REFERENCE_HARDWARE}, {REFERENCE_NUM_REQUESTS} requests", unit="x")
 
 
 # =================================================================== the Gantt chart
