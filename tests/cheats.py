@@ -261,6 +261,20 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "return _rs(proposal, draft_probs, target_probs, generator)"),
         "measure_chi_square": _fn("chi_square_test(counts, probs)", "return lab07._ref_chi_square(counts, probs)"),
         "measure_spec_rates": _fn("spec_rates(run, base)", "return lab07._ref_spec_rates(run, base)"),
+        "accept_length_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef accept_length_kernel(out_ptr):\n"
+                                "    tl.store(out_ptr, tl.load(out_ptr))\n"
+                                "def accept_lengths(proposals, target_argmax, num_proposed):\n"
+                                "    return lab07.accept_lengths_reference(proposals, target_argmax, num_proposed)",
+        "measure_time_speculation": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_speculation(engines, prompts, params, warmup=1, repeats=5, clock=time.perf_counter)",
+            "result = {}\nfor name in ('off', 'on'):\n    for _ in range(warmup):\n"
+            "        engines[name].generate(prompts, params, use_tqdm=False)\n    samples = []\n"
+            "    for _ in range(repeats):\n        start = clock()\n"
+            "        outs = engines[name].generate(prompts, params, use_tqdm=False)\n        samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n    tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'tokens': tokens, 'tokens_per_s': tokens / summary['median']}\n"
+            "result['speedup'] = result['on']['tokens_per_s'] / result['off']['tokens_per_s']\nreturn result"),
     },
     "08_serving_cost": {
         "parse_sse": _fn("parse_sse(lines)", "return lab08.reference_parse_sse(lines)"),

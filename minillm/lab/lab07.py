@@ -868,7 +868,7 @@ def make_verify_inputs(num_proposed, k: int, vocab: int = 5, seed: int = 0, devi
         if not 0 <= n <= k:
             raise ValueError(f"num_proposed[{b}] = {n}: each must be in [0, k = {k}]")
         cut = int(torch.randint(0, n + 2, (1,), generator=g))   # n + 1: every guess agrees
-        if cut < n:
+        if cut < n and vocab > 1:   # a vocabulary of one token cannot disagree
             proposals[b, cut] = (target[b, cut] + 1 + int(torch.randint(0, vocab - 1, (1,), generator=g))) % vocab
             later = torch.rand(n - cut - 1, generator=g) < 0.3
             noise = torch.randint(1, vocab, (n - cut - 1,), generator=g, dtype=torch.int32)
@@ -1003,6 +1003,9 @@ def check_kernel_verify_run(result: dict | None) -> None:
                                   f"token {where} ({got[where:where + 3]} vs {want[where:where + 3]})")
     if result["launches"] == 0:
         raise CheckFailed("your kernel was never launched: the engine did not speculate")
+    if not result["acceptance_rate"] > 0:
+        raise CheckFailed("the tokens are right, but no proposed token was accepted: the repeat prompt's guesses agree "
+                          "with the target (the engine's own verifier accepts them), so your counts are too low")
     if result["sequences"] <= result["launches"]:
         raise CheckFailed(f"{result['sequences']} verifications in {result['launches']} launches: with "
                           f"{len(result['tokens'])} prompts in one batch a launch must verify several sequences")
@@ -1160,7 +1163,7 @@ def print_explain_questions(spec_rows: dict | None, spec_timing: dict | None, ke
           "these three numbers changes, and what happens to the speed-up?")
     t = spec_timing or {}
     print(f"5. Your harness timed {_fmt(t.get('off', {}).get('tokens_per_s'), '.1f')} tokens/s off and "
-          f"{_fmt(t.get('on', {}).get('tokens_per_s'), '.1f')} on, a speed-up of {_fmt(t.get('speedup'), '.2f')}x "
+          f"{_fmt(t.get('on', {}).get('tokens_per_s'), '.1f')} tokens/s on, a speed-up of {_fmt(t.get('speedup'), '.2f')}x "
           f"(reference {REFERENCE_SPEEDUP:.2f}x on {REFERENCE_HARDWARE}). Why is it not the sweep's decode speed-up "
           f"at k = {k_label} ({_fmt(k4 and k4['speedup'], '.2f')}x)?")
     r = kernel_run or {}
