@@ -247,8 +247,15 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "lookup": _fn("lookup(cache, keys)", "return lab06.reference_lookup(cache, keys)"),
         "hash_link": "from minillm.engine.block_manager import block_hash\n" + _fn(
             "hash_link(parent_key, block_token_ids, salt)", "return block_hash(parent_key, block_token_ids, salt)"),
-        "measure_reading": "reading_off = lab06.reading_s(shared['off'])\nreading_on = lab06.reading_s(shared['on'])\n"
-                           "saving = 1 - reading_on / reading_off",
+        "measure_time_ttft": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_ttft(engines, prompts, params, warmup=1, clock=time.perf_counter)",
+            "result = {}\nfor name in ('off', 'on'):\n    samples = []\n    for i, prompt in enumerate(prompts):\n"
+            "        start = clock()\n        engines[name].generate(prompt, params, use_tqdm=False)\n"
+            "        if i >= warmup:\n            samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'n': summary['n']}\n"
+            "result['speedup'] = result['off']['median_s'] / result['on']['median_s']\nreturn result"),
         "cached_cost": _fn("cached_cost(prefix_tokens, suffix_tokens, n_requests, write=1.25, read=0.1)",
                            "return lab06.reference_cached_cost(prefix_tokens, suffix_tokens, n_requests, write, read)"),
         "answer_break_even": "answer_break_even = lab06.break_even_requests()",
