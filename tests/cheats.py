@@ -236,6 +236,17 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
                               + _fn("sequences_that_fit(budget_bytes, seq_len, bytes_per_token)",
                                     "return _fit(budget_bytes, 0, bytes_per_token, seq_len)"),
         "answer_llama_fit": "answer_llama_fit = lab05.llama_fit_reference()",
+        "measure_time_decode": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_decode(engines, prompt, params, warmup=1, repeats=5, clock=time.perf_counter)",
+            "result = {}\nfor name, engine in engines.items():\n    for _ in range(warmup):\n"
+            "        engine.generate(prompt, params, use_tqdm=False)\n    samples = []\n"
+            "    for _ in range(repeats):\n        start = clock()\n"
+            "        outs = engine.generate(prompt, params, use_tqdm=False)\n        samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n    tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'tokens': tokens, 'tokens_per_s': tokens / summary['median']}\n"
+            "for name in result:\n    result[name]['speedup'] = result[name]['tokens_per_s'] / result['fp32']['tokens_per_s']\n"
+            "return result"),
         "int4_matmul_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef int4_matmul_kernel(y_ptr):\n"
                               "    tl.store(y_ptr, tl.load(y_ptr))\n"
                               "def int4_matmul(x, packed, scale, zero, group_size):\n"
