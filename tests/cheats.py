@@ -224,6 +224,16 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
                                "from minillm.kernels.paged_decode import paged_decode_attention\n"
                                "def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size):\n"
                                "    return lab04.paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size)",
+        "measure_time_batch": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_batch(engines, prompts, params, warmup=1, repeats=3, clock=time.perf_counter)",
+            "result = {}\nfor name in ('contiguous', 'paged'):\n    for _ in range(warmup):\n"
+            "        engines[name].generate(prompts, params, use_tqdm=False)\n    samples = []\n"
+            "    for _ in range(repeats):\n        start = clock()\n"
+            "        outs = engines[name].generate(prompts, params, use_tqdm=False)\n        samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n    tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'tokens': tokens, 'tokens_per_s': tokens / summary['median']}\n"
+            "result['speedup'] = result['paged']['tokens_per_s'] / result['contiguous']['tokens_per_s']\nreturn result"),
     },
     "05_quantization": {
         "quantize_int8": "from minillm.quant.int8 import quantize_int8, dequantize_int8",
