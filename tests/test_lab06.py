@@ -460,7 +460,7 @@ MISTAKES = {
         (_ttft(stat="min(samples)"), "the minimum"),
         (_ttft(ratio='result["on"]["median_s"] / result["off"]["median_s"]'), "inverted"),
         (_ttft(start="start = time.perf_counter()", stop="elapsed = time.perf_counter() - start"), "never read"),
-        (_ttft(loop="for i, prompt in enumerate([prompts]):"), "one call per prompt"),
+        (_ttft(loop="for i, prompt in enumerate([prompts] * len(prompts)):"), "one call per prompt"),   # the whole list each time
     ],
     "test_cached_cost": [(WRITTEN_EVERY_TIME, "written once"), (SUFFIX_FORGOTTEN, "suffix_tokens are billed"),
                          (NO_REQUESTS_BILLED, "no requests")],

@@ -887,7 +887,7 @@ def print_block_size_tradeoff(rows: list[dict]) -> None:
 
 # =================================================================== 6. the learner's throughput harness
 # The reference run: the notebook's measurement cell in full mode (time_batch on the lab's NUM_REQUESTS = 16 chat
-# requests, MAX_TOKENS = 128 output tokens each, in a pool of BUDGET_TOKENS = 4096 slots with MAX_MODEL_LEN = 1024;
+# requests, TIMING_TOKENS = 32 output tokens each, in a pool of BUDGET_TOKENS = 4096 slots with MAX_MODEL_LEN = 1024;
 # warmup 1, repeats 3) on the course's reference machine.
 REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
 REFERENCE_TOKENS_PER_S = {"contiguous": 30.0, "paged": 60.0}
