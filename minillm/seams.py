@@ -219,6 +219,14 @@ class Verifier(Protocol):
         """Rejection sampling: draft_probs [k, vocab] or None, target_probs [k + 1, vocab]."""
 
 
+class BatchVerifier(Protocol):
+    """An optional ability of a Verifier: verify every greedy sequence of a speculative step at once (one kernel
+    launch for the batch). The engine calls greedy_batch instead of greedy, once per step, when a verifier has it."""
+
+    def greedy_batch(self, proposals: list[list[int]], target_argmax: list[list[int]]) -> list[list[int]]:
+        """Per sequence, what greedy(proposals[i], target_argmax[i]) returns (target_argmax[i] has k_i + 1)."""
+
+
 # =================================================================== sampling
 class Sampler(Protocol):
     """Next-token logits -> one token id per sequence."""

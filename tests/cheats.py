@@ -251,6 +251,16 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
                                "from minillm.kernels.paged_decode import paged_decode_attention\n"
                                "def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size):\n"
                                "    return lab04.paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, block_size)",
+        "measure_time_batch": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_batch(engines, prompts, params, warmup=1, repeats=3, clock=time.perf_counter)",
+            "result = {}\nfor name in ('contiguous', 'paged'):\n    for _ in range(warmup):\n"
+            "        engines[name].generate(prompts, params, use_tqdm=False)\n    samples = []\n"
+            "    for _ in range(repeats):\n        start = clock()\n"
+            "        outs = engines[name].generate(prompts, params, use_tqdm=False)\n        samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n    tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'tokens': tokens, 'tokens_per_s': tokens / summary['median']}\n"
+            "result['speedup'] = result['paged']['tokens_per_s'] / result['contiguous']['tokens_per_s']\nreturn result"),
     },
     "05_quantization": {
         "quantize_int8": "from minillm.quant.int8 import quantize_int8, dequantize_int8",
@@ -263,6 +273,17 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
                               + _fn("sequences_that_fit(budget_bytes, seq_len, bytes_per_token)",
                                     "return _fit(budget_bytes, 0, bytes_per_token, seq_len)"),
         "answer_llama_fit": "answer_llama_fit = lab05.llama_fit_reference()",
+        "measure_time_decode": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_decode(engines, prompt, params, warmup=1, repeats=5, clock=time.perf_counter)",
+            "result = {}\nfor name, engine in engines.items():\n    for _ in range(warmup):\n"
+            "        engine.generate(prompt, params, use_tqdm=False)\n    samples = []\n"
+            "    for _ in range(repeats):\n        start = clock()\n"
+            "        outs = engine.generate(prompt, params, use_tqdm=False)\n        samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n    tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'tokens': tokens, 'tokens_per_s': tokens / summary['median']}\n"
+            "for name in result:\n    result[name]['speedup'] = result[name]['tokens_per_s'] / result['fp32']['tokens_per_s']\n"
+            "return result"),
         "int4_matmul_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef int4_matmul_kernel(y_ptr):\n"
                               "    tl.store(y_ptr, tl.load(y_ptr))\n"
                               "def int4_matmul(x, packed, scale, zero, group_size):\n"
@@ -274,8 +295,15 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "lookup": _fn("lookup(cache, keys)", "return lab06.reference_lookup(cache, keys)"),
         "hash_link": "from minillm.engine.block_manager import block_hash\n" + _fn(
             "hash_link(parent_key, block_token_ids, salt)", "return block_hash(parent_key, block_token_ids, salt)"),
-        "measure_reading": "reading_off = lab06.reading_s(shared['off'])\nreading_on = lab06.reading_s(shared['on'])\n"
-                           "saving = 1 - reading_on / reading_off",
+        "measure_time_ttft": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_ttft(engines, prompts, params, warmup=1, clock=time.perf_counter)",
+            "result = {}\nfor name in ('off', 'on'):\n    samples = []\n    for i, prompt in enumerate(prompts):\n"
+            "        start = clock()\n        engines[name].generate(prompt, params, use_tqdm=False)\n"
+            "        if i >= warmup:\n            samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'n': summary['n']}\n"
+            "result['speedup'] = result['off']['median_s'] / result['on']['median_s']\nreturn result"),
         "cached_cost": _fn("cached_cost(prefix_tokens, suffix_tokens, n_requests, write=1.25, read=0.1)",
                            "return lab06.reference_cached_cost(prefix_tokens, suffix_tokens, n_requests, write, read)"),
         "answer_break_even": "answer_break_even = lab06.break_even_requests()",
@@ -288,6 +316,20 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "return _rs(proposal, draft_probs, target_probs, generator)"),
         "measure_chi_square": _fn("chi_square_test(counts, probs)", "return lab07._ref_chi_square(counts, probs)"),
         "measure_spec_rates": _fn("spec_rates(run, base)", "return lab07._ref_spec_rates(run, base)"),
+        "accept_length_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef accept_length_kernel(out_ptr):\n"
+                                "    tl.store(out_ptr, tl.load(out_ptr))\n"
+                                "def accept_lengths(proposals, target_argmax, num_proposed):\n"
+                                "    return lab07.accept_lengths_reference(proposals, target_argmax, num_proposed)",
+        "measure_time_speculation": "import time\nfrom minillm.lab.common import timing_summary\n" + _fn(
+            "time_speculation(engines, prompts, params, warmup=1, repeats=5, clock=time.perf_counter)",
+            "result = {}\nfor name in ('off', 'on'):\n    for _ in range(warmup):\n"
+            "        engines[name].generate(prompts, params, use_tqdm=False)\n    samples = []\n"
+            "    for _ in range(repeats):\n        start = clock()\n"
+            "        outs = engines[name].generate(prompts, params, use_tqdm=False)\n        samples.append(clock() - start)\n"
+            "    summary = timing_summary(samples)\n    tokens = sum(len(o.outputs[0].token_ids) for o in outs)\n"
+            "    result[name] = {'median_s': summary['median'], 'min_s': summary['min'], 'max_s': summary['max'],\n"
+            "                    'tokens': tokens, 'tokens_per_s': tokens / summary['median']}\n"
+            "result['speedup'] = result['on']['tokens_per_s'] / result['off']['tokens_per_s']\nreturn result"),
     },
     "08_serving_cost": {
         "parse_sse": _fn("parse_sse(lines)", "return lab08.reference_parse_sse(lines)"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 from kernel_utils import DEVICE  # first: picks the interpreter before triton is imported
 
@@ -25,6 +26,7 @@ from minillm.lab.common import CheckFailed, figure_subtitle
 MASTER = SOURCE_DIR / "04_paged_attention" / "04_paged_attention.ipynb"
 MODULE_HEADER = """\
 import os
+import time
 import torch
 import triton
 import triton.language as tl
@@ -48,16 +50,16 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     nb = nbformat.read(MASTER, as_version=4)
     meta = nbgrader_cells(nb)
     for name in ("BlockAllocator", "measure_kv_utilization", "answer_utilization_8192", "max_concurrent",
-                 "paged_decode_kernel"):
+                 "paged_decode_kernel", "measure_time_batch"):
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
     assert set(graded) == {"test_allocate_slot", "test_append", "test_free", "test_fork", "test_allocator_vs_engine",
                            "test_measure_kv_utilization", "test_answer_utilization_8192", "test_max_concurrent",
-                           "test_paged_decode_blocks", "test_paged_decode_gqa"}
+                           "test_paged_decode_blocks", "test_paged_decode_gqa", "test_measure_time_batch"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
-    assert sum(m["points"] for m in graded.values()) == 17
+    assert sum(m["points"] for m in graded.values()) == 19
     for cell in nb.cells:
         if cell.cell_type == "markdown" and "### BEGIN MODEL ANSWER" not in cell.source:  # the answers cell is theirs
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
@@ -370,7 +372,45 @@ def subclass(body: str) -> str:
     return "class BlockAllocator(BlockAllocator):\n" + textwrap.indent(textwrap.dedent(body), "    ")
 
 
+STUB_BATCH = {"contiguous": {"median_s": 2.0, "min_s": 1.9, "max_s": 2.5, "tokens": 12, "tokens_per_s": 6.0},
+              "paged": {"median_s": 1.2, "min_s": 1.1, "max_s": 1.4, "tokens": 12, "tokens_per_s": 10.0},
+              "speedup": 10.0 / 6.0}
+
+
+def _batch(stat: str = "statistics.median(samples)", warm: str = "range(warmup)", timed: str = "range(repeats)",
+           start: str = "start = clock()", stop: str = "samples.append(clock() - start)",
+           ratio: str = 'result["paged"]["tokens_per_s"] / result["contiguous"]["tokens_per_s"]',
+           send: str = "prompts") -> str:
+    """A time_batch with one piece changed (the solution with the defaults)."""
+    return f"""import statistics
+def time_batch(engines, prompts, params, warmup=1, repeats=3, clock=time.perf_counter):
+    result = {{}}
+    for name in ("contiguous", "paged"):
+        for _ in {warm}:
+            engines[name].generate({send}, params, use_tqdm=False)
+        samples = []
+        for _ in {timed}:
+            {start}
+            outputs = engines[name].generate({send}, params, use_tqdm=False)
+            {stop}
+        tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+        median = {stat}
+        result[name] = {{"median_s": median, "min_s": min(samples), "max_s": max(samples), "tokens": tokens,
+                        "tokens_per_s": tokens / median}}
+    result["speedup"] = {ratio}
+    return result
+"""
+
+
 MISTAKES = {
+    "test_measure_time_batch": [
+        (_batch(warm="range(0)", timed="range(warmup + repeats)"), "warm-up included"),
+        (_batch(stat="statistics.fmean(samples)"), "the mean"),
+        (_batch(stat="min(samples)"), "the minimum"),
+        (_batch(ratio='result["contiguous"]["tokens_per_s"] / result["paged"]["tokens_per_s"]'), "inverted"),
+        (_batch(start="start = time.perf_counter()", stop="samples.append(time.perf_counter() - start)"), "never read"),
+        (_batch(send="prompts[0]"), "each with the whole batch"),
+    ],
     "test_allocate_slot": [
         (subclass("""
             def allocate(self, num_tokens):   # floor division: the partly filled last block is missing
@@ -586,7 +626,8 @@ def namespace(solution, wrong_kernels) -> dict:
     the launcher and the torch spec, and a stub of section 3's measurement."""
     cells = nbgrader_cells(nbformat.read(MASTER, as_version=4))
     ns = {name: value for name, value in vars(solution).items() if not name.startswith("__")}
-    ns.update(lab04=lab04, torch=torch, BLOCK_SIZE=16, MAX_MODEL_LEN=512, waste=stub_waste(), WRONG=wrong_kernels)
+    ns.update(lab04=lab04, torch=torch, BLOCK_SIZE=16, MAX_MODEL_LEN=512, waste=stub_waste(), WRONG=wrong_kernels,
+              time=time, batch_timing=STUB_BATCH)
     ns.update(notebook_functions(MASTER, "paged_decode_spec", torch=torch))
     exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)   # its globals are ns: the kernel is looked up there
     exec(compile(cells["answer_utilization_8192"][0].source, "<answer>", "exec"), ns)   # lengths from the stub
@@ -598,3 +639,13 @@ def namespace(solution, wrong_kernels) -> dict:
                          ids=[f"{g}-{i}" for g, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, namespace, mistake, names_the_case)
+
+
+def test_throughput_printout_figure_and_questions(capsys):
+    lab04.print_throughput(STUB_BATCH)
+    lab04.print_explain_questions({"paged": 0.9, "contiguous": 0.1}, {"paged": 3, "contiguous": 1}, STUB_BATCH)
+    out = capsys.readouterr().out
+    assert "paged over contiguous, tokens/s: yours 1.67" in out and "90%" in out and "1.67x the tokens/s" in out
+    fig = lab04.throughput_figure(STUB_BATCH, "cpu: test device")
+    assert len(fig.data) == 2 and list(fig.data[0].x) == ["contiguous", "paged"]
+    lab04.print_explain_questions(None, None, None)

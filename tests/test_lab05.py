@@ -7,6 +7,8 @@ variants, and the setting widget updates. MISTAKES feeds every graded test cell 
 
 from __future__ import annotations
 
+import time
+
 from kernel_utils import DEVICE  # first: picks the interpreter before triton is imported
 
 import nbformat
@@ -31,7 +33,7 @@ from minillm.lab import lab05
 """
 GRADED = {"test_int8": 2, "test_int4": 2, "test_pack": 1, "test_measure_layer_errors": 1, "test_int4_matmul_rows": 2,
           "test_int4_matmul_groups": 2, "test_salient": 2, "test_kv_bytes": 2, "test_sequences_fit": 1,
-          "test_answer_llama_fit": 1}
+          "test_answer_llama_fit": 1, "test_measure_time_decode": 2}
 
 
 LAUNCHER = "def int4_matmul("  # the code cell that launches the kernel, kept with the solution cells
@@ -87,7 +89,7 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
     setup = nb.cells[2].source
     assert setup.index('os.environ["TRITON_INTERPRET"] = "1"') < setup.index("import triton")
-    assert "Graded (16 points)" in nb.cells[0].source
+    assert "Graded (18 points)" in nb.cells[0].source
 
 
 def test_student_kernel_keeps_the_signature_and_pointer_comments():
@@ -397,7 +399,7 @@ def namespace(solution, default_llm, wrong_kernels) -> dict:
     ns = {key: value for key, value in vars(solution).items() if not key.startswith("__")}
     layer = "layers.3.gate_up_proj"
     ns.update(lab05=lab05, torch=torch, llm=default_llm, LAYER=layer, weight=lab05.layer_weight(default_llm, layer),
-              WRONG=wrong_kernels)
+              WRONG=wrong_kernels, time=time, decode_timing=STUB_DECODE)
     ns.update(notebook_functions(MASTER, "int4_matmul_spec", torch=torch, lab05=lab05))
     for gid, (cell, meta) in nbgrader_cells(nbformat.read(MASTER, as_version=4)).items():
         if meta.get("solution") and gid.startswith(STATEFUL):
@@ -428,7 +430,43 @@ layer_errors = {{label: {error} for label, w_hat in reconstructions.items()}}
 int4_g64_over_int8 = {ratio}
 """
 
+STUB_DECODE = {name: {"median_s": m, "min_s": m * 0.9, "max_s": m * 1.3, "tokens": 4, "tokens_per_s": 4 / m,
+                      "speedup": 0.8 / m} for name, m in (("fp32", 0.8), ("int8", 0.5), ("int4 g128", 0.6))}
+
+
+def _decode(stat: str = "statistics.median(samples)", warm: str = "range(warmup)", timed: str = "range(repeats)",
+            start: str = "start = clock()", stop: str = "samples.append(clock() - start)",
+            speedup: str = 'result[name]["tokens_per_s"] / result["fp32"]["tokens_per_s"]') -> str:
+    """A time_decode with one piece changed (the solution with the defaults)."""
+    return f"""import statistics
+def time_decode(engines, prompt, params, warmup=1, repeats=5, clock=time.perf_counter):
+    result = {{}}
+    for name, engine in engines.items():
+        for _ in {warm}:
+            engine.generate(prompt, params, use_tqdm=False)
+        samples = []
+        for _ in {timed}:
+            {start}
+            outputs = engine.generate(prompt, params, use_tqdm=False)
+            {stop}
+        tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+        median = {stat}
+        result[name] = {{"median_s": median, "min_s": min(samples), "max_s": max(samples), "tokens": tokens,
+                        "tokens_per_s": tokens / median}}
+    for name in result:
+        result[name]["speedup"] = {speedup}
+    return result
+"""
+
+
 MISTAKES = {
+    "test_measure_time_decode": [
+        (_decode(warm="range(0)", timed="range(warmup + repeats)"), "warm-up included"),
+        (_decode(stat="statistics.fmean(samples)"), "the mean"),
+        (_decode(stat="min(samples)"), "the minimum"),
+        (_decode(speedup='result["fp32"]["tokens_per_s"] / result[name]["tokens_per_s"]'), "inverted"),
+        (_decode(start="start = time.perf_counter()", stop="samples.append(time.perf_counter() - start)"), "never read"),
+    ],
     "test_int8": [
         (INT8_BODY.format(scale="w.abs().amax(dim=1) / 128", codes="torch.round(w / scale[:, None])"),
          "you divided by 128"),
@@ -511,3 +549,13 @@ MISTAKES = {
                          ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, namespace, mistake, names_the_case)
+
+
+def test_decode_speed_printout_figure_and_questions(capsys):
+    lab05.print_decode_speed(STUB_DECODE)
+    lab05.print_explain_questions(STUB_DECODE)
+    out = capsys.readouterr().out
+    assert "int8 speed-up over fp32: yours 1.6" in out and "int8 at 1.60x" in out
+    fig = lab05.decode_speed_figure(STUB_DECODE, "cpu: test device")
+    assert len(fig.data) == 2 and list(fig.data[0].x) == ["fp32", "int8", "int4 g128"]
+    lab05.print_explain_questions(None)

@@ -8,6 +8,8 @@ inputs; every graded test cell fails on two or more plausible mistakes (MISTAKES
 
 from __future__ import annotations
 
+import time
+
 import nbformat
 import pytest
 
@@ -31,7 +33,9 @@ def _rows(ttfts, prompt_tokens, cached):
 STUB_SHARED = {"off": _rows([0.30, 0.28, 0.29], 212, [0, 0, 0]), "on": _rows([0.31, 0.05, 0.04], 212, [0, 192, 192]),
                "num_questions": 3, "identical": 3, "device": "cpu", "prompt_tokens": [212] * 3}
 
-solution = solution_fixture(MASTER, {"lab06": lab06, "shared": STUB_SHARED})  # the master's solution cells
+STUB_TTFT = {"off": {"median_s": 0.29, "min_s": 0.28, "max_s": 0.30, "n": 2},
+             "on": {"median_s": 0.05, "min_s": 0.04, "max_s": 0.05, "n": 2}, "speedup": 0.29 / 0.05}
+solution = solution_fixture(MASTER, {"lab06": lab06, "shared": STUB_SHARED, "time": time})  # the master's solution cells
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def experiments() -> dict:
                               "measure_eviction")
 
 
-SOLVED = ("block_hashes", "lookup", "reusable_blocks", "hash_link", "measure_reading", "cached_cost", "answer_break_even")
+SOLVED = ("block_hashes", "lookup", "reusable_blocks", "hash_link", "measure_time_ttft", "cached_cost", "answer_break_even")
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
@@ -51,7 +55,7 @@ def test_master_has_every_graded_piece_with_hidden_tests():
         assert meta[name][1]["solution"] and "### BEGIN SOLUTION" in meta[name][0].source
     graded = {gid: m for gid, (c, m) in meta.items() if m.get("grade")}
     assert set(graded) == {"test_block_hashes_chain", "test_block_hashes_salt", "test_lookup", "test_reusable_blocks",
-                           "test_engine_hash", "test_measure_reading", "test_cached_cost", "test_answer_break_even"}
+                           "test_engine_hash", "test_measure_time_ttft", "test_cached_cost", "test_answer_break_even"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
@@ -71,7 +75,7 @@ def test_student_copy_has_stubs_and_no_solution():
     for gid, source in stubs.items():
         assert "raise NotImplementedError()" in source, gid
     assert "hash((parent" not in stubs["block_hashes"] and "hash((parent" not in stubs["hash_link"]
-    assert "sum(row" not in stubs["measure_reading"] and "= 2" not in stubs["answer_break_even"]
+    assert "statistics.median" not in stubs["measure_time_ttft"] and "= 2" not in stubs["answer_break_even"]
 
 
 # --------------------------------------------------------------------- the solutions pass
@@ -85,9 +89,8 @@ def test_solution_passes_every_check(solution, passes):
         assert passes(lab06.check_hash_link, solution["hash_link"], block_size=block_size, seed=seed).startswith("✓")
     assert passes(lab06.check_lookup, solution["lookup"]).startswith("✓")
     assert passes(lab06.check_cached_cost, solution["cached_cost"]).startswith("✓")
-    assert passes(lab06.check_measure_reading, STUB_SHARED, solution["reading_off"], solution["reading_on"],
-                  solution["saving"]).startswith("✓")
-    assert solution["saving"] == pytest.approx(1 - 0.40 / 0.87)
+    assert passes(lab06.check_time_ttft, solution["time_ttft"]).startswith("✓")
+    assert passes(lab06.check_time_ttft, solution["time_ttft"], warmup=2, num_prompts=7, seed=3).startswith("✓")
     assert passes(lab06.check_answer_break_even, solution["answer_break_even"]).startswith("✓")
     assert lab06.break_even_requests() == 2 and lab06.break_even_requests(write=2.0, read=0.5) == 4
     assert solution["cached_cost"](10_000, 0, 10) == pytest.approx(21_500)
@@ -290,8 +293,6 @@ def test_shared_document_measurement_reads_the_document_once(default_llm, experi
     fig = lab06.shared_document_figure(result)
     assert len(fig.data) == 2 and default_llm.device in figure_subtitle(fig)
     lab06.print_shared_document(result)
-    lab06.check_measure_reading(result, lab06.reading_s(result["off"]), lab06.reading_s(result["on"]),
-                                1 - lab06.reading_s(result["on"]) / lab06.reading_s(result["off"]))
     lab06.print_reading(result, lab06.reading_s(result["off"]), lab06.reading_s(result["on"]))
 
 
@@ -395,26 +396,29 @@ ONE_BLOCK_TOO_FEW = """
 def reusable_blocks(cache, token_ids, block_size, salt=None):
     return lookup(cache, block_hashes(token_ids, block_size, salt)[:len(token_ids) // block_size - 1])
 """
-MEAN_TTFT = """
-reading_off = sum(row["ttft_s"] for row in shared["off"]) / len(shared["off"])
-reading_on = sum(row["ttft_s"] for row in shared["on"]) / len(shared["on"])
-saving = 1 - reading_on / reading_off
+
+
+def _ttft(loop: str = "for i, prompt in enumerate(prompts):", keep: str = "if i >= warmup:",
+          stat: str = "statistics.median(samples)", ratio: str = 'result["off"]["median_s"] / result["on"]["median_s"]',
+          start: str = "start = clock()", stop: str = "elapsed = clock() - start") -> str:
+    """A time_ttft with one piece changed (the solution with the defaults)."""
+    return f"""import statistics
+def time_ttft(engines, prompts, params, warmup=1, clock=time.perf_counter):
+    result = {{}}
+    for name in ("off", "on"):
+        samples = []
+        {loop}
+            {start}
+            engines[name].generate(prompt, params, use_tqdm=False)
+            {stop}
+            {keep}
+                samples.append(elapsed)
+        result[name] = {{"median_s": {stat}, "min_s": min(samples), "max_s": max(samples), "n": len(samples)}}
+    result["speedup"] = {ratio}
+    return result
 """
-FIRST_QUESTION_LEFT_OUT = """
-reading_off = sum(row["ttft_s"] for row in shared["off"][1:])
-reading_on = sum(row["ttft_s"] for row in shared["on"][1:])
-saving = 1 - reading_on / reading_off
-"""
-SHARE_LEFT = """
-reading_off = sum(row["ttft_s"] for row in shared["off"])
-reading_on = sum(row["ttft_s"] for row in shared["on"])
-saving = reading_on / reading_off
-"""
-WRONG_WAY = """
-reading_off = sum(row["ttft_s"] for row in shared["off"])
-reading_on = sum(row["ttft_s"] for row in shared["on"])
-saving = 1 - reading_off / reading_on
-"""
+
+
 WRITTEN_EVERY_TIME = """
 def cached_cost(prefix_tokens, suffix_tokens, n_requests, write=1.25, read=0.1):
     return n_requests * prefix_tokens * write + n_requests * suffix_tokens
@@ -450,8 +454,14 @@ MISTAKES = {
          "raised TypeError"),
         ("def hash_link(parent_key, block_token_ids, salt):\n    return hash((parent_key, sum(block_token_ids), salt))\n",
          "not their sum or set")],
-    "test_measure_reading": [(MEAN_TTFT, "that is the mean TTFT"), (FIRST_QUESTION_LEFT_OUT, "the sum of shared['off']"),
-                             (SHARE_LEFT, "the share of the reading left"), (WRONG_WAY, "divided the wrong way")],
+    "test_measure_time_ttft": [
+        (_ttft(keep="if True:"), "warm-up included"),
+        (_ttft(stat="statistics.fmean(samples)"), "the mean"),
+        (_ttft(stat="min(samples)"), "the minimum"),
+        (_ttft(ratio='result["on"]["median_s"] / result["off"]["median_s"]'), "inverted"),
+        (_ttft(start="start = time.perf_counter()", stop="elapsed = time.perf_counter() - start"), "never read"),
+        (_ttft(loop="for i, prompt in enumerate([prompts] * len(prompts)):"), "one call per prompt"),   # the whole list each time
+    ],
     "test_cached_cost": [(WRITTEN_EVERY_TIME, "written once"), (SUFFIX_FORGOTTEN, "suffix_tokens are billed"),
                          (NO_REQUESTS_BILLED, "no requests")],
     "test_answer_break_even": [("answer_break_even = 1", "written and never read"),
@@ -464,8 +474,8 @@ MISTAKES = {
 def graded_namespace(default_llm, experiments) -> dict:
     """What the graded test cells read: the solution cells (measure_reading on STUB_SHARED), the notebook's
     run_with_hash, the model as llm, and hash_run from two chat questions on the solution's hash_link."""
-    namespace = run_solution_cells(MASTER, {"lab06": lab06, "shared": STUB_SHARED})
-    namespace.update(experiments, llm=default_llm)
+    namespace = run_solution_cells(MASTER, {"lab06": lab06, "shared": STUB_SHARED, "time": time})
+    namespace.update(experiments, llm=default_llm, ttft_timing=STUB_TTFT, NUM_QUESTIONS=3)
     prompts = lab06.chat_prompts(default_llm, lab06.system_conversations(
         "You are a careful assistant for a lighthouse museum. Answer in one short sentence, and say so when you do "
         "not know.", ["Who kept the light?", "When?"]))
@@ -478,3 +488,17 @@ def graded_namespace(default_llm, experiments) -> dict:
                          ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+
+
+def test_ttft_harness_on_the_engine_figure_and_questions(default_llm, solution, capsys):
+    doc = lab06.document_ids(default_llm, 64, offset=300)
+    engines = {"off": default_llm.with_levers(prefix_caching=False), "on": default_llm.with_levers(prefix_caching=True)}
+    from minillm import SamplingParams
+
+    result = solution["time_ttft"](engines, lab06.document_questions(default_llm, doc, 3), SamplingParams(max_tokens=1))
+    assert result["off"]["n"] == result["on"]["n"] == 2 and result["speedup"] > 0
+    fig = lab06.ttft_figure(result, "cpu: test device")
+    assert len(fig.data) == 2 and "cpu: test device" in figure_subtitle(fig)
+    lab06.print_explain_questions(0.5, result)
+    assert "50%" in capsys.readouterr().out
+    lab06.print_explain_questions(None, None)

@@ -10,12 +10,19 @@ figures come out right on a tiny run."""
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+from kernel_utils import DEVICE  # first: picks the interpreter before triton is imported
 
 import nbformat
 import pytest
 import torch
 
-from lab_utils import assert_check_fails, nbgrader_cells, notebook_functions, run_solution_cells, solution_fixture
+from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, solution_source)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab07
@@ -23,17 +30,39 @@ from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "07_speculative_decoding" / "07_speculative_decoding.ipynb"
 EXERCISES = {"greedy_verify", "ngram_propose", "rejection_sample", "measure_chi_square", "expected_tokens_per_pass",
-             "answer_tokens_limit", "measure_spec_rates"}
+             "answer_tokens_limit", "measure_spec_rates", "accept_length_kernel", "measure_time_speculation"}
+MODULE_HEADER = """\
+import os
+import time
+import torch
+import triton
+import triton.language as tl
+from minillm import SamplingParams
+from minillm.lab import lab07
+"""
+LAUNCHER = "def accept_lengths("   # the code cell that launches the kernel, kept with the solution cells
+LAUNCHER_SOURCE = next(c.source for c in nbformat.read(MASTER, as_version=4).cells
+                       if c.cell_type == "code" and c.source.startswith(LAUNCHER))
 
 
-# the master's solution cells, run in one namespace
-solution = solution_fixture(MASTER, {"lab07": lab07, "torch": torch})
+@pytest.fixture(scope="module")
+def solution_module(tmp_path_factory):
+    """The master's solution cells and the kernel's launcher, imported from a file (Triton reads the kernel's source)."""
+    path = tmp_path_factory.mktemp("lab07_solution") / "lab07_solution.py"
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
+    return import_file(path, "lab07_solution")
+
+
+@pytest.fixture(scope="module")
+def solution(solution_module) -> dict:
+    """The master's solution cells' names, as one namespace."""
+    return {name: value for name, value in vars(solution_module).items() if not name.startswith("__")}
 
 
 @pytest.fixture(scope="module")
 def experiments() -> dict:
     """The experiments the notebook defines in its own cells (the toy, the engine on the learner's functions)."""
-    return notebook_functions(MASTER, "toy_rounds", "run_plugged", "run_sampled")
+    return notebook_functions(MASTER, "toy_rounds", "run_plugged", "run_sampled", "run_with_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +81,19 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     assert set(graded) == {"test_greedy_verify", "test_greedy_verify_edges", "test_ngram_propose", "test_ngram_edges",
                            "test_engine_plugged", "test_rejection_sample_corners", "test_rejection_sample_chi_square",
                            "test_measure_chi_square", "test_expected_tokens_per_pass", "test_answer_tokens_limit",
-                           "test_measure_spec_rates"}
+                           "test_measure_spec_rates", "test_accept_lengths", "test_accept_lengths_edges",
+                           "test_engine_kernel", "test_measure_time_speculation"}
     for gid in graded:
         assert "### BEGIN HIDDEN TESTS" in meta[gid][0].source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and graded[gid]["points"] > 0
-    assert sum(m["points"] for m in graded.values()) == 19 and "**Graded (19 points)**" in nb.cells[0].source
+    assert sum(m["points"] for m in graded.values()) == 25 and "**Graded (25 points)**" in nb.cells[0].source
     for cell in nb.cells:
         if cell.cell_type == "markdown" and "BEGIN MODEL ANSWER" not in cell.source:
             assert cell.metadata["nbgrader"]["locked"], f"markdown cell {cell.id} is editable"
     assert 'QUICK = os.environ.get("MINILLM_QUICK") == "1"' in nb.cells[1].source
+    setup = nb.cells[2].source   # the interpreter must be chosen before the notebook imports triton
+    assert setup.index('os.environ["TRITON_INTERPRET"] = "1"') < setup.index("import triton")
+    assert nb.metadata["minillm"]["kernels"] == {"accept_length_kernel": ["accept_length_kernel"]}
 
 
 def test_student_copy_has_stubs_and_no_solution():
@@ -90,6 +123,11 @@ def test_solution_passes_every_check(solution):
                                 lab07.chi_square_report(solution["rejection_sample"], num_rounds=500))
     lab07.check_answer_tokens_limit(solution["answer_tokens_limit"])
     lab07.check_spec_rates(solution["spec_rates"], STUB_SWEEP)
+    for seed in (0, 11, 12):
+        lab07.check_accept_lengths(solution["accept_lengths"], seed=seed, device=DEVICE)
+    lab07.check_accept_lengths(solution["accept_lengths"], cases=lab07.VERIFY_EDGE_CASES, device=DEVICE)
+    lab07.check_time_speculation(solution["time_speculation"])
+    lab07.check_time_speculation(solution["time_speculation"], warmup=3, repeats=3, seed=9)
 
 
 def test_chi_square_test_solution_matches_the_reference_p_value(solution):
@@ -275,6 +313,51 @@ STUB_SWEEP = {"device": "cpu: stub", "num_requests": 1, "output_tokens": 24, "ru
     dict(_OFF, label="ngram k=4", method="ngram", k=4, decode_s=0.85, passes=8, emitted=23, proposed=32, accepted=15)]}
 
 _ENGINE_PROMPTS = "[lab07.repeat_prompt(llm), lab07.open_prompt(llm)]"
+KERNEL_PROMPTS = lambda llm: [lab07.repeat_prompt(llm), lab07.open_prompt(llm)]   # noqa: E731
+STUB_TIMING = {"off": {"median_s": 2.0, "min_s": 1.9, "max_s": 2.4, "tokens": 32, "tokens_per_s": 16.0},
+               "on": {"median_s": 1.0, "min_s": 0.9, "max_s": 1.3, "tokens": 32, "tokens_per_s": 32.0}, "speedup": 2.0}
+
+KERNEL_LINE = {  # a wrong kernel: the solution with one line changed (old, new)
+    "sum_matches": [("first_miss = tl.min(tl.where(valid & (guess != target), cols, n), axis=0)",
+                     "first_miss = tl.sum((valid & (guess == target)).to(tl.int32), axis=0)")],
+    "no_length_mask": [("valid = cols < n", "valid = cols < K"), ("cols, n), axis=0)", "cols, K), axis=0)")],
+    "wrong_stride": [("target_ptr + seq * (K + 1) + cols", "target_ptr + seq * K + cols")],
+    "sentinel_k": [("cols, n), axis=0)", "cols, K), axis=0)")],
+    "always_zero": [("tl.store(out_ptr + seq, first_miss)", "tl.store(out_ptr + seq, first_miss * 0)")],
+}
+
+
+def kernel_mistake(name: str, rerun: str = "") -> str:
+    """The learner's notebook with a wrong kernel: the kernel cell, then the launcher cell (and `rerun`), re-run."""
+    return f"accept_length_kernel = WRONG[{name!r}]\n{LAUNCHER_SOURCE}\n{rerun}"
+
+
+_RERUN_KERNEL = "kernel_run = run_with_kernel(llm, accept_lengths, " + _ENGINE_PROMPTS + ", k=4, max_tokens=8)\n"
+
+
+def _harness(samples_line: str = "samples.append(clock() - start)", stat: str = "statistics.median(samples)",
+             ratio: str = 'result["on"]["tokens_per_s"] / result["off"]["tokens_per_s"]',
+             start: str = "start = clock()", timed: str = "range(repeats)", warm: str = "range(warmup)") -> str:
+    """A time_speculation with one piece changed (the solution with the defaults)."""
+    return f"""import statistics
+def time_speculation(engines, prompts, params, warmup=1, repeats=5, clock=time.perf_counter):
+    result = {{}}
+    for name in ("off", "on"):
+        engine = engines[name]
+        for _ in {warm}:
+            engine.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for _ in {timed}:
+            {start}
+            outputs = engine.generate(prompts, params, use_tqdm=False)
+            {samples_line}
+        tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+        median = {stat}
+        result[name] = {{"median_s": median, "min_s": min(samples), "max_s": max(samples), "tokens": tokens,
+                        "tokens_per_s": tokens / median}}
+    result["speedup"] = {ratio}
+    return result
+"""
 
 MISTAKES = {
     "test_greedy_verify": [
@@ -513,6 +596,29 @@ plug_run = run_plugged(llm, greedy_verify, ngram_propose, """ + _ENGINE_PROMPTS 
         ("answer_tokens_limit = float('inf')   # more guesses, more tokens\n", "does not grow without bound"),
         ("answer_tokens_limit = 1 / 0.8   # 1 / alpha\n", "1 / (1 - alpha)"),
     ],
+    "test_accept_lengths": [
+        (kernel_mistake("sum_matches"), "stop at the first disagreement"),
+        (kernel_mistake("no_length_mask"), "padding past num_proposed"),
+        (kernel_mistake("wrong_stride"), "K + 1 entries"),
+    ],
+    "test_accept_lengths_edges": [
+        (kernel_mistake("sentinel_k"), "num_proposed=[0, 0, 0]"),
+        (kernel_mistake("no_length_mask"), "num_proposed=[0, 0, 0]"),
+    ],
+    "test_engine_kernel": [
+        (kernel_mistake("always_zero", _RERUN_KERNEL), "no proposed token was accepted"),
+        ("kernel_run = None   # the run cell was not run\n", "run the cell above"),
+        (kernel_mistake("sum_matches", "kernel_run = dict(kernel_run, tokens=[t[:3] + [0] + t[4:] for t in kernel_run['tokens']])\n"),
+         "they part at output token 3"),
+    ],
+    "test_measure_time_speculation": [
+        (_harness(warm="range(0)", timed="range(warmup + repeats)"), "warm-up included"),
+        (_harness(stat="statistics.fmean(samples)"), "the mean"),
+        (_harness(stat="min(samples)"), "the minimum"),
+        (_harness(ratio='result["off"]["tokens_per_s"] / result["on"]["tokens_per_s"]'), "inverted"),
+        (_harness(start="start = time.perf_counter()", samples_line="samples.append(time.perf_counter() - start)"),
+         "never read"),
+    ],
     "test_measure_spec_rates": [
         ("""def spec_rates(run, base):   # speed-up divided the wrong way
     passes = run["passes"] if run["k"] > 0 else run["decode_tokens"]
@@ -551,11 +657,32 @@ plug_run = run_plugged(llm, greedy_verify, ngram_propose, """ + _ENGINE_PROMPTS 
 
 
 @pytest.fixture(scope="module")
-def graded_namespace(llm, experiments) -> dict:
+def wrong_kernels(tmp_path_factory) -> dict:
+    """Each KERNEL_LINE variant of the solution kernel, imported from its own file (Triton reads the source)."""
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
+    folder = tmp_path_factory.mktemp("lab07_wrong")
+    kernels = {}
+    for name, changes in KERNEL_LINE.items():
+        wrong = source
+        for old, new in changes:
+            assert wrong.count(old) == 1, (name, old)
+            wrong = wrong.replace(old, new)
+        path = folder / f"lab07_{name}.py"
+        path.write_text(wrong)
+        kernels[name] = import_file(path, f"lab07_{name}").accept_length_kernel
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def graded_namespace(llm, experiments, solution, wrong_kernels) -> dict:
     """What the graded test cells read: the master's solution cells, the default model, the notebook's
     experiments, and the state the run cells leave (a small engine run, the chi-square counts, a sweep stub)."""
-    ns = run_solution_cells(MASTER, {"lab07": lab07, "torch": torch})
-    ns.update(llm=llm, run_plugged=experiments["run_plugged"], spec_sweep=STUB_SWEEP)
+    ns = dict(solution)
+    ns.update(lab07=lab07, torch=torch, time=time, WRONG=wrong_kernels, llm=llm, run_plugged=experiments["run_plugged"],
+              run_with_kernel=experiments["run_with_kernel"], spec_sweep=STUB_SWEEP, spec_timing=STUB_TIMING)
+    ns.update(notebook_functions(MASTER, "accept_lengths_spec", torch=torch))
+    exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)   # its globals are ns: the kernel is looked up there
+    ns["kernel_run"] = ns["run_with_kernel"](llm, ns["accept_lengths"], KERNEL_PROMPTS(llm), k=4, max_tokens=8)
     ns["plug_run"] = ns["run_plugged"](llm, ns["greedy_verify"], ns["ngram_propose"],
                                        [lab07.repeat_prompt(llm), lab07.open_prompt(llm)], k=4, max_tokens=12)
     ns["chi"] = lab07.chi_square_report(ns["rejection_sample"], num_rounds=3000, test=ns["chi_square_test"])
@@ -567,3 +694,97 @@ def graded_namespace(llm, experiments) -> dict:
                          ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+
+
+# --------------------------------------------------------------------- the kernel and the timing harness
+def test_kernel_agrees_with_the_spec_and_the_engine_verifier(solution):
+    from minillm.speculative.verify import greedy_verify
+
+    proposals, target, lengths = lab07.make_verify_inputs([5, 0, 3, 8, 8, 1], 8, vocab=3, seed=21, device=DEVICE)
+    got = solution["accept_lengths"](proposals, target, lengths).cpu()
+    spec = notebook_functions(MASTER, "accept_lengths_spec", torch=torch)["accept_lengths_spec"]
+    assert torch.equal(got, spec(proposals.cpu(), target.cpu(), lengths.cpu()))
+    for b, n in enumerate(lengths.tolist()):   # the kept tokens are the engine's greedy_verify's
+        p, t = proposals[b, :n].tolist(), target[b, :n + 1].tolist()
+        assert p[:got[b]] + [t[got[b]]] == greedy_verify(p, t)
+
+
+def test_kernel_checks_name_the_mistake(wrong_kernels, solution):
+    ns = dict(solution)
+    for name, words in (("sum_matches", "stop at the first disagreement"), ("no_length_mask", "padding past"),
+                        ("wrong_stride", "K + 1 entries")):
+        ns["accept_length_kernel"] = wrong_kernels[name]
+        exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)
+        with pytest.raises(CheckFailed, match=re.escape(words)):
+            lab07.check_accept_lengths(ns["accept_lengths"], device=DEVICE)
+
+
+def test_stub_kernel_raises_not_implemented(tmp_path):
+    source = solution_source(MASTER, MODULE_HEADER, LAUNCHER)
+    start = source.index("    ### BEGIN SOLUTION\n    valid = cols < n")
+    end = source.index("    ### END SOLUTION\n", start) + len("    ### END SOLUTION\n")
+    path = tmp_path / "lab07_stub.py"
+    path.write_text(source[:start] + "    # YOUR CODE HERE\n    raise NotImplementedError()\n" + source[end:])
+    module = import_file(path, "lab07_stub")
+    with pytest.raises(NotImplementedError):
+        module.accept_lengths(*lab07.make_verify_inputs([2], 2))
+
+
+def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
+    """What the interpreter forgives (types, shapes) fails here, without a GPU."""
+    path = tmp_path / "lab07_aot.py"
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
+    script = textwrap.dedent(f"""
+        import importlib.util
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import triton
+        spec = importlib.util.spec_from_file_location("lab07_aot", {str(path)!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sig = {{"out_ptr": "*i32", "proposals_ptr": "*i32", "target_ptr": "*i32", "num_proposed_ptr": "*i32",
+               "K": "i32", "BLOCK_K": "constexpr"}}
+        for cc in (80, 90):
+            triton.compile(ASTSource(fn=module.accept_length_kernel, signature=sig, constexprs={{"BLOCK_K": 8}}),
+                           target=GPUTarget("cuda", cc, 32))
+        print("compiled")
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_engine_runs_the_kernel_one_launch_per_step(llm, solution, experiments, capsys):
+    result = experiments["run_with_kernel"](llm, solution["accept_lengths"], KERNEL_PROMPTS(llm), k=3, max_tokens=8)
+    lab07.check_kernel_verify_run(result)
+    assert result["tokens"] == result["expected"] and result["sequences"] > result["launches"] > 0
+    lab07.print_kernel_verify_run(result)
+    assert "sequences per launch" in capsys.readouterr().out
+
+
+def test_batch_verifier_results_are_validated(llm):
+    class Liar(lab07.KernelVerifier):
+        def greedy_batch(self, proposals, target_argmax):
+            return [list(p) + [t[-1], t[-1]] for p, t in zip(proposals, target_argmax)]   # one token too many
+
+    engine = llm.with_levers(speculative="ngram", num_speculative_tokens=2, verifier=Liar(None))
+    with pytest.raises(ValueError, match="greedy_batch kept"):
+        engine.generate(lab07.repeat_prompt(llm), lab07.SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+
+
+def test_time_speculation_on_the_engine_and_the_figure(llm, solution):
+    engines = {"off": llm, "on": llm.with_levers(speculative="ngram", num_speculative_tokens=4)}
+    result = solution["time_speculation"](engines, [lab07.repeat_prompt(llm)],
+                                          lab07.SamplingParams(max_tokens=8, temperature=0), warmup=1, repeats=3)
+    assert result["off"]["tokens"] == result["on"]["tokens"] == 8 and result["speedup"] > 0
+    assert result["off"]["min_s"] <= result["off"]["median_s"] <= result["off"]["max_s"]
+    fig = lab07.timing_figure(result, "cpu: test device")
+    assert len(fig.data) == 2 and "cpu: test device" in figure_subtitle(fig)
+
+
+def test_explain_questions_quote_the_numbers(capsys):
+    rows = lab07.sweep_rows(STUB_SWEEP, lab07._ref_spec_rates)
+    lab07.print_explain_questions(rows, STUB_TIMING, {"launches": 4, "sequences": 8})
+    out = capsys.readouterr().out
+    assert "2.00x" in out and "32.0 tokens/s" in out and "2.0 sequences per launch" in out
+    lab07.print_explain_questions(None, None, None)   # before the measurements ran: no crash

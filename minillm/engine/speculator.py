@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layers.sampler import token_logprobs
-from ..seams import Proposer, Verifier
+from ..seams import BatchVerifier, Proposer, Verifier, conforms
 from ..speculative.draft import live_matcher, process_rows, sampling_rows
 from .block_manager import BlockManager
 from .kv_cache import KVCache
@@ -224,10 +224,13 @@ class Speculator:
             grammars.apply_proposals(processed, [live_matcher(seq.grammar) for seq in seqs], proposals)
         argmax, probs, sampled = process_rows(processed, sampling_rows(row_seqs, row_outputs, runner.eos_token_ids))
         first_sampled = {r: n for n, r in enumerate(sampled)}
+        batched = self._greedy_batch(seqs, proposals, argmax, spans)
         kept = []
         for i, (seq, proposal, q, (a, b), n_before) in enumerate(zip(seqs, proposals, draft_probs, spans, saved)):
             p = seq.params
-            if p.temperature == 0.0:
+            if i in batched:
+                tokens = batched[i]
+            elif p.temperature == 0.0:
                 tokens = self.verifier.greedy(proposal, argmax[a:b])
             else:
                 first = first_sampled[a]   # a sequence's rows are consecutive, in the sampled rows too
@@ -250,6 +253,27 @@ class Speculator:
             if proposal:
                 self.proposer.accepted(seq, n_before, len(tokens))
         return kept
+
+    def _greedy_batch(self, seqs: list[Sequence], proposals: list[list[int]], argmax, spans) -> dict[int, list[int]]:
+        """A BatchVerifier's tokens for every greedy sequence of the step, from one call (seams.BatchVerifier)."""
+        if not conforms(self.verifier, BatchVerifier):
+            return {}
+        rows = [i for i, seq in enumerate(seqs) if seq.params.temperature == 0.0]
+        if not rows:
+            return {}
+        got = list(self.verifier.greedy_batch([list(proposals[i]) for i in rows],
+                                              [list(argmax[spans[i][0]:spans[i][1]]) for i in rows]))
+        if len(got) != len(rows):
+            raise ValueError(f"verifier {type(self.verifier).__name__}.greedy_batch returned {len(got)} results "
+                             f"for {len(rows)} sequences")
+        out = {}
+        for i, tokens in zip(rows, got):
+            tokens = [int(t) for t in tokens]
+            if not 1 <= len(tokens) <= len(proposals[i]) + 1:
+                raise ValueError(f"verifier {type(self.verifier).__name__}.greedy_batch kept {len(tokens)} tokens "
+                                 f"of a {len(proposals[i])}-token proposal; 1 to {len(proposals[i]) + 1} are possible")
+            out[i] = tokens
+        return out
 
     def release_finished(self, seqs: list[Sequence]) -> None:
         """Let the proposer free what it holds for finished sequences (a draft model's blocks)."""

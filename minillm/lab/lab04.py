@@ -883,3 +883,122 @@ def print_block_size_tradeoff(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['block_size']:>10}{r['blocks']:>24}{r['wasted_slots']:>14}{r['utilization']:>13.1%}")
 
+
+
+# =================================================================== 6. the learner's throughput harness
+# The reference run: the notebook's measurement cell in full mode (time_batch on the lab's NUM_REQUESTS = 16 chat
+# requests, TIMING_TOKENS = 32 output tokens each, in a pool of BUDGET_TOKENS = 4096 slots with MAX_MODEL_LEN = 1024;
+# warmup 1, repeats 3) on the course's reference machine.
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_TOKENS_PER_S = {"contiguous": 30.0, "paged": 60.0}
+
+
+class FakeBatchEngine:
+    """A stand-in for an engine in the harness check: each generate() call moves the shared FakeClock by the next
+    scripted cost and returns `tokens` output tokens per prompt."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, clock, costs, tokens: int):
+        self.clock, self.costs, self.tokens, self.calls, self.batches = clock, list(costs), tokens, 0, []
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        from ..outputs import CompletionOutput, RequestOutput
+
+        if self.calls >= len(self.costs):
+            raise RuntimeError(f"generate() called {self.calls + 1} times; warmup + repeats is {len(self.costs)}")
+        self.clock.advance(self.costs[self.calls])
+        self.calls += 1
+        batch = prompts if isinstance(prompts, list) else [prompts]
+        self.batches.append(len(batch))
+        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", list(range(self.tokens)), "length")], True)
+                for i in range(len(batch))]
+
+
+def check_time_batch(time_batch: Callable, warmup: int = 2, repeats: int = 5, seed: int = 0) -> None:
+    """Your harness with a FakeClock and fake engines whose calls cost scripted seconds: warm-up dropped, the
+    median (min, max) seconds per call of the whole batch, tokens per second, and paged's speed-up over contiguous."""
+    import statistics
+
+    from ..sampling import SamplingParams
+    from .common import FakeClock, is_close, scripted_costs, timing_mistake
+
+    clock = FakeClock()
+    costs = {"contiguous": scripted_costs(2.0, warmup, repeats, seed), "paged": scripted_costs(0.9, warmup, repeats, seed + 1)}
+    engines = {name: FakeBatchEngine(clock, costs[name], tokens=8) for name in costs}
+    prompts = [{"prompt_token_ids": [1, 2, i]} for i in range(4)]
+    call = f"time_batch(engines, 4 prompts, params, warmup={warmup}, repeats={repeats}, clock=FakeClock)"
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    got = call_learner(lambda: time_batch(engines, prompts, params, warmup=warmup, repeats=repeats, clock=clock), (),
+                       call)
+    if clock.reads == 0:
+        raise CheckFailed(f"{call}: the clock it was given was never read: time each call with clock(), not "
+                          "time.perf_counter() (the injected clock is what the check and your plot see)")
+    for name, engine in engines.items():
+        if engine.calls != warmup + repeats or any(b != len(prompts) for b in engine.batches):
+            raise CheckFailed(f"{call}: engine {name!r} got {engine.calls} generate() calls of {engine.batches} prompts; "
+                              f"expected warmup + repeats = {warmup + repeats} calls, each with the whole batch")
+    if not isinstance(got, dict) or not all(isinstance(got.get(n), dict) for n in costs) or "speedup" not in got:
+        raise CheckFailed(f"{call} returned {type(got).__name__}; expected a dict with 'contiguous', 'paged' (dicts) "
+                          "and 'speedup'")
+    tokens = 8 * len(prompts)
+    for name in costs:
+        timed = costs[name][warmup:]
+        want = {"median_s": statistics.median(timed), "min_s": min(timed), "max_s": max(timed), "tokens": tokens,
+                "tokens_per_s": tokens / statistics.median(timed)}
+        for key, value in want.items():
+            have = got[name].get(key)
+            if not isinstance(have, (int, float)) or not is_close(float(have), value, rel=1e-6):
+                why = timing_mistake(float(have), costs[name], warmup) if key == "median_s" and isinstance(
+                    have, (int, float)) else ""
+                if key == "tokens" and have == 8:
+                    why = "the tokens of one request: sum the output tokens over the whole batch"
+                raise CheckFailed(f"{call}: [{name!r}][{key!r}] is {have!r}, expected {value:.6g}"
+                                  + (f": {why}" if why else ""))
+    want = statistics.median(costs["contiguous"][warmup:]) / statistics.median(costs["paged"][warmup:])
+    have = got["speedup"]
+    if not isinstance(have, (int, float)) or not is_close(float(have), want, rel=1e-6):
+        why = ": inverted — the speed-up is paged tokens/s over contiguous tokens/s" if (
+            isinstance(have, (int, float)) and have and is_close(1 / float(have), want, rel=1e-6)) else ""
+        raise CheckFailed(f"{call}: speedup is {have!r}, expected {want:.6g}{why}")
+    passed("time_batch", 1)
+
+
+def throughput_figure(timing: dict, device: str):
+    """Tokens per second of the batch, contiguous vs paged in the same KV budget, with the spread and the reference."""
+    names = ["contiguous", "paged"]
+    fig = new_figure("Throughput in one KV budget (your harness)", "", "output tokens / s", device=device)
+    med = [timing[n]["tokens_per_s"] for n in names]
+    fig.add_bar(x=names, y=med, name="yours (median, min-max)",
+                error_y={"type": "data", "symmetric": False,
+                         "array": [timing[n]["tokens"] / timing[n]["min_s"] - m for n, m in zip(names, med)],
+                         "arrayminus": [m - timing[n]["tokens"] / timing[n]["max_s"] for n, m in zip(names, med)]})
+    fig.add_bar(x=names, y=[REFERENCE_TOKENS_PER_S[n] for n in names], name=f"reference ({REFERENCE_HARDWARE})")
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def print_throughput(timing: dict) -> None:
+    for name in ("contiguous", "paged"):
+        t = timing[name]
+        print(f"{name:>10}: {t['tokens_per_s']:6.1f} tokens/s (median {t['median_s']:.2f} s per batch of {t['tokens']} "
+              f"tokens, spread {t['min_s']:.2f} - {t['max_s']:.2f} s)")
+    common.print_beside_reference("paged over contiguous, tokens/s", timing["speedup"],
+                                  REFERENCE_TOKENS_PER_S["paged"] / REFERENCE_TOKENS_PER_S["contiguous"],
+                                  REFERENCE_HARDWARE, unit="x")
+
+
+def print_explain_questions(utilization: dict | None, at_once: dict | None, timing: dict | None) -> None:
+    """Section 6's questions, quoting the learner's measurements."""
+    u, a, t = utilization or {}, at_once or {}, timing or {}
+    fmt = lambda v, spec: format(float(v), spec) if isinstance(v, (int, float)) else "(not measured)"  # noqa: E731
+    print(f"1. Your paged utilization was {fmt(u.get('paged'), '.0%')}, not 100 % either. Where exactly are the "
+          "reserved slots that hold no token, and how many can there be at most per request?")
+    print("2. Paged waste is under one block per request. Why not use block_size=1?")
+    print("3. Where did the learner kernel (one program per query head) read the same bytes more than once, and how "
+          "does the engine's kernel avoid it?")
+    print(f"4. In one KV budget your paged engine ran {a.get('paged', '?')} requests at once against contiguous's "
+          f"{a.get('contiguous', '?')}, and your harness measured {fmt(t.get('speedup'), '.2f')}x the tokens/s. Why is "
+          "the speed-up smaller than the ratio of requests at once? And a paged engine that admitted more requests "
+          "than fit to completion had to preempt: is that worse than making them wait?")

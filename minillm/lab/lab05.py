@@ -33,7 +33,7 @@ from ..quant import int4 as ref_int4
 from ..quant import int8 as ref_int8
 from . import common
 from .common import (CheckFailed, Stopwatch, call_learner, control_panel, echo_prediction, new_figure, passed,  # noqa: F401
-                     require_kernel)
+                     is_close, require_kernel)
 
 MB = 1e6
 GiB = 1 << 30
@@ -937,3 +937,124 @@ def print_kv_int8_run(result: dict) -> None:
     print(f"greedy tokens equal on {result['same']} of {result['of']} prompts")
 
 
+
+
+# ------------------------------------------------------------------ G. the learner's decode-speed harness
+# The reference run: the notebook's measurement cell in full mode (time_decode on one chat prompt,
+# SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), warmup 1, repeats 5, engines TIMED_SETTINGS) on the
+# course's reference machine.
+TIMED_SETTINGS = ("fp32", "int8", "int4 g128")
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_TOKENS_PER_S = {"fp32": 9.0, "int8": 12.0, "int4 g128": 11.0}
+
+
+class FakeDecodeEngine:
+    """A stand-in for an engine in the harness check: each generate() call moves the shared FakeClock by the next
+    scripted cost and returns `tokens` output tokens per prompt."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, clock, costs, tokens: int):
+        self.clock, self.costs, self.tokens, self.calls = clock, list(costs), tokens, 0
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        from ..outputs import CompletionOutput, RequestOutput
+
+        if self.calls >= len(self.costs):
+            raise RuntimeError(f"generate() called {self.calls + 1} times; warmup + repeats is {len(self.costs)}")
+        self.clock.advance(self.costs[self.calls])
+        self.calls += 1
+        batch = prompts if isinstance(prompts, list) else [prompts]
+        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", list(range(self.tokens)), "length")], True)
+                for i in range(len(batch))]
+
+
+def check_time_decode(time_decode: Callable, warmup: int = 2, repeats: int = 5, seed: int = 0) -> None:
+    """Your harness with a FakeClock and three fake engines whose calls cost scripted seconds: warm-up dropped, the
+    median (min, max) seconds per call, tokens per second, and each engine's speed-up over fp32."""
+    import statistics
+
+    from ..sampling import SamplingParams
+    from .common import FakeClock, scripted_costs, timing_mistake
+
+    clock = FakeClock()
+    bases = {"fp32": 1.0, "int8": 0.6, "int4 g128": 0.7}
+    costs = {name: scripted_costs(base, warmup, repeats, seed + i) for i, (name, base) in enumerate(bases.items())}
+    engines = {name: FakeDecodeEngine(clock, costs[name], tokens=16) for name in bases}
+    call = f"time_decode(engines, prompt, params, warmup={warmup}, repeats={repeats}, clock=FakeClock)"
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    got = call_learner(lambda: time_decode(engines, {"prompt_token_ids": [1, 2, 3]}, params, warmup=warmup,
+                                           repeats=repeats, clock=clock), (), call)
+    if clock.reads == 0:
+        raise CheckFailed(f"{call}: the clock it was given was never read: time each call with clock(), not "
+                          "time.perf_counter() (the injected clock is what the check and your plot see)")
+    for name, engine in engines.items():
+        if engine.calls != warmup + repeats:
+            raise CheckFailed(f"{call}: engine {name!r}'s generate() ran {engine.calls} times; expected warmup + "
+                              f"repeats = {warmup + repeats}")
+    if not isinstance(got, dict) or not all(isinstance(got.get(n), dict) for n in bases):
+        raise CheckFailed(f"{call} returned {type(got).__name__}; expected a dict with one dict per engine name "
+                          f"({', '.join(bases)})")
+    base_tps = 16 / statistics.median(costs["fp32"][warmup:])
+    for name in bases:
+        timed = costs[name][warmup:]
+        median = statistics.median(timed)
+        want = {"median_s": median, "min_s": min(timed), "max_s": max(timed), "tokens": 16, "tokens_per_s": 16 / median,
+                "speedup": 16 / median / base_tps}
+        for key, value in want.items():
+            have = got[name].get(key)
+            if not isinstance(have, (int, float)) or not is_close(float(have), value, rel=1e-6):
+                why = ""
+                if isinstance(have, (int, float)):
+                    if key == "median_s":
+                        why = timing_mistake(float(have), costs[name], warmup)
+                    elif key == "speedup" and have and is_close(1 / float(have), value, rel=1e-6):
+                        why = "inverted: the speed-up is this engine's tokens/s over fp32's (above 1: faster than fp32)"
+                raise CheckFailed(f"{call}: [{name!r}][{key!r}] is {have!r}, expected {value:.6g}"
+                                  + (f": {why}" if why else ""))
+    passed("time_decode", 1)
+
+
+def decode_speed_figure(timing: dict, device: str):
+    """Decode tokens/s per weight format: the median, the min-max spread, and the reference run."""
+    names = list(timing)
+    fig = new_figure("Decode speed at batch 1 by weight format (your harness)", "", "output tokens / s", device=device)
+    med = [timing[n]["tokens_per_s"] for n in names]
+    fig.add_bar(x=names, y=med, name="yours (median, min-max)",
+                error_y={"type": "data", "symmetric": False,
+                         "array": [timing[n]["tokens"] / timing[n]["min_s"] - m for n, m in zip(names, med)],
+                         "arrayminus": [m - timing[n]["tokens"] / timing[n]["max_s"] for n, m in zip(names, med)]})
+    fig.add_bar(x=names, y=[REFERENCE_TOKENS_PER_S.get(n) for n in names], name=f"reference ({REFERENCE_HARDWARE})")
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def print_decode_speed(timing: dict) -> None:
+    for name, t in timing.items():
+        print(f"{name:>10}: {t['tokens_per_s']:6.1f} tokens/s ({t['speedup']:.2f}x fp32; median {t['median_s']:.3f} s "
+              f"per call of {t['tokens']} tokens, spread {t['min_s']:.3f} - {t['max_s']:.3f} s)")
+    for name in timing:
+        if name in REFERENCE_TOKENS_PER_S and name != "fp32":
+            common.print_beside_reference(f"{name} speed-up over fp32", timing[name]["speedup"],
+                                          REFERENCE_TOKENS_PER_S[name] / REFERENCE_TOKENS_PER_S["fp32"],
+                                          REFERENCE_HARDWARE, unit="x")
+
+
+def print_explain_questions(timing: dict | None) -> None:
+    """Section 9's questions, the first two quoting the learner's timed speed-ups."""
+    t = timing or {}
+    fmt = lambda name: f"{t[name]['speedup']:.2f}x" if name in t else "(not measured)"  # noqa: E731
+    print(f"1. Your harness timed int8 at {fmt('int8')} and int4 g128 at {fmt('int4 g128')} the decode speed of fp32. "
+          "Section 1's int4 model reads more than 1/8 of fp32's bytes per token: name the two things that add up, "
+          "and say why your int4 speed-up is not 8x either (what does this CPU's int4 path do per weight?).")
+    print("2. Why is int4 with groups of 32 almost lossless on this model, and why would that not carry over to a "
+          "bf16 checkpoint of the same architecture?")
+    print("3. Your kernel computes scale * (q . x) + zero * sum(x) per group. What does that save compared with "
+          "dequantizing q * scale + zero first, and what would a prefill (M = 512) kernel do differently?")
+    print("4. In section 7, why do random 1 % columns barely help while salient ones do? Why does AWQ scale channels "
+          "instead of keeping them in fp16?")
+    print("5. Your answer_llama_fit has GQA in int8 fit about 8x more Llama-3-8B sequences than MHA in bf16. What does "
+          "int8 KV cost that int8 weights do not (hint: who computes the scales, and when)?")
+    print("6. AutoRound (section 7) changes no byte of the int4 format and no line of your kernel. Where does its gain "
+          "come from, and what could it not fix?")

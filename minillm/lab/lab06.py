@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 
 from .common import CheckFailed, call_learner, expect_number, format_seconds, is_close, new_figure, passed
-from .common import chat_prompts, echo_prediction  # noqa: F401 - the notebook calls them as lab06.*
+from .common import chat_prompts, echo_prediction, print_beside_reference  # noqa: F401 - the notebook calls them as lab06.*
 
 # What the sources measured on a laptop: ten questions about one long document, total reading
 # (prefill) time without and with a kept prefix; and the re-read cost after changing one word at
@@ -449,44 +449,6 @@ def _number(name: str, value) -> float:
     return float(value)
 
 
-def check_measure_reading(result: dict, reading_off, reading_on, saving) -> None:
-    """reading_off / reading_on: the sum of the rows' TTFTs (seconds) of each run; saving = 1 - on / off,
-    from your two totals (a fraction: 0.8 = 80 % of the reading saved; negative when the cache made it slower)."""
-    for name, label, value in (("reading_off", "off", reading_off), ("reading_on", "on", reading_on)):
-        rows = result[label]
-        ttfts = [r["ttft_s"] for r in rows]
-        want = sum(ttfts)
-        got = _number(name, value)
-        if not is_close(got, want, rel=1e-6):
-            hint = ""
-            if ttfts and is_close(got, want / len(ttfts)):
-                hint = " — that is the mean TTFT; the reading time of requests sent one after another is their sum"
-            elif is_close(got, max(ttfts, default=0.0)) or is_close(got, ttfts[0] if ttfts else 0.0):
-                hint = " — one request's TTFT; the reading time is the sum over all the requests"
-            elif is_close(got, reading_s(result["on" if label == "off" else "off"])):
-                hint = " — that is the other run's total: shared['off'] is the run with the cache off"
-            elif is_close(got, want * 1e3):
-                hint = " — in seconds, as ttft_s is, not milliseconds"
-            raise CheckFailed(f"{name} = {got:.6g}, but the sum of shared[{label!r}]'s {len(ttfts)} TTFTs is "
-                              f"{want:.6g} s{hint}")
-    off, on = float(reading_off), float(reading_on)
-    want = 1 - on / off
-    got = _number("saving", saving)
-    if not is_close(got, want, rel=1e-6, abs_tol=1e-9):
-        hint = ""
-        if is_close(got, on / off):
-            hint = " — that is the share of the reading left (on / off); the saving is what the cache took away, 1 - on / off"
-        elif on and is_close(got, 1 - off / on):
-            hint = " — divided the wrong way: the saving is relative to the reading without the cache, 1 - on / off"
-        elif is_close(got, off - on):
-            hint = " — in seconds; the saving is a fraction of the reading without the cache, (off - on) / off"
-        elif is_close(got, 100 * want):
-            hint = " — a fraction (0.8), not a percentage (80)"
-        raise CheckFailed(f"saving = {got:.6g} with reading_off = {off:.6g} s and reading_on = {on:.6g} s; "
-                          f"expected 1 - on / off = {want:.6g}{hint}")
-    passed("the reading measurement", 3)
-
-
 def shared_document_figure(result: dict):
     fig = new_figure("Time to first token, question by question", "question", "TTFT (s)", device=result["device"])
     x = list(range(1, result["num_questions"] + 1))
@@ -626,3 +588,114 @@ def cost_figure(cached_cost: Callable, prefix_tokens: int = 10_000, suffix_token
     fig.add_scatter(x=n, y=[cached_cost(prefix_tokens, suffix_tokens, k) for k in n], name="prompt cache (yours)",
                     mode="lines+markers")
     return fig
+
+
+# =================================================================== 5. the learner's TTFT harness
+# The reference run: the notebook's measurement cell in full mode (time_ttft on NUM_QUESTIONS = 10 questions about
+# a DOC_TOKENS = 2000-token document, SamplingParams(max_tokens=1), warmup=1) on the course's reference machine.
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_TTFT_S = {"off": 3.2, "on": 0.25}   # median TTFT of the cached questions, seconds
+REFERENCE_TTFT_SPEEDUP = REFERENCE_TTFT_S["off"] / REFERENCE_TTFT_S["on"]
+
+
+class FakeTTFTEngine:
+    """A stand-in for an engine in the harness check: each generate() call moves the shared FakeClock by the next
+    scripted cost and records the prompt it was sent."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, clock, costs):
+        self.clock, self.costs, self.prompts = clock, list(costs), []
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        from ..outputs import CompletionOutput, RequestOutput
+
+        if len(self.prompts) >= len(self.costs):
+            raise RuntimeError(f"generate() called {len(self.prompts) + 1} times; there are {len(self.costs)} prompts")
+        self.clock.advance(self.costs[len(self.prompts)])
+        self.prompts.append(prompts)
+        batch = prompts if isinstance(prompts, list) else [prompts]
+        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", [7], "length")], True)
+                for i in range(len(batch))]
+
+
+def check_time_ttft(time_ttft: Callable, warmup: int = 1, num_prompts: int = 6, seed: int = 0) -> None:
+    """Your harness with a FakeClock and fake engines whose calls cost scripted seconds (the first, the warm-up,
+    20x: it fills the cache): one call per prompt in order, warm-up dropped, the median, min and max of the timed
+    calls, and the speed-up off over on."""
+    import statistics
+
+    from .common import FakeClock, scripted_costs, timing_mistake
+
+    clock = FakeClock()
+    repeats = num_prompts - warmup
+    costs = {"off": scripted_costs(0.6, warmup, repeats, seed), "on": scripted_costs(0.1, warmup, repeats, seed + 1)}
+    engines = {name: FakeTTFTEngine(clock, costs[name]) for name in costs}
+    prompts = [{"prompt_token_ids": [1, 2, 3, i]} for i in range(num_prompts)]
+    call = f"time_ttft(engines, {num_prompts} prompts, params, warmup={warmup}, clock=FakeClock)"
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+    got = call_learner(lambda: time_ttft(engines, prompts, params, warmup=warmup, clock=clock), (), call)
+    if clock.reads == 0:
+        raise CheckFailed(f"{call}: the clock it was given was never read: time each call with clock(), not "
+                          "time.perf_counter() (the injected clock is what the check and your plot see)")
+    for name, engine in engines.items():
+        if engine.prompts != prompts:
+            raise CheckFailed(f"{call}: engine {name!r} was sent {len(engine.prompts)} generate() calls; expected one "
+                              f"call per prompt, in order ({num_prompts}), each a single prompt")
+    if not isinstance(got, dict) or not all(isinstance(got.get(n), dict) for n in ("off", "on")) or "speedup" not in got:
+        raise CheckFailed(f"{call} returned {type(got).__name__}; expected a dict with 'off', 'on' (dicts) and 'speedup'")
+    for name in ("off", "on"):
+        timed = costs[name][warmup:]
+        want = {"median_s": statistics.median(timed), "min_s": min(timed), "max_s": max(timed), "n": len(timed)}
+        for key, value in want.items():
+            have = got[name].get(key)
+            if not isinstance(have, (int, float)) or not is_close(float(have), value, rel=1e-6):
+                why = timing_mistake(float(have), costs[name], warmup) if isinstance(have, (int, float)) else ""
+                if key == "n" and have == num_prompts:
+                    why = "the warm-up call counted: drop the first `warmup` calls"
+                raise CheckFailed(f"{call}: [{name!r}][{key!r}] is {have!r}, expected {value:.6g}"
+                                  + (f": {why}" if why else ""))
+    want = statistics.median(costs["off"][warmup:]) / statistics.median(costs["on"][warmup:])
+    have = got["speedup"]
+    if not isinstance(have, (int, float)) or not is_close(float(have), want, rel=1e-6):
+        why = ": inverted — the speed-up is TTFT off over TTFT on (above 1: the cache is faster)" if (
+            isinstance(have, (int, float)) and have and is_close(1 / float(have), want, rel=1e-6)) else ""
+        raise CheckFailed(f"{call}: speedup is {have!r}, expected {want:.6g}{why}")
+    passed("time_ttft", 1)
+
+
+def ttft_figure(timing: dict, device: str):
+    """Median TTFT of the questions after the first, caching off and on, the min-max spread as error bars, beside
+    the reference run."""
+    fig = new_figure("Time to first token of a question about a cached document (your harness)", "",
+                     "median TTFT (s)", device=device)
+    names = ["off", "on"]
+    med = [timing[n]["median_s"] for n in names]
+    fig.add_bar(x=["prefix_caching=False", "prefix_caching=True"], y=med, name="yours (median, min-max)",
+                error_y={"type": "data", "symmetric": False,
+                         "array": [timing[n]["max_s"] - m for n, m in zip(names, med)],
+                         "arrayminus": [m - timing[n]["min_s"] for n, m in zip(names, med)]})
+    fig.add_bar(x=["prefix_caching=False", "prefix_caching=True"], y=[REFERENCE_TTFT_S[n] for n in names],
+                name=f"reference ({REFERENCE_HARDWARE})")
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def print_explain_questions(saving, timing: dict | None) -> None:
+    """Section 9's questions, each quoting the learner's own measurements."""
+    t = timing or {}
+    speedup = t.get("speedup")
+    fmt = lambda v, spec: format(float(v), spec) if isinstance(v, (int, float)) else "(not measured)"  # noqa: E731
+    print(f"1. The cache saved {fmt(saving, '.0%')} of section 5's reading time, and your harness measured a TTFT "
+          f"speed-up of {fmt(speedup, '.1f')}x on a cached question (reference {REFERENCE_TTFT_SPEEDUP:.1f}x on "
+          f"{REFERENCE_HARDWARE}). Why is the saving below 1 - 1/NUM_QUESTIONS, and what was still computed in a "
+          "cached question's TTFT?")
+    print('2. A chat app puts "Today is 2026-11-29 14:03:11." as the first line of its system prompt. What does that '
+          "do to its cache hit rate, and where should the line go?")
+    print("3. Two tenants send the same 4,000-token contract. With a per-tenant cache_salt, how many times is it read? "
+          "Why might a provider still want the salt?")
+    print("4. Your break-even of exercise 7 does not depend on how long the shared start is, nor on the questions "
+          "after it. Why not?")

@@ -33,12 +33,15 @@ from ..speculative.ngram import ngram_propose as ref_ngram_propose
 from ..speculative.verify import greedy_verify as ref_greedy_verify
 from ..speculative.verify import rejection_sample as ref_rejection_sample
 from ..speculative.verify import residual_distribution
-from .common import CheckFailed, call_learner, chi_square_p_value, echo_prediction, is_close, new_figure, passed
+from .common import (CheckFailed, call_learner, chi_square_p_value, echo_prediction, is_close, new_figure, passed,
+                     print_beside_reference, require_kernel)
 
 _call = call_learner   # lab/common.py
 
 TOY_SENTENCE = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
                 "father had taught him.")
+TIMING_SENTENCE = ("Every morning the baker opened the shutters, swept the step, and set the first loaves on the "
+                   "cooling rack by the window.")
 OPEN_QUESTIONS = ("Why is the sky blue? Explain it to a child.",
                   "Write a short poem about a cat who wants to fly.",
                   "What should I cook for dinner tonight? Give me three ideas.",
@@ -839,3 +842,332 @@ __all__ = ["plugged", "print_toy", "check_greedy_verify", "check_greedy_verify_e
            "check_chi_square_test", "check_expected_tokens_per_pass", "check_answer_tokens_limit", "sweep",
            "print_runs", "sweep_rows", "check_spec_rates", "print_sweep", "sweep_figure", "tokens_per_pass_figure",
            "open_workload", "available_methods", "residual_distribution", "echo_prediction"]
+
+
+# =================================================================== 4b. greedy verification as one kernel launch
+def accept_lengths_reference(proposals: torch.Tensor, target_argmax: torch.Tensor,
+                             num_proposed: torch.Tensor) -> torch.Tensor:
+    """The kernel exercise's spec: proposals [B, K], target_argmax [B, K + 1], num_proposed [B] (int32) -> [B] int32,
+    the number of leading proposed tokens equal to the target's argmax at their position (padding past
+    num_proposed[b] never counts)."""
+    k = proposals.shape[1]
+    valid = torch.arange(k, device=proposals.device)[None, :] < num_proposed[:, None].long()
+    agree = (proposals == target_argmax[:, :k]) & valid
+    return agree.int().cumprod(dim=1).sum(dim=1).to(torch.int32)
+
+
+def make_verify_inputs(num_proposed, k: int, vocab: int = 5, seed: int = 0, device: str = "cpu"):
+    """A batch of padded proposals for the kernel: each row agrees with the target's argmax for a random number of
+    leading positions, then differs once, then agrees at random again (a later agreement must not count). Padding
+    past num_proposed[b] copies the target's argmax there, so a kernel that reads past the mask counts it."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(num_proposed)
+    target = torch.randint(0, vocab, (batch, k + 1), generator=g, dtype=torch.int32)
+    proposals = target[:, :k].clone()
+    for b, n in enumerate(num_proposed):
+        if not 0 <= n <= k:
+            raise ValueError(f"num_proposed[{b}] = {n}: each must be in [0, k = {k}]")
+        cut = int(torch.randint(0, n + 2, (1,), generator=g))   # n + 1: every guess agrees
+        if cut < n and vocab > 1:   # a vocabulary of one token cannot disagree
+            proposals[b, cut] = (target[b, cut] + 1 + int(torch.randint(0, vocab - 1, (1,), generator=g))) % vocab
+            later = torch.rand(n - cut - 1, generator=g) < 0.3
+            noise = torch.randint(1, vocab, (n - cut - 1,), generator=g, dtype=torch.int32)
+            tail = torch.where(later, target[b, cut + 1:n], (target[b, cut + 1:n] + noise) % vocab)
+            proposals[b, cut + 1:n] = tail
+    lengths = torch.tensor(list(num_proposed), dtype=torch.int32)
+    return proposals.to(device), target.to(device), lengths.to(device)
+
+
+# (num_proposed per sequence, K, vocab, what the case is about)
+VERIFY_CASES = [
+    ([4, 4, 4, 4, 4, 4, 4, 4], 4, 3, "a full batch, k = 4"),
+    ([3, 0, 8, 1, 5, 8, 2, 7, 6, 4], 8, 4, "ragged proposals padded to K = 8"),
+    ([5, 2, 7, 7, 1, 3], 7, 2, "K = 7, not a power of 2"),
+    ([16] * 3 + [9, 12], 16, 3, "K = 16, long agreeing runs"),
+]
+VERIFY_EDGE_CASES = [
+    ([0, 0, 0], 4, 3, "no proposal at all (k_b = 0 for every sequence)"),
+    ([1], 1, 2, "one sequence, one guess"),
+    ([6, 6], 6, 1, "vocab of 1: every guess agrees, all accepted"),
+]
+
+
+def _diagnose_accept(proposals, target, lengths, got, want) -> str:
+    k = proposals.shape[1]
+    cols = torch.arange(k)[None, :]
+    valid = cols < lengths[:, None].long()
+    agree = proposals == target[:, :k]
+    guesses = [
+        ((agree & valid).int().sum(1), "you counted every agreeing guess: stop at the first disagreement (a later "
+                                       "agreement was scored after a wrong token)"),
+        (agree.int().cumprod(1).sum(1), "you counted padding past num_proposed[b] (mask the columns >= num_proposed[b])"),
+        ((agree & (cols <= lengths[:, None].long())).int().cumprod(1).sum(1),
+         "off by one: the mask keeps column num_proposed[b] too (use cols < num_proposed[b])"),
+    ]
+    flat_target = target.flatten()
+    rows = torch.arange(proposals.shape[0])[:, None] * k + cols
+    shifted = flat_target[rows.clamp_max(flat_target.numel() - 1)].reshape(proposals.shape)
+    guesses.append((((proposals == shifted) & valid).int().cumprod(1).sum(1),
+                    "wrong stride: a row of target_argmax has K + 1 entries, not K"))
+    for value, why in guesses:
+        if torch.equal(got.long(), value.long()) and not torch.equal(value.long(), want.long()):
+            return why
+    if (got < 0).any():
+        return "a sequence's length was never stored (the output starts at -1)"
+    if (got > lengths).any():
+        return "more than num_proposed[b] accepted: the count must stop at the sequence's own guesses"
+    return "not the leading run of agreeing guesses"
+
+
+def check_accept_lengths(accept_lengths: Callable, cases=VERIFY_CASES, seed: int = 0, device: str | None = None) -> None:
+    """Your launcher + kernel vs accept_lengths_reference on fresh random padded batches."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for i, (num_proposed, k, vocab, why) in enumerate(cases):
+        proposals, target, lengths = make_verify_inputs(num_proposed, k, vocab, seed=seed + 17 * i, device=device)
+        call = f"accept_lengths(num_proposed={list(num_proposed)}, K={k}, vocab={vocab})"
+        got = _call(accept_lengths, (proposals, target, lengths), call)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (len(num_proposed),):
+            raise CheckFailed(f"{call} returned {getattr(got, 'shape', type(got).__name__)}; expected a tensor of "
+                              f"shape ({len(num_proposed)},): one count per sequence")
+        got = got.cpu()
+        want = accept_lengths_reference(proposals.cpu(), target.cpu(), lengths.cpu())
+        if not torch.equal(got.long(), want.long()):
+            raise CheckFailed(f"{call} ({why}): got {got.tolist()}, expected {want.tolist()}; "
+                              + _diagnose_accept(proposals.cpu(), target.cpu(), lengths.cpu(), got, want))
+    passed("accept_lengths", len(cases))
+
+
+class KernelVerifier:
+    """A Verifier (minillm/seams.py) with greedy_batch: each speculative step's greedy sequences are padded into
+    one [B, K] batch and verified by ONE call of your accept_lengths (one kernel launch); the kept tokens are the
+    accepted prefix, then the target's own token. Sampled requests use the engine's rejection sampling."""
+
+    def __init__(self, accept_lengths: Callable):
+        self.accept_lengths = accept_lengths
+        self.launches = 0
+        self.sequences = 0
+        self.kernel_s = 0.0
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def greedy_batch(self, proposals: list[list[int]], target_argmax: list[list[int]]) -> list[list[int]]:
+        import time
+
+        k = max(1, max(len(p) for p in proposals))
+        batch = len(proposals)
+        props = torch.zeros(batch, k, dtype=torch.int32)
+        target = torch.zeros(batch, k + 1, dtype=torch.int32)
+        for b, (p, t) in enumerate(zip(proposals, target_argmax)):
+            props[b, :len(p)] = torch.tensor(p, dtype=torch.int32)
+            target[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        lengths = torch.tensor([len(p) for p in proposals], dtype=torch.int32)
+        start = time.perf_counter()
+        accepted = self.accept_lengths(props.to(self.device), target.to(self.device), lengths.to(self.device)).cpu()
+        self.kernel_s += time.perf_counter() - start
+        self.launches += 1
+        self.sequences += batch
+        out = []
+        for b, (p, t) in enumerate(zip(proposals, target_argmax)):
+            n = int(accepted[b])
+            if not 0 <= n <= len(p):
+                raise ValueError(f"accept_lengths returned {n} for a sequence of {len(p)} proposed tokens")
+            out.append([int(x) for x in p[:n]] + [int(t[n])])
+        return out
+
+    def greedy(self, proposal: list[int], target_argmax: list[int]) -> list[int]:
+        return self.greedy_batch([proposal], [target_argmax])[0]
+
+    def sample(self, proposal: list[int], draft_probs, target_probs, generator) -> list[int]:
+        return ref_rejection_sample(proposal, draft_probs, target_probs, generator=generator)
+
+
+def print_kernel_verify_run(result: dict) -> None:
+    """run_with_kernel's printout: tokens against the engine's own verifier and speculation off, launches."""
+    from .common import print_kernel_run
+
+    print_kernel_run(result, [("the engine's own verifier (speculating, same proposals)", result["engine_tokens"], ""),
+                              ("speculation off", result["expected"], "")],
+                     result["launches"], "your accept_lengths (one launch per speculative step)")
+    print(f"  {result['sequences']} sequence verifications in {result['launches']} launches "
+          f"({result['sequences'] / max(1, result['launches']):.1f} sequences per launch)")
+
+
+def check_kernel_verify_run(result: dict | None) -> None:
+    """The engine on your kernel: the same greedy tokens as its own verifier, one launch per step for the batch."""
+    if result is None:
+        raise CheckFailed("kernel_run is None: run the cell above (it runs the engine on your kernel)")
+    for whose, key in (("the engine's own verifier", "engine_tokens"), ("speculation off", "expected")):
+        for i, (got, want) in enumerate(zip(result["tokens"], result[key])):
+            if got != want:
+                where = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                raise CheckFailed(f"prompt {i}: your kernel's tokens differ from {whose}'s: they part at output "
+                                  f"token {where} ({got[where:where + 3]} vs {want[where:where + 3]})")
+    if result["launches"] == 0:
+        raise CheckFailed("your kernel was never launched: the engine did not speculate")
+    if not result["acceptance_rate"] > 0:
+        raise CheckFailed("the tokens are right, but no proposed token was accepted: the repeat prompt's guesses agree "
+                          "with the target (the engine's own verifier accepts them), so your counts are too low")
+    if result["sequences"] <= result["launches"]:
+        raise CheckFailed(f"{result['sequences']} verifications in {result['launches']} launches: with "
+                          f"{len(result['tokens'])} prompts in one batch a launch must verify several sequences")
+    passed("the engine on your kernel", len(result["tokens"]))
+
+
+def time_accept_kernel(accept_lengths: Callable, batch: int = 256, k: int = 8) -> dict:
+    """On a GPU: your kernel against the torch spec on a [batch, k] step (one launch vs a handful of torch ops)."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    from .common import gpu_seconds
+
+    inputs = make_verify_inputs([k] * batch, k, vocab=4, device="cuda")
+    return {"device": torch.cuda.get_device_name(), "batch": batch, "k": k,
+            "yours_s": gpu_seconds(lambda: accept_lengths(*inputs)),
+            "torch_s": gpu_seconds(lambda: accept_lengths_reference(*inputs))}
+
+
+def print_accept_kernel_timing(timing: dict) -> None:
+    from .common import format_seconds, print_no_gpu_timing
+
+    if timing["device"] == "cpu":
+        print_no_gpu_timing("on a batch of 256 sequences with 8 guesses each, against the torch spec (cumprod)")
+        return
+    print(f"{timing['device']}: batch {timing['batch']}, k = {timing['k']}")
+    print(f"  your kernel: {format_seconds(timing['yours_s'])} (one launch)")
+    print(f"  torch spec : {format_seconds(timing['torch_s'])} (one launch per op: compare, mask, cumprod, sum)")
+
+
+# =================================================================== 6b. the learner's timing harness
+# The reference run: `lab07.REFERENCE_SPEEDUP` came from the notebook's measurement cell in full mode
+# (time_speculation on the two repeat prompts, SamplingParams(max_tokens=48, temperature=0), ngram k = 4, warmup 1,
+# repeats 3) on this course's reference machine, shared with other jobs at the time (absolute tokens/s low; 47
+# tokens per call: one answer stopped at its end of sentence).
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_TOKENS_PER_S = {"off": 2.3, "on": 8.8}   # median tokens/s of a call, speculation off / ngram k = 4
+REFERENCE_SPEEDUP = 3.8                            # on over off
+
+
+class FakeSpecEngine:
+    """A stand-in for an engine in the harness check: each generate() call moves the shared FakeClock by the next
+    scripted cost and returns `tokens` output tokens per prompt (as RequestOutputs)."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, clock, costs, tokens: int):
+        self.clock, self.costs, self.tokens, self.calls = clock, list(costs), tokens, 0
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        from ..outputs import CompletionOutput, RequestOutput
+
+        if self.calls >= len(self.costs):
+            raise RuntimeError(f"generate() called {self.calls + 1} times; warmup + repeats is {len(self.costs)}")
+        self.clock.advance(self.costs[self.calls])
+        self.calls += 1
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", list(range(self.tokens)), "length")], True)
+                for i in range(len(prompts))]
+
+
+def _harness_case(warmup: int, repeats: int, seed: int):
+    from .common import FakeClock, scripted_costs
+
+    clock = FakeClock()
+    costs = {"off": scripted_costs(0.8, warmup, repeats, seed), "on": scripted_costs(0.3, warmup, repeats, seed + 1)}
+    engines = {name: FakeSpecEngine(clock, costs[name], tokens=24) for name in costs}
+    return clock, costs, engines
+
+
+def check_time_speculation(time_speculation: Callable, warmup: int = 2, repeats: int = 5, seed: int = 0) -> None:
+    """Your harness with a FakeClock and fake engines whose calls cost scripted seconds: warm-up calls dropped, the
+    median (and min, max) of each engine's timed calls, tokens per second, and the speed-up on over off."""
+    import statistics
+
+    from .common import timing_mistake
+
+    clock, costs, engines = _harness_case(warmup, repeats, seed)
+    prompts = ["a", "b"]
+    call = f"time_speculation(engines, 2 prompts, params, warmup={warmup}, repeats={repeats}, clock=FakeClock)"
+    params = SamplingParams(max_tokens=24, temperature=0)
+    got = _call(lambda: time_speculation(engines, prompts, params, warmup=warmup, repeats=repeats, clock=clock), (),
+                call)
+    if clock.reads == 0:
+        raise CheckFailed(f"{call}: the clock it was given was never read: time each call with clock(), not "
+                          "time.perf_counter() (the injected clock is what the check and your plot see)")
+    for name, engine in engines.items():
+        if engine.calls != warmup + repeats:
+            raise CheckFailed(f"{call}: engine {name!r}'s generate() ran {engine.calls} times; expected warmup + "
+                              f"repeats = {warmup + repeats}")
+    if not isinstance(got, dict) or not all(isinstance(got.get(n), dict) for n in ("off", "on")) or "speedup" not in got:
+        raise CheckFailed(f"{call} returned {type(got).__name__}; expected a dict with 'off', 'on' (dicts) and 'speedup'")
+    tokens = 2 * 24
+    for name in ("off", "on"):
+        timed = costs[name][warmup:]
+        want = {"median_s": statistics.median(timed), "min_s": min(timed), "max_s": max(timed), "tokens": tokens,
+                "tokens_per_s": tokens / statistics.median(timed)}
+        for key, value in want.items():
+            have = got[name].get(key)
+            if not isinstance(have, (int, float)) or not is_close(float(have), value, rel=1e-6):
+                why = timing_mistake(float(have), costs[name], warmup) if key == "median_s" and isinstance(
+                    have, (int, float)) else ""
+                if key == "tokens" and isinstance(have, (int, float)) and have == 24:
+                    why = "the tokens of one prompt: sum the output tokens over every prompt of the call"
+                raise CheckFailed(f"{call}: [{name!r}][{key!r}] is {have!r}, expected {value:.6g}"
+                                  + (f": {why}" if why else ""))
+    want = statistics.median(costs["off"][warmup:]) / statistics.median(costs["on"][warmup:])
+    have = got["speedup"]
+    if not isinstance(have, (int, float)) or not is_close(float(have), want, rel=1e-6):
+        why = ": inverted — speed-up is on tokens/s over off tokens/s (above 1: speculation is faster)" if (
+            isinstance(have, (int, float)) and have and is_close(1 / float(have), want, rel=1e-6)) else ""
+        raise CheckFailed(f"{call}: speedup is {have!r}, expected {want:.6g}{why}")
+    passed("time_speculation", 1)
+
+
+def timing_figure(timing: dict, device: str):
+    """Tokens per second, speculation off and on: the median as a bar, the min-max spread as an error bar."""
+    import plotly.graph_objects as go
+
+    names = ["off", "on"]
+    fig = new_figure("Decode speed, speculation off vs on (your harness)", "", "output tokens / s", device)
+    med = [timing[n]["tokens_per_s"] for n in names]
+    high = [timing[n]["tokens"] / timing[n]["min_s"] for n in names]
+    low = [timing[n]["tokens"] / timing[n]["max_s"] for n in names]
+    fig.add_trace(go.Bar(x=["speculation off", "ngram on"], y=med, name="median",
+                         error_y={"type": "data", "symmetric": False, "array": [h - m for h, m in zip(high, med)],
+                                  "arrayminus": [m - lo for m, lo in zip(med, low)]}))
+    fig.add_trace(go.Bar(x=["speculation off", "ngram on"], y=[REFERENCE_TOKENS_PER_S[n] for n in names],
+                         name=f"reference ({REFERENCE_HARDWARE})"))
+    return fig
+
+
+def _fmt(value, spec: str, missing: str = "(not measured)") -> str:
+    try:
+        return format(float(value), spec)
+    except (TypeError, ValueError):
+        return missing
+
+
+def print_explain_questions(spec_rows: dict | None, spec_timing: dict | None, kernel_run: dict | None) -> None:
+    """Section 8's questions, each quoting the learner's own measurement."""
+    rows = [r for r in (spec_rows or {}).get("rows", []) if r.get("method") == "ngram"]
+    k4 = next((r for r in rows if r["k"] == 4), rows[-1] if rows else None)
+    last = rows[-1] if rows else None
+    k_label = k4["k"] if k4 else 4
+    print(f"1. At k = {k_label} your pass cost was {_fmt(k4 and k4['pass_cost'], '.2f')} plain decode steps per pass "
+          f"(at k = {last['k'] if last else '?'}: {_fmt(last and last['pass_cost'], '.2f')}). Why does scoring k + 1 "
+          "positions cost about one step on a GPU, and why did it cost you more here?")
+    print("2. Your greedy output was identical with and without speculation (the engine cells checked it). What "
+          "guarantees that, and what is the weaker guarantee when sampling?")
+    print("3. In the chi-square check, the sampler that drew replacements from p failed. Which tokens did it emit too "
+          "often, and why?")
+    print(f"4. Your acceptance rate at k = {k_label} was {_fmt(k4 and k4['acceptance_rate'], '.0%')} with "
+          f"{_fmt(k4 and k4['tokens_per_pass'], '.2f')} tokens per pass and a decode speed-up of "
+          f"{_fmt(k4 and k4['speedup'], '.2f')}x. At batch size 64 a decode pass is close to compute-bound: which of "
+          "these three numbers changes, and what happens to the speed-up?")
+    t = spec_timing or {}
+    print(f"5. Your harness timed {_fmt(t.get('off', {}).get('tokens_per_s'), '.1f')} tokens/s off and "
+          f"{_fmt(t.get('on', {}).get('tokens_per_s'), '.1f')} tokens/s on, a speed-up of {_fmt(t.get('speedup'), '.2f')}x "
+          f"(reference {REFERENCE_SPEEDUP:.2f}x on {REFERENCE_HARDWARE}). Why is it not the sweep's decode speed-up "
+          f"at k = {k_label} ({_fmt(k4 and k4['speedup'], '.2f')}x)?")
+    r = kernel_run or {}
+    per_launch = r["sequences"] / r["launches"] if r.get("launches") else None
+    print(f"6. Your kernel verified {_fmt(per_launch, '.1f')} sequences per launch in {r.get('launches', '?')} "
+          "launches. What does fusing the verifier save per step at batch 64 on a GPU, and why does it not show here?")
