@@ -346,6 +346,14 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
                               "return lab09.reference_probs(logits, history, temperature, top_k, top_p, min_p, repetition_penalty)"),
         "measure_diversity": _fn("diversity_stats(run)", "return lab09.reference_diversity_stats(run)"),
         "valid_person": _fn("valid_person(text)", "return lab09.reference_valid_person(text)"),
+        # a kernel that does nothing, and the lab's torch reference behind the launcher's name
+        "fused_mask_kernel": "import triton\nimport triton.language as tl\n@triton.jit\ndef fused_mask_kernel(out_ptr):\n"
+                             "    tl.store(out_ptr, tl.load(out_ptr))\n"
+                             "def fused_mask(logits, top_k, top_p, min_p):\n"
+                             "    return lab09.mask_reference(logits, top_k, top_p, min_p)",
+        "measure_sampling": "from minillm.lab.common import timing_summary\n" + _fn(
+            "measure_sampling(llm, prompt, settings, clock=None, warmup=1, repeats=5)",
+            "return {'greedy': timing_summary([1.0] * repeats), 'filtered': timing_summary([1.0] * repeats), 'ratio': 1.0}"),
     },
     "10_many_models": {
         "lora_delta_gather": "from minillm.kernels.lora import lora_delta_reference\n" + _fn(

@@ -9,27 +9,84 @@ come out right on tiny runs."""
 
 from __future__ import annotations
 
+from kernel_utils import DEVICE as KERNEL_DEVICE  # first: picks the interpreter before triton is imported
+
 import math
 
 import nbformat
 import pytest
 import torch
 
-from lab_utils import (assert_check_fails, assert_master_structure, nbgrader_cells, notebook_functions,
-                       run_solution_cells, solution_fixture, student_stubs)
+from lab_utils import (assert_check_fails, assert_master_structure, import_file, nbgrader_cells, notebook_functions,
+                       solution_source, student_stubs)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
+from minillm import SamplingParams
 from minillm.lab import lab09
-from minillm.lab.common import CheckFailed, figure_subtitle
+from minillm.lab.common import CheckFailed, FakeClock, figure_subtitle
 
 MASTER = SOURCE_DIR / "09_decoding_settings" / "09_decoding_settings.ipynb"
-EXERCISES = {"process_logits", "measure_diversity", "answer_worst_case_usd", "valid_person"}
-GRADED = {"test_process_logits_cases": 2, "test_process_logits_random": 2, "test_sampler_in_engine": 2,
+EXERCISES = {"process_logits", "fused_mask_kernel", "measure_sampling", "measure_diversity", "answer_worst_case_usd",
+             "valid_person"}
+GRADED = {"test_process_logits_cases": 2, "test_process_logits_random": 2, "test_fused_mask_cases": 2,
+          "test_fused_mask_random": 2, "test_measure_sampling": 2,
           "test_measure_diversity": 2, "test_answer_worst_case_usd": 1, "test_valid_person": 2}
 DEVICE = "cpu: test device"
 
-# the master's solution cells, run in one namespace
-solution = solution_fixture(MASTER, {"lab09": lab09, "torch": torch})
+# the master's solution cells and the kernel's launcher, imported from a file (Triton reads a kernel's source there)
+MODULE_HEADER = """import os
+import torch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton
+import triton.language as tl
+from minillm import SamplingParams
+from minillm.lab import lab09
+"""
+LAUNCHER = "def fused_mask("
+
+
+def _kernel_cell() -> str:
+    return nbgrader_cells(nbformat.read(MASTER, as_version=4))["fused_mask_kernel"][0].source
+
+
+def _launcher_cell() -> str:
+    return next(c.source for c in nbformat.read(MASTER, as_version=4).cells if c.source.startswith(LAUNCHER))
+
+
+@pytest.fixture(scope="module")
+def solution(tmp_path_factory) -> dict:
+    """The master's solution cells and the launcher, imported from one file: {name: value}."""
+    path = tmp_path_factory.mktemp("lab09_solution") / "lab09_solution.py"
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
+    return dict(vars(import_file(path, "lab09_solution")))
+
+
+# wrong kernels: the solution's kernel cell with one line changed (old, new), each imported from its own file
+KERNEL_LINE = {
+    "topk_off_by_one": ("keep = keep & (key >= lo)   ", "keep = keep & (key > lo)   "),
+    "row_not_offset": ("tl.store(out_ptr + row * V + cols", "tl.store(out_ptr + cols"),
+    "min_p_absolute": ('keep = (x > float("-inf")) & (e >= min_p)', 'keep = (x > float("-inf")) & (e / tl.sum(e, axis=0) >= min_p)'),
+    "crossing_dropped": ("tl.sum(tl.where(keep & (key > mid), p, 0.0), axis=0) < top_p",
+                         "tl.sum(tl.where(keep & (key >= mid), p, 0.0), axis=0) < top_p"),
+    "no_renormalize": ("    p = p / tl.sum(p, axis=0)\n", "    p = p / tl.sum(e, axis=0)\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def wrong_kernels(tmp_path_factory) -> dict:
+    kernels, source = {}, _kernel_cell()
+    for name, (old, new) in KERNEL_LINE.items():
+        assert old in source, (name, old)
+        path = tmp_path_factory.mktemp(f"lab09_{name}") / f"lab09_{name}.py"
+        path.write_text(MODULE_HEADER + source.replace(old, new, 1) + "\n")
+        kernels[name] = import_file(path, f"lab09_{name}").fused_mask_kernel
+    return kernels
+
+
+def kernel_mistake(name: str) -> str:
+    """The learner's notebook with a wrong kernel: the kernel, then the launcher cell, re-run."""
+    return f"fused_mask_kernel = WRONG_MASK[{name!r}]\n{_launcher_cell()}"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +99,8 @@ def experiments() -> dict:
     scope = {"torch": torch, "SamplingParams": SamplingParams}
     exec(compile(nbgrader_cells(nbformat.read(MASTER, as_version=4))["def-learner-sampler"][0].source,
                  str(MASTER), "exec"), scope)
-    return {**found, "LearnerSampler": scope["LearnerSampler"], "run_with_sampler": scope["run_with_sampler"]}
+    runs = notebook_functions(MASTER, "run_with_mask")
+    return {**found, **runs, "LearnerSampler": scope["LearnerSampler"], "run_with_sampler": scope["run_with_sampler"]}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +111,9 @@ def llm():
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
-    assert_master_structure(MASTER, EXERCISES, GRADED, 11)
+    assert_master_structure(MASTER, EXERCISES, GRADED, 15)
+    setup = nbformat.read(MASTER, as_version=4).cells[2].source
+    assert setup.index('os.environ["TRITON_INTERPRET"] = "1"') < setup.index("import triton")
 
 
 def test_student_copy_has_stubs_and_no_solution():
@@ -310,6 +370,38 @@ _DIVERSITY_RETURN = '''    return {"distinct_2": len(set(bigrams)) / len(bigrams
 _POOLED_BIGRAMS = '''    bigrams = [tuple(s[i:i + 2]) for s in run["samples"] for i in range(len(s) - 1)]
 '''
 
+_MEASURE = """import statistics
+import time
+
+
+def measure_sampling(llm, prompt, settings, clock=time.perf_counter, warmup=1, repeats=5):   # MISTAKE
+    result = {}
+    for name, params in settings.items():
+        for _ in range(warmup):
+            llm.generate(prompt, params)
+        samples = []
+        for _ in range(repeats):
+            start = clock()
+            llm.generate(prompt, params)
+            samples.append(clock() - start)
+        result[name] = {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+                        "n": len(samples)}
+    result["ratio"] = result["filtered"]["median"] / result["greedy"]["median"]
+    return result
+"""
+MEASURE_KEEPS_WARMUP = _MEASURE.replace("# MISTAKE", "# times the warm-up too").replace(
+    """        for _ in range(warmup):
+            llm.generate(prompt, params)
+        samples = []
+        for _ in range(repeats):""", """        samples = []
+        for _ in range(warmup + repeats):""").replace('"n": len(samples)', '"n": repeats')
+MEASURE_MEAN = _MEASURE.replace('"median": statistics.median(samples)', '"median": statistics.fmean(samples)')
+MEASURE_MIN = _MEASURE.replace('"median": statistics.median(samples)', '"median": min(samples)')
+MEASURE_INVERTED = _MEASURE.replace('result["filtered"]["median"] / result["greedy"]["median"]',
+                                    'result["greedy"]["median"] / result["filtered"]["median"]')
+MEASURE_PERF_COUNTER = _MEASURE.replace("start = clock()", "start = time.perf_counter()").replace(
+    "samples.append(clock() - start)", "samples.append(time.perf_counter() - start)")
+
 MISTAKES = {
     "test_process_logits_cases": [
         (DIVIDES_ALL, "MULTIPLIES a negative"),
@@ -323,9 +415,22 @@ MISTAKES = {
         (TEMPERATURE_LAST, "divide the logits by the temperature first"),
         (PER_OCCURRENCE, "once to every token that occurs in the history"),
     ],
-    "test_sampler_in_engine": [
-        (NO_PENALTY, "chi-square over 3000 seeded draws"),
-        (TEMPERATURE_LAST, "do not follow the reference"),
+    "test_fused_mask_cases": [
+        (kernel_mistake("topk_off_by_one"), "off by one at the k-th largest"),
+        (kernel_mistake("row_not_offset"), "your kernel never stored it"),
+        (kernel_mistake("min_p_absolute"), "min_p=0.1"),
+    ],
+    "test_fused_mask_random": [
+        (kernel_mistake("crossing_dropped"), "the most likely token always stays"),
+        (kernel_mistake("no_renormalize"), "top_p=0.7, min_p=0.3"),
+        (kernel_mistake("topk_off_by_one"), "row 4 (every filter off)"),
+    ],
+    "test_measure_sampling": [
+        (MEASURE_KEEPS_WARMUP, "drop the first `warmup` calls"),
+        (MEASURE_MEAN, "the mean: one slow outlier"),
+        (MEASURE_MIN, "the minimum"),
+        (MEASURE_INVERTED, "inverted"),
+        (MEASURE_PERF_COUNTER, "the FakeClock was never read"),
     ],
     "test_measure_diversity": [
         (_DIVERSITY_HEAD + '''    # distinct-2 averaged per sample
@@ -398,13 +503,13 @@ MISTAKES = {
 
 
 @pytest.fixture(scope="module")
-def graded_namespace(llm, experiments) -> dict:
+def graded_namespace(llm, experiments, solution, wrong_kernels) -> dict:
     """What the graded test cells read: the master's solution cells, the default model, the notebook's experiments,
     and the state the run cells leave (a short engine run on the solution, a sweep stub)."""
-    ns = run_solution_cells(MASTER, {"lab09": lab09, "torch": torch})
+    ns = dict(solution)
+    ns.update(notebook_functions(MASTER, "mask_spec"), SamplingParams=SamplingParams, WRONG_MASK=wrong_kernels)
     ns.update(llm=llm, LearnerSampler=experiments["LearnerSampler"], run_with_sampler=experiments["run_with_sampler"],
               sweep=STUB_SWEEP)
-    ns["engine_run"] = ns["run_with_sampler"](llm, ns["process_logits"], lab09.chat_prompts(llm, [lab09.STORY_MESSAGES, lab09.LIST_MESSAGES]), max_tokens=6)
     return ns
 
 
@@ -413,3 +518,67 @@ def graded_namespace(llm, experiments) -> dict:
                          ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+
+
+# --------------------------------------------------------------------- the fused mask kernel and the timing harness
+def test_solution_kernel_matches_the_reference_on_every_case(solution):
+    for seed, cases in ((0, lab09.MASK_CASES), (5, lab09.HIDDEN_MASK_CASES), (9, lab09.MASK_CASES[2:])):
+        lab09.check_mask_kernel(solution["fused_mask"], cases=cases, seed=seed, device=KERNEL_DEVICE)
+
+
+def test_mask_reference_is_the_engine_filter_on_the_real_vocabulary():
+    from minillm.layers.sampler import filter_batch
+
+    for seed, row in enumerate(({"top_k": 50, "top_p": 0.9, "min_p": 0.05}, {"top_p": 0.7}, {"top_k": 3},
+                                {"min_p": 0.2}, {"top_k": 100, "top_p": 0.95})):
+        logits, top_k, top_p, min_p = lab09.make_mask_inputs([row] * 3, 49152, seed)
+        want = filter_batch(logits, torch.ones(3), top_k.long(), top_p, min_p)
+        assert torch.equal(lab09.mask_reference(logits, top_k, top_p, min_p), want), row
+
+
+def test_stub_kernel_raises_not_implemented(tmp_path):
+    student = nbformat.read(REPO_ROOT / "labs" / "09_decoding_settings.ipynb", as_version=4)
+    kernel = nbgrader_cells(student)["fused_mask_kernel"][0].source
+    assert "raise NotImplementedError()" in kernel and "tl.store" not in kernel and "e = tl.exp" in kernel
+    path = tmp_path / "lab09_stub.py"
+    path.write_text(MODULE_HEADER + "\n" + kernel + "\n\n" + _launcher_cell() + "\n")
+    with pytest.raises(NotImplementedError, match="fused_mask_kernel is still a stub"):
+        import_file(path, "lab09_stub").fused_mask(*lab09.make_mask_inputs([{}], 8))
+
+
+def test_mask_check_names_a_kernel_that_keeps_everything():
+    with pytest.raises(CheckFailed, match="a filter that is on was never applied"):
+        lab09.check_mask_kernel(lambda logits, k, p, m: logits.clone())
+    with pytest.raises(CheckFailed, match="never stored"):
+        lab09.check_mask_kernel(lambda logits, k, p, m: torch.full_like(logits, float("nan")))
+
+
+def test_engine_runs_the_learner_kernel_with_its_own_tokens(llm, solution, experiments, capsys):
+    prompts = lab09.chat_prompts(llm, [lab09.STORY_MESSAGES])
+    result = experiments["run_with_mask"](llm, solution["fused_mask"], prompts, 3)
+    assert result["equal"] and result["launches"] == 3 and result["vocab"] == 49152, result
+    lab09.check_mask_run(result)
+    lab09.print_mask_run(result)
+    assert "the same as the engine's own sampler" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="part from the engine's at output token 1"):
+        lab09.check_mask_run({**result, "equal": False, "expected": [[result["tokens"][0][0], -1, -1]]})
+    lab09.print_mask_timing(lab09.time_mask_kernel(solution["fused_mask"]) if KERNEL_DEVICE == "cuda" else {"device": "cpu"})
+    assert "No GPU here" in capsys.readouterr().out or KERNEL_DEVICE == "cuda"
+
+
+def test_measure_sampling_on_a_fake_engine_and_its_printouts(solution, capsys):
+    lab09.check_measure_sampling(solution["measure_sampling"])
+    clock = FakeClock()
+    costs = {"greedy": [1.0, 0.2, 0.3, 0.25], "filtered": [1.0, 0.4, 0.5, 0.45]}
+    settings = {"greedy": SamplingParams(temperature=0.0), "filtered": SamplingParams(temperature=1.0, top_p=0.9)}
+    got = solution["measure_sampling"](lab09.FakeSamplingEngine(clock, costs), {"prompt_token_ids": [1]}, settings,
+                                       clock=clock, warmup=1, repeats=3)
+    assert got["greedy"]["median"] == pytest.approx(0.25) and got["filtered"]["median"] == pytest.approx(0.45)
+    assert got["ratio"] == pytest.approx(1.8) and got["greedy"]["min"] == pytest.approx(0.2)
+    lab09.print_sampling(got, 8)
+    out = capsys.readouterr().out
+    assert "reference" in out and lab09.REFERENCE_SAMPLING["hardware"] in out and "1.8" in out
+    fig = lab09.sampling_figure(got, 8, DEVICE)
+    assert [round(y, 6) for y in fig.data[0].y] == [round(0.25 / 8 * 1e3, 6), round(0.45 / 8 * 1e3, 6)]
+    lab09.print_your_numbers(None, None, None, None, got, None, DEVICE)
+    assert "ratio 1.800" in capsys.readouterr().out

@@ -28,7 +28,7 @@ import torch
 
 from ..layers.sampler import SamplingBatch, TorchSampler, processed_probs
 from ..sampling import SamplingParams
-from .common import CheckFailed, call_learner, echo_prediction, format_seconds, new_figure, passed
+from .common import CheckFailed, call_learner, echo_prediction, format_seconds, new_figure, passed, require_kernel  # noqa: F401
 from .common import chat_prompts, chi_square_p_value  # noqa: F401 - the notebook builds its prompts as lab09.chat_prompts
 
 _call = call_learner   # lab/common.py
@@ -791,3 +791,367 @@ __all__ = ["reference_probs", "LogitsRecorder", "first_token_logits", "print_dis
            "DecodingExplorer", "row_for", "print_limits", "check_answer_worst_case_usd", "print_parallel",
            "kv_ratio_model", "print_kv_models", "PERSON_SCHEMA", "check_valid_person", "print_structured", "echo_prediction",
            "CheckFailed", "API_USD_PER_MTOK", "WORST_CASE"]
+
+
+# =================================================================== 3b. the fused mask kernel (Triton)
+# The learner's kernel: one program per row of [B, V] logits (already divided by the temperature) applies min-p,
+# top-k and top-p in one pass, without sorting: each threshold is found by bisection on the bits of a
+# non-negative float (ordered like the floats themselves). The torch spec below is what it must equal.
+def mask_reference(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits and [B] settings -> the same logits with every dropped token at -inf, one row at a time:
+    with e = exp(x - max(x)) (1 for the most likely token), min-p keeps e >= min_p; top-k keeps e >= the k-th
+    largest e of what min-p kept (ties stay; k <= 0 or k >= V: off); top-p, on p = what is left renormalized,
+    keeps p >= the smallest p whose mass of strictly more likely tokens is below top_p (top_p >= 1: off).
+    A -inf logit stays -inf; the most likely token always stays."""
+    out = torch.empty_like(logits)
+    vocab = logits.shape[-1]
+    for row in range(logits.shape[0]):
+        x = logits[row]
+        e = torch.exp(x - x.max())
+        keep = x > float("-inf")
+        if float(min_p[row]) > 0:
+            keep &= e >= float(min_p[row])
+        k = int(top_k[row])
+        if 0 < k < vocab:
+            keep &= e >= e.masked_fill(~keep, -1.0).topk(k).values[-1]
+        if float(top_p[row]) < 1.0:
+            p = torch.where(keep, e, torch.zeros_like(e))
+            p = p / p.sum()
+            sorted_p = p.sort(descending=True).values
+            before = sorted_p.cumsum(0) - sorted_p
+            keep &= p >= sorted_p[before < float(top_p[row])].min()
+        out[row] = x.masked_fill(~keep, float("-inf"))
+    return out
+
+
+def make_mask_inputs(rows: Sequence[dict], vocab: int, seed: int = 0, device: str = "cpu") -> tuple:
+    """Fresh random logits [len(rows), vocab] (standard normal x 3) and the settings' tensors (top_k int32, top_p
+    and min_p fp32); a row's "ties" puts its first 4 logits at its maximum, "banned" sets every 5th logit to -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3.0
+    for i, row in enumerate(rows):
+        if row.get("ties"):
+            logits[i, :4] = logits[i].max()
+        if row.get("banned"):
+            logits[i, 1::5] = float("-inf")
+    top_k = torch.tensor([int(r.get("top_k", 0)) for r in rows], dtype=torch.int32)
+    top_p = torch.tensor([float(r.get("top_p", 1.0)) for r in rows], dtype=torch.float32)
+    min_p = torch.tensor([float(r.get("min_p", 0.0)) for r in rows], dtype=torch.float32)
+    return tuple(t.to(device) for t in (logits, top_k, top_p, min_p))
+
+
+# the checks' cases: (vocab, rows); each row a setting. Small vocabularies, not powers of 2: the tail is masked.
+MASK_CASES = [
+    (13, [{}, {"top_k": 1}, {"top_k": 3}, {"top_k": 13}, {"top_k": -1}, {"top_k": 2, "ties": True}]),
+    (50, [{"min_p": 0.1}, {"min_p": 1.0}, {"top_p": 0.5}, {"top_p": 0.9, "banned": True}, {"top_p": 1e-6},
+          {"top_k": 5, "banned": True}]),
+    (300, [{"top_k": 20, "top_p": 0.8, "min_p": 0.02}, {"top_k": 400, "top_p": 0.95}, {"top_p": 0.7, "min_p": 0.3},
+           {"top_k": 7, "ties": True, "top_p": 0.6}, {}, {"top_k": 1, "top_p": 0.1, "min_p": 0.9}]),
+]
+HIDDEN_MASK_CASES = [
+    (77, [{"top_k": 76}, {"top_k": 77}, {"top_p": 0.999}, {"min_p": 0.5, "banned": True}]),
+    (1000, [{"top_k": 50, "top_p": 0.9, "min_p": 0.05}, {"top_k": 3, "ties": True}, {"top_p": 0.3, "banned": True}]),
+]
+
+
+def _describe_mask_row(row: dict) -> str:
+    parts = [f"{k}={row[k]}" for k in ("top_k", "top_p", "min_p") if k in row]
+    parts += [k for k in ("ties", "banned") if row.get(k)]
+    return ", ".join(parts) or "every filter off"
+
+
+def _mask_hint(got_keep: torch.Tensor, want_keep: torch.Tensor, logits: torch.Tensor, row: dict) -> str:
+    vocab = logits.shape[-1]
+    n_got, n_want = int(got_keep.sum()), int(want_keep.sum())
+    if n_got == 0:
+        return "the row keeps no token: the most likely token always stays"
+    if row.get("banned") and bool((got_keep & logits.isneginf()).any()):
+        return "a -inf logit came out kept: a banned token stays banned"
+    if n_got == vocab and n_want < vocab:
+        return "every token kept: a filter that is on was never applied"
+    if n_got == n_want - 1 and bool((got_keep <= want_keep).all()):
+        missing = int((want_keep & ~got_keep).nonzero()[0])
+        smallest = int(logits.masked_fill(~want_keep, float("inf")).argmin())
+        if float(logits[missing]) == float(logits[smallest]):
+            if "top_p" in row and float(row["top_p"]) < 1.0:
+                return ("top-p dropped the token that crosses top_p: it stays (the mass of the tokens *strictly more "
+                        "likely* is below top_p)")
+            return ("the least likely kept token was dropped: off by one at the k-th largest (keep e >= the k-th; "
+                    "top_k off keeps every token)")
+    if row.get("ties") and 0 < row.get("top_k", 0) < vocab:
+        return "ties with the k-th largest stay (a threshold, not a count)"
+    return ""
+
+
+def check_mask_kernel(fused_mask: Callable, cases=MASK_CASES, seed: int = 0, device: str | None = None) -> None:
+    """Your launcher (and kernel) on fresh random logits per case against mask_reference: the same tokens kept,
+    each kept logit unchanged, every dropped one -inf, the output NaN-free (the launcher fills it with NaN)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for index, (vocab, rows) in enumerate(cases):
+        logits, top_k, top_p, min_p = make_mask_inputs(rows, vocab, seed * 1000 + index, device)
+        call = f"fused_mask(logits [{len(rows)}, {vocab}], top_k, top_p, min_p) (case {index}, seed {seed})"
+        got = _call(fused_mask, (logits.clone(), top_k, top_p, min_p), call)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(logits.shape):
+            raise CheckFailed(f"{call} returned {getattr(got, 'shape', type(got).__name__)}; expected a tensor of "
+                              f"shape {tuple(logits.shape)}")
+        got = got.float().cpu()
+        want = mask_reference(logits.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu())
+        x = logits.cpu()
+        for r, row in enumerate(rows):
+            if bool(got[r].isnan().any()):
+                col = int(got[r].isnan().nonzero()[0])
+                raise CheckFailed(f"{call}, row {r} ({_describe_mask_row(row)}): NaN at column {col} of {vocab}: "
+                                  "your kernel never stored it (program `row` stores row `row`: every column < V)")
+        for r, row in enumerate(rows):
+            got_keep, want_keep = got[r] > float("-inf"), want[r] > float("-inf")
+            if not torch.equal(got_keep, want_keep):
+                hint = _mask_hint(got_keep, want_keep, x[r], row)
+                raise CheckFailed(f"{call}, row {r} ({_describe_mask_row(row)}): you keep {int(got_keep.sum())} tokens, "
+                                  f"the reference {int(want_keep.sum())} (first difference at column "
+                                  f"{int((got_keep != want_keep).nonzero()[0])})" + (f": {hint}" if hint else ""))
+            if not torch.equal(got[r][got_keep], x[r][got_keep]):
+                raise CheckFailed(f"{call}, row {r} ({_describe_mask_row(row)}): a kept logit changed; the kernel "
+                                  "copies kept logits as they are (the temperature is already applied) and writes -inf "
+                                  "for dropped ones")
+    passed(f"your fused mask kernel (seed {seed})", sum(len(rows) for _, rows in cases))
+
+
+class MaskKernelSampler:
+    """The Sampler seam (minillm/seams.py) with the learner's fused mask: the engine's own steps 1-4 (biases, bans,
+    penalties, greedy argmax), then each sampled row divided by its temperature, the whole batch masked by one launch
+    of ``fused_mask``, the softmax, and one draw per row with the row's own generator (as the engine draws)."""
+
+    def __init__(self, fused_mask: Callable):
+        self.fused_mask = fused_mask
+        self.launches = 0
+        self.rows = 0
+        self.kernel_s = 0.0
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+        import time
+
+        from ..layers.sampler import apply_penalties
+
+        logits = apply_penalties(logits, batch)
+        out = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, p in enumerate(batch.params) if p.temperature != 0.0]
+        if not sampled:
+            return out
+        params = [batch.params[i] for i in sampled]
+        dev = logits.device
+        scaled = (logits[sampled] / torch.tensor([p.temperature for p in params], device=dev,
+                                                 dtype=logits.dtype).unsqueeze(1)).contiguous()
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        start = time.perf_counter()
+        masked = self.fused_mask(scaled, top_k, top_p, min_p)
+        self.kernel_s += time.perf_counter() - start
+        self.launches += 1
+        self.rows += len(sampled)
+        probs = masked.float().softmax(-1)
+        for j, row in enumerate(sampled):
+            out[row] = int(torch.multinomial(probs[j], 1, generator=batch.generators[row]).item())
+        return out
+
+
+def print_mask_run(result: dict) -> None:
+    """The engine on your mask kernel against its own sampler: the same seeded tokens."""
+    from . import common
+
+    common.print_kernel_run(result, [("the engine's own sampler", result["expected"], "")], result["launches"],
+                            f"your kernel, one launch per decode step ({result['rows']} rows of {result['vocab']} logits)")
+
+
+def check_mask_run(result: dict | None) -> None:
+    """The engine with your kernel in its sampler: the same seeded tokens as its own sampler."""
+    if result is None:
+        raise CheckFailed("mask_run is None: run the cell above (it needs your kernel)")
+    if result["launches"] == 0:
+        raise CheckFailed("the engine never launched your kernel: pass sampler=lab09.MaskKernelSampler(fused_mask)")
+    if not result["equal"]:
+        for i, (a, b) in enumerate(zip(result["tokens"], result["expected"])):
+            if a != b:
+                j = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                raise CheckFailed(f"prompt {i}: your kernel's tokens part from the engine's at output token {j} "
+                                  f"({a[j:j + 3]} vs {b[j:j + 3]}): the mask differs; run check_mask_kernel")
+    passed("your kernel in the engine's sampler", len(result["tokens"]))
+
+
+def time_mask_kernel(fused_mask: Callable, rows: int = 64, vocab: int = 49152) -> dict:
+    """On a GPU: your fused mask against the engine's torch path (filter_batch: a sort of every row) on
+    ``rows`` rows of ``vocab`` logits, every filter on."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    from ..layers.sampler import filter_batch
+    from .common import gpu_seconds
+
+    setting = {"top_k": 50, "top_p": 0.9, "min_p": 0.05}
+    logits, top_k, top_p, min_p = make_mask_inputs([setting] * rows, vocab, 0, "cuda")
+    ones = torch.ones(rows, device="cuda")
+    yours_s = gpu_seconds(lambda: fused_mask(logits, top_k, top_p, min_p))
+    engine_s = gpu_seconds(lambda: filter_batch(logits, ones, top_k.long(), top_p, min_p))
+    return {"device": torch.cuda.get_device_name(), "rows": rows, "vocab": vocab, "yours_s": yours_s,
+            "engine_s": engine_s}
+
+
+def print_mask_timing(result: dict) -> None:
+    from .common import print_no_gpu_timing
+
+    if result["device"] == "cpu":
+        print_no_gpu_timing("against the engine's torch path (a sort of every row)")
+        return
+    print(f"{result['rows']} rows x {result['vocab']} logits, top_k 50 + top_p 0.9 + min_p 0.05 — {result['device']}")
+    print(f"  yours (one pass per bisection step, no sort): {format_seconds(result['yours_s'])}")
+    print(f"  the engine's torch path (sort, cumsum, scatter): {format_seconds(result['engine_s'])} "
+          f"-> yours is {result['engine_s'] / result['yours_s']:.2f}x its speed")
+
+
+# =================================================================== measure: what sampling costs per request
+# The course's reference run of the notebook's measure_sampling (full mode: MEASURE_TOKENS = 32, warmup 1, repeats 5,
+# the story prompt, greedy vs temperature 0.9 + top_k 40 + top_p 0.9 + min_p 0.05), on the machine named here:
+#   MINILLM_QUICK=0 jupyter nbconvert --execute solutions/09_decoding_settings.ipynb (cell "measure_sampling" and the
+#   run below it)
+REFERENCE_SAMPLING = {"greedy_s": 1.21, "filtered_s": 1.25, "ratio": 1.03, "tokens": 32,
+                      "hardware": "2-core AMD EPYC (AVX2)"}
+MEASURE_NAMES = ("greedy", "filtered")
+
+
+class FakeSamplingEngine:
+    """What the measurement check hands your harness instead of the engine: generate() moves the FakeClock by the
+    next scripted cost of that setting (greedy: temperature 0; filtered: any other) and returns nothing useful."""
+
+    def __init__(self, clock, costs: dict):
+        self.clock = clock
+        self.costs = {name: list(c) for name, c in costs.items()}
+        self.calls = {name: 0 for name in costs}
+
+    def generate(self, prompts, params=None, **kwargs):
+        params = params[0] if isinstance(params, (list, tuple)) else params
+        name = "greedy" if params is None or params.temperature == 0 else "filtered"
+        i = self.calls[name]
+        if i >= len(self.costs[name]):
+            raise CheckFailed(f"the {name} setting was run {i + 1} times: warmup + repeats = {len(self.costs[name])}")
+        self.calls[name] += 1
+        self.clock.advance(self.costs[name][i])
+        return []
+
+
+def check_measure_sampling(measure_sampling: Callable, warmup: int = 2, repeats: int = 5, seed: int = 0) -> None:
+    """Your harness on a fake engine and a FakeClock: each setting's warm-up calls dropped, the median of the timed
+    ones reported with min and max, the ratio filtered / greedy. Real times are never compared."""
+    from .common import FakeClock, scripted_costs, timing_mistake, timing_summary
+
+    base = {"greedy": 0.5, "filtered": 0.65}
+    costs = {name: scripted_costs(base[name], warmup, repeats, seed + i) for i, name in enumerate(MEASURE_NAMES)}
+    clock = FakeClock()
+    engine = FakeSamplingEngine(clock, costs)
+    settings = {"greedy": SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                "filtered": SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, seed=0, max_tokens=4,
+                                           ignore_eos=True)}
+    call = f"measure_sampling(fake engine, prompt, settings, clock=FakeClock(), warmup={warmup}, repeats={repeats})"
+    got = _call(lambda: measure_sampling(engine, {"prompt_token_ids": [1, 2, 3]}, settings, clock=clock,
+                                         warmup=warmup, repeats=repeats), (), call)
+    if clock.reads == 0:
+        raise CheckFailed(f"{call}: the FakeClock was never read: time with the `clock` argument, not "
+                          "time.perf_counter() directly")
+    for name in MEASURE_NAMES:
+        if engine.calls[name] != warmup + repeats:
+            raise CheckFailed(f"{call}: the {name} setting ran {engine.calls[name]} times; warmup + repeats = "
+                              f"{warmup + repeats} (warm up, then time each repeat)")
+    if not isinstance(got, dict) or any(name not in got for name in (*MEASURE_NAMES, "ratio")):
+        raise CheckFailed(f"{call} returned {got!r:.120}; expected a dict with 'greedy', 'filtered' (each "
+                          "{'median', 'min', 'max', 'n'}) and 'ratio'")
+    for name in MEASURE_NAMES:
+        want = timing_summary(costs[name][warmup:])
+        row = got[name]
+        if not isinstance(row, dict) or any(k not in row for k in ("median", "min", "max", "n")):
+            raise CheckFailed(f"{call}[{name!r}] = {row!r:.100}: a dict with median, min, max and n")
+        if not math.isclose(float(row["median"]), want["median"], rel_tol=1e-6):
+            why = timing_mistake(float(row["median"]), costs[name], warmup)
+            if not why and float(row["median"]) == 0.0:
+                why = "nothing moved: did you read the injected clock around each call?"
+            raise CheckFailed(f"{call}[{name!r}]['median'] = {float(row['median']):.4g}, expected "
+                              f"{want['median']:.4g}" + (f": that is {why}" if why else ""))
+        for key in ("min", "max"):
+            if not math.isclose(float(row[key]), want[key], rel_tol=1e-6):
+                raise CheckFailed(f"{call}[{name!r}][{key!r}] = {float(row[key]):.4g}, expected {want[key]:.4g}: the "
+                                  f"spread is the {key} of the timed calls (warm-up dropped)")
+        if int(row["n"]) != repeats:
+            raise CheckFailed(f"{call}[{name!r}]['n'] = {row['n']}: the number of timed calls, {repeats}")
+    ratio = timing_summary(costs["filtered"][warmup:])["median"] / timing_summary(costs["greedy"][warmup:])["median"]
+    if not math.isclose(float(got["ratio"]), ratio, rel_tol=1e-6):
+        hint = ("inverted: filtered over greedy" if math.isclose(float(got["ratio"]), 1 / ratio, rel_tol=1e-6)
+                else "the filtered median over the greedy median")
+        raise CheckFailed(f"{call}['ratio'] = {float(got['ratio']):.4g}, expected {ratio:.4g}: {hint}")
+    passed("measure_sampling on a scripted engine", 2 * repeats + 1)
+
+
+def print_sampling(result: dict, tokens: int) -> None:
+    """Your measurement beside the course's reference run, per request and per token."""
+    from .common import print_beside_reference
+
+    for name in MEASURE_NAMES:
+        row = result[name]
+        print(f"{name:>9}: median {format_seconds(row['median'])} per request of {tokens} tokens "
+              f"({format_seconds(row['median'] / tokens)} per token), spread {format_seconds(row['min'])} - "
+              f"{format_seconds(row['max'])} over {row['n']} runs")
+    print_beside_reference("filtered over greedy, per request", result["ratio"], REFERENCE_SAMPLING["ratio"],
+                           REFERENCE_SAMPLING["hardware"], "x")
+
+
+def sampling_figure(result: dict, tokens: int, device: str):
+    """Per-token time of each setting: median bar, min-max whiskers, the reference beside it."""
+    import plotly.graph_objects as go
+
+    fig = new_figure("Sampling settings: time per output token", "setting", "ms per token", device=device)
+    names = list(MEASURE_NAMES)
+    med = [result[n]["median"] / tokens * 1e3 for n in names]
+    fig.add_trace(go.Bar(x=names, y=med, name="yours (median)",
+                         error_y={"type": "data", "symmetric": False,
+                                  "array": [result[n]["max"] / tokens * 1e3 - m for n, m in zip(names, med)],
+                                  "arrayminus": [m - result[n]["min"] / tokens * 1e3 for n, m in zip(names, med)]}))
+    ref = [REFERENCE_SAMPLING[f"{n}_s"] / REFERENCE_SAMPLING["tokens"] * 1e3 for n in names]
+    fig.add_trace(go.Bar(x=names, y=ref, name=f"reference ({REFERENCE_SAMPLING['hardware']})"))
+    return fig
+
+
+# =================================================================== 9. explain: the learner's own numbers
+def print_your_numbers(first=None, sweep_table=None, limits=None, parallel=None, sampling=None, structured=None,
+                       device: str = "") -> None:
+    """The quantities the explain questions name, from this notebook's runs (a section that did not run says so)."""
+    print(f"your numbers ({device}):")
+    if first is not None:
+        print(f"  Q1  first token: top_p 0.9 keeps {kept_tokens(first, top_p=0.9)} tokens, top_k 40 keeps "
+              f"{kept_tokens(first, top_k=40)}, min_p 0.1 keeps {kept_tokens(first, min_p=0.1)}")
+    if sweep_table:
+        for row in sweep_table:
+            print(f"  Q1/Q2 {row['label']:34} distinct-2 {row['distinct_2']:.3f}  repetition {row['repetition']:.3f}  "
+                  f"mean entropy {row['mean_entropy']:.2f} nats")
+    else:
+        print("  Q1/Q2 the sweep table: finish exercise 4")
+    if limits:
+        for row in limits:
+            print(f"  Q3  {row['label']:32} {row['tokens']:>4} tokens, finish {row['finish_reason']}, "
+                  f"{format_seconds(row['wall_s'])}")
+    if parallel is not None:
+        print(f"  Q4  peak KV n={parallel['n']} shared / separate: "
+              f"{parallel['shared']['peak_kv_bytes'] / parallel['separate']['peak_kv_bytes']:.3f}; prompt "
+              f"{parallel['prompt_tokens']} tokens = {parallel['prompt_tokens'] // parallel['block_size']} full blocks + "
+              f"{parallel['prompt_tokens'] % parallel['block_size']} tokens")
+    if sampling is not None:
+        print(f"  Q5  per request: greedy {format_seconds(sampling['greedy']['median'])}, filtered "
+              f"{format_seconds(sampling['filtered']['median'])}, ratio {sampling['ratio']:.3f}")
+    else:
+        print("  Q5  the sampling timing: finish exercise 3")
+    if structured is not None:
+        c = structured["constrained"]
+        print(f"  Q6  the mask: {format_seconds(c['mask_s'] / max(c['mask_steps'], 1))} per step, "
+              f"{c['mask_s'] / max(c['steps_s'], 1e-9):.1%} of the constrained run's step time "
+              f"({format_seconds(c['step_s'])} per step)")
+
+
+__all__ += ["mask_reference", "make_mask_inputs", "MASK_CASES", "HIDDEN_MASK_CASES", "check_mask_kernel",
+            "MaskKernelSampler", "print_mask_run", "check_mask_run", "time_mask_kernel", "print_mask_timing",
+            "require_kernel", "REFERENCE_SAMPLING", "FakeSamplingEngine", "check_measure_sampling", "print_sampling",
+            "sampling_figure", "print_your_numbers"]
