@@ -623,7 +623,7 @@ def bytes_figure(rows: Sequence[dict], device: str):
 
 # =================================================================== 4b. the SGMV kernels (exercise 3)
 SGMV_CASES = [   # (segments as (start, length, slot), tokens, slots, rank, in, out, what)
-    ([(0, 3, 1)], 3, 3, 4, 8, 8, "one segment of 3 tokens on slot 1"),
+    ([(0, 3, 1)], 4, 3, 4, 8, 8, "one segment of 3 tokens on slot 1; token 3 in none"),
     ([(0, 2, 2), (3, 5, 1), (9, 1, 2)], 11, 3, 5, 20, 12,
      "segments (0, 2, slot 2), (3, 5, slot 1), (9, 1, slot 2); tokens 2, 8 and 10 in none; rank 5, in 20, out 12"),
     ([(0, 4, 0), (4, 3, 3)], 8, 4, 3, 9, 7, "a segment on slot 0 (no adapter: no delta), then (4, 3, slot 3)"),
@@ -889,9 +889,9 @@ def check_throughput_harness(fn: Callable) -> None:
             if run.calls != warmup + repeats:
                 raise CheckFailed(f"{call}: the {name} run was called {run.calls} times; expected warmup + repeats = "
                                   f"{warmup + repeats}")
-        want = reference_throughput(lambda: None, lambda: None, HARNESS_TOKENS, lambda: 0.0, 0, 1)   # the keys
-        if not isinstance(got, dict) or set(got) != set(want) or any(
-                not isinstance(got[k], dict) or set(got[k]) != set(want[k]) for k in ("batched", "swap")):
+        way_keys = {"median_s", "min_s", "max_s", "tok_s"}
+        if not isinstance(got, dict) or set(got) != {"batched", "swap", "ratio"} or any(
+                not isinstance(got[k], dict) or set(got[k]) != way_keys for k in ("batched", "swap")):
             raise CheckFailed(f"{call} returned {got!r}; expected {{'batched': {{...}}, 'swap': {{...}}, 'ratio': ...}} "
                               "with median_s, min_s, max_s, tok_s in each")
         for name in ("batched", "swap"):
