@@ -43,6 +43,7 @@ KERNEL_SLIPS = {
                        "    tokens = start + rows\n    is_row = rows < length\n    is_rank", 1),
     "shrink_slot_stride": ("a_ptr + slot * R * IN", "a_ptr + slot * IN", 1),
     "expand_segment_as_slot": ("b_ptr + slot * OUT * R", "b_ptr + seg * OUT * R", 1),
+    "expand_output_stride": ("delta_ptr + tokens[:, None] * OUT + cols[None, :]", "delta_ptr + tokens[:, None] * R + cols[None, :]", 1),
     "expand_no_start": ("tokens = start + rows\n    is_row = rows < length\n    is_col", "tokens = rows\n    is_row = rows < length\n    is_col", 1),
 }
 
@@ -195,6 +196,7 @@ def test_stub_kernels_raise_not_implemented(tmp_path):
     ("shrink_slot_stride", "check_sgmv_shrink", "compare with the torch spec"),
     ("expand_segment_as_slot", "check_sgmv_delta", "sgmv_delta"),
     ("expand_no_start", "check_sgmv_delta", "segments (0, 2, slot 2)"),
+    ("expand_output_stride", "check_sgmv_delta", "NaN: the launcher fills"),
 ])
 def test_kernel_checks_name_the_slip(wrong_kernels, slip, check, message):
     module = wrong_kernels[slip]
@@ -245,8 +247,11 @@ def test_throughput_rows_and_the_reference_beside(capsys):
     assert "2.33x" in out and "3 adapters" in out
 
 
-def test_lora_ways_serve_the_same_requests_and_restore_the_weights(tiny_lora, experiments):
-    llm, requests, _prompts = tiny_lora
+def test_lora_ways_serve_the_same_requests_and_restore_the_weights(tiny_lora, experiments, monkeypatch):
+    from minillm.bench import lora as lora_bench
+
+    llm, requests, prompts = tiny_lora
+    monkeypatch.setattr(lora_bench, "PROMPTS", prompts)   # the tiny model has no tokenizer: token ids
     run_batched, run_swapped = experiments["lora_ways"](llm, requests[:2], 4, 2)
     weights = {k: v.clone() for k, v in llm.engine.model.state_dict().items()}
     run_batched()
@@ -473,9 +478,9 @@ MISTAKES = {
         ('sgmv_shrink = WRONG["shrink_slot_stride"].sgmv_shrink', "one segment of 3 tokens on slot 1"),
     ],
     "test_sgmv_expand": [
-        ('sgmv_delta = WRONG["expand_segment_as_slot"].sgmv_delta', "sgmv_delta(x [11, 20]"),
+        ('sgmv_delta = WRONG["expand_segment_as_slot"].sgmv_delta', "one segment of 3 tokens on slot 1"),
         ('sgmv_delta = WRONG["expand_no_start"].sgmv_delta', "tokens 2, 8 and 10 in none"),
-        ('sgmv_delta = WRONG["shrink_rows_le"].sgmv_delta', "a row past the segment's end"),
+        ('sgmv_delta = WRONG["expand_output_stride"].sgmv_delta', "this output was never stored"),
     ],
     "test_measure_throughput": [
         ("# warm-up runs timed too\n" + _MEASURE.replace("for _ in range(warmup):\n            run()\n        ", "")
