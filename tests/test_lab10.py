@@ -557,3 +557,9 @@ def graded_namespace(tiny_lora, experiments, kernels, wrong_kernels) -> dict:
                          ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+
+
+@pytest.mark.slow
+def test_solution_kernels_compile_for_sm80_and_sm90(kernels):
+    message = lab10.compile_kernels(kernels.sgmv_shrink_kernel, kernels.sgmv_expand_kernel)
+    assert "sm_80" in message and "sm_90" in message
