@@ -367,6 +367,18 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "route_topk(router_logits, top_k)", "return route(router_logits, top_k, True, False)"),
         "moe_dispatch": _fn("moe_dispatch(x, weights, ids, w13, w2)", "return lab10.reference_dispatch(x, weights, ids, w13, w2)"),
         "answer_active_params_b": "answer_active_params_b = lab10.active_params_b()",
+        # kernels that do nothing, and the engine's kernels or the spec behind the launchers' names
+        "sgmv_kernels": "import triton\nimport triton.language as tl\n@triton.jit\ndef sgmv_shrink_kernel(x_ptr):\n"
+                        "    tl.store(x_ptr, tl.load(x_ptr))\n@triton.jit\ndef sgmv_expand_kernel(mid_ptr):\n"
+                        "    tl.store(mid_ptr, tl.load(mid_ptr))\n"
+                        "from minillm.kernels.lora import sgmv_shrink as _engine_shrink\n"
+                        "def sgmv_shrink(x, a, seg_starts, seg_lens, seg_slots):\n"
+                        "    return lab10.sgmv_reference(x, a, a, seg_starts, seg_lens, seg_slots, shrink_only=True)\n"
+                        "def sgmv_delta(x, a, b, seg_starts, seg_lens, seg_slots):\n"
+                        "    return lab10.sgmv_reference(x, a, b, seg_starts, seg_lens, seg_slots)",
+        "measure_throughput": "import time\n" + _fn(
+            "measure_lora_throughput(run_batched, run_swapped, tokens, clock=time.perf_counter, warmup=1, repeats=3)",
+            "return lab10.reference_throughput(run_batched, run_swapped, tokens, clock, warmup, repeats)"),
     },
     "11_scale_out": {
         "column_parallel": _fn("column_parallel(x, weight, num_shards)", "return lab11.reference_column(x, weight, num_shards)"),

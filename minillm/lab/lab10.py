@@ -1,6 +1,8 @@
 """Lab 10 (many models, one engine): the checks of the LoRA delta (gather and segmented forms), the learner's delta
-in the engine, the memory of 100 adapters, Mixtral's routing and expert dispatch, active parameters; the printouts
-and figures of the adapter, throughput and bytes-per-step experiments.
+in the engine, the learner's SGMV shrink / expand Triton kernels (against the torch spec, and in the engine), the
+learner's throughput harness (with a fake clock), the memory of 100 adapters, Mixtral's routing and expert dispatch
+(an expert no token chose must cost nothing: matrix products counted), active parameters; the printouts and figures
+of the adapter, kernel, throughput and bytes-per-step experiments.
 
 Every check calls the learner's function through `call_learner` on the stated cases and on fresh random inputs of
 odd shapes, compares with the engine's own reference (kernels/lora.py, kernels/fused_moe.py, models/moe.py route),
@@ -21,6 +23,7 @@ from ..models.moe import decode_step_bytes, expected_experts_touched, route
 from ..models.presets import PRESETS
 from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed  # noqa: F401 - echo for the notebook
 from .common import random_tokens  # noqa: F401 - the notebook's inputs, as lab10.random_tokens
+from .common import FakeClock, require_kernel  # noqa: F401 - the notebook's launchers and tests, as lab10.*
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -31,7 +34,7 @@ ADAPTER_PROMPTS = ["What is the capital of Japan?", "Why is the sky blue?", "Nam
                    "How many legs does a spider have?"]
 
 
-MOE_PRESET = "lab10-mixtral-8e"   # tiny-mixtral with Mixtral's 8 experts, top-2: section 8's measurements
+MOE_PRESET = "lab10-mixtral-8e"   # tiny-mixtral with Mixtral's 8 experts, top-2: section 10's measurements
 
 
 def register_moe_preset() -> str:
@@ -261,21 +264,43 @@ def print_answers(rows: Sequence[dict]) -> None:
 
 
 # =================================================================== 5. throughput and memory
+def throughput_row(num_adapters: int, adapter_bytes: int, model_bytes: int, measured: dict | None) -> dict:
+    """One row of the sweep: the adapters' bytes, and (when your harness ran) its medians, spreads and ratio."""
+    row = {"num_adapters": num_adapters, "adapter_bytes": adapter_bytes, "merged_copies_bytes": model_bytes * num_adapters}
+    if measured is not None:
+        for way in ("batched", "swap"):
+            tokens = measured[way]["tok_s"] * measured[way]["median_s"]
+            row.update({f"{way}_tok_s": measured[way]["tok_s"], f"{way}_tok_s_low": tokens / measured[way]["max_s"],
+                        f"{way}_tok_s_high": tokens / measured[way]["min_s"]})
+        row["ratio"] = measured["ratio"]
+    return row
+
+
 def print_throughput(rows: Sequence[dict], device: str) -> None:
     print(f"{'adapters':>8} {'batched tok/s':>14} {'merge+swap tok/s':>17} {'ratio':>6} {'adapters MiB':>13} "
-          f"{'merged copies MiB':>18}   ({device})")
+          f"{'merged copies MiB':>18}   ({device}; medians)")
     for r in rows:
-        print(f"{r['num_adapters']:>8} {r['batched_tok_s']:>14.1f} {r['swap_tok_s']:>17.1f} "
-              f"{r['batched_tok_s'] / r['swap_tok_s']:>5.2f}x {r['adapter_bytes'] / MIB:>13.1f} "
-              f"{r['merged_copies_bytes'] / MIB:>18.0f}")
+        timed = "batched_tok_s" in r
+        print(f"{r['num_adapters']:>8} " + (f"{r['batched_tok_s']:>14.1f} {r['swap_tok_s']:>17.1f} "
+                                           f"{r['batched_tok_s'] / r['swap_tok_s']:>5.2f}x " if timed
+                                           else f"{'-':>14} {'-':>17} {'-':>6} ")
+              + f"{r['adapter_bytes'] / MIB:>13.1f} {r['merged_copies_bytes'] / MIB:>18.0f}")
 
 
 def throughput_figure(rows: Sequence[dict], device: str):
     fig = new_figure("Many adapters: one mixed batch vs merge-and-swap", "adapters in the workload",
-                     "output tokens/s", device)
+                     "output tokens/s (median; bars: fastest and slowest run)", device)
+    rows = [r for r in rows if "batched_tok_s" in r]
     n = [r["num_adapters"] for r in rows]
-    fig.add_scatter(x=n, y=[r["batched_tok_s"] for r in rows], name="batched (one batch, per-token delta)")
-    fig.add_scatter(x=n, y=[r["swap_tok_s"] for r in rows], name="merge and swap (one adapter at a time)")
+    for way, label in (("batched", "batched (one batch, per-token delta)"),
+                       ("swap", "merge and swap (one adapter at a time)")):
+        y = [r[f"{way}_tok_s"] for r in rows]
+        error = {}
+        if all(f"{way}_tok_s_low" in r for r in rows):
+            error = {"error_y": {"type": "data", "symmetric": False,
+                                 "array": [r[f"{way}_tok_s_high"] - v for r, v in zip(rows, y)],
+                                 "arrayminus": [v - r[f"{way}_tok_s_low"] for r, v in zip(rows, y)]}}
+        fig.add_scatter(x=n, y=y, name=label, **error)
     return fig
 
 
@@ -422,6 +447,57 @@ def _dispatch_case(tokens, experts, top_k, hidden, inter, seed, what):
     return x, weights, ids, w13, w2, what
 
 
+_MATMULS = None
+
+
+def _matmul_functions() -> set:
+    global _MATMULS
+    if _MATMULS is None:
+        _MATMULS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum, torch.mv,
+                    torch.tensordot, F.linear, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                    torch.Tensor.__rmatmul__, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.mv}
+    return _MATMULS
+
+
+def count_matmuls(fn: Callable, *args) -> tuple[object, int]:
+    """(fn(*args), the matrix products it ran): torch calls seen by a TorchFunctionMode, counted if a matmul."""
+    from torch.overrides import TorchFunctionMode
+
+    matmuls = _matmul_functions()
+
+    class Count(TorchFunctionMode):
+        count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                Count.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn(*args)
+    return out, Count.count
+
+
+def check_idle_experts_cost_nothing(fn: Callable, num_experts: int = 8, tokens: int = 6) -> None:
+    """An expert no token chose costs nothing: 6 tokens that all chose experts 1 and 5 of 8 must run at most 2/8 of
+    the matrix products that 6 tokens spread over all 8 experts run (counted with a TorchFunctionMode)."""
+    w13, w2 = random_experts(num_experts, 8, 12, seed=4)
+    x = torch.randn(tokens, 8, generator=torch.Generator().manual_seed(4))
+    weights = torch.full((tokens, 2), 0.5)
+    two = torch.tensor([[1, 5]] * tokens)
+    spread = torch.tensor([[(2 * t) % num_experts, (2 * t + 1) % num_experts] for t in range(tokens)])
+    call = f"moe_dispatch(x [{tokens}, 8], weights, ids, w13 [{num_experts}, 24, 8], w2 [{num_experts}, 8, 12])"
+    _, ops_two = count_matmuls(lambda *a: call_learner(fn, a, call), x, weights, two, w13, w2)
+    _, ops_all = count_matmuls(lambda *a: call_learner(fn, a, call), x, weights, spread, w13, w2)
+    if ops_all == 0:
+        return   # no torch matmul to count (e.g. a custom op): the values were checked above
+    if ops_two * num_experts > ops_all * 2:
+        raise CheckFailed(f"{call}: with every token on experts 1 and 5 your dispatch ran {ops_two} matrix products, "
+                          f"with the tokens spread over all {num_experts} experts {ops_all}: an expert no token chose "
+                          f"must cost nothing (skip it; at most 2/{num_experts} of the work, not "
+                          f"{ops_two / ops_all:.0%})")
+
+
 def check_dispatch(fn: Callable, seed: int = 0, num_random: int = 4) -> None:
     """moe_dispatch against the engine's expert loop (kernels/fused_moe.py experts_reference)."""
     gen = torch.Generator().manual_seed(seed)
@@ -444,7 +520,8 @@ def check_dispatch(fn: Callable, seed: int = 0, num_random: int = 4) -> None:
         if not torch.allclose(got.float(), want, atol=1e-4, rtol=1e-4):
             raise CheckFailed(f"{call} ({what}) differs from the engine's expert loop by "
                               f"{float((got.float() - want).abs().max()):.3g}: {_dispatch_hint(got.float(), x, weights, ids, w13, w2)}")
-    passed("moe_dispatch", len(cases))
+    check_idle_experts_cost_nothing(fn)
+    passed("moe_dispatch", len(cases) + 1)
 
 
 def print_moe_run(result: dict) -> None:
@@ -462,7 +539,7 @@ def check_moe_run(result: dict | None) -> None:
         if mine != want:
             j = next((t for t, (p, q) in enumerate(zip(mine, want)) if p != q), min(len(mine), len(want)))
             raise CheckFailed(f"your routing and dispatch in the tiny Mixtral: prompt {i} parts from the engine's own "
-                              f"tokens at output token {j}: run the checks of exercises 4 and 5")
+                              f"tokens at output token {j}: run the checks of exercises 6 and 7")
     passed("your MoE in the engine", len(result["engine"]))
 
 
@@ -542,3 +619,365 @@ def bytes_figure(rows: Sequence[dict], device: str):
                             ("dense_active", "dense 12.9B (only k experts)", "dot")):
         fig.add_scatter(x=b, y=[r[key] / GIB for r in rows], name=name, line=dict(dash=dash) if dash else None)
     return fig
+
+
+# =================================================================== 4b. the SGMV kernels (exercise 3)
+SGMV_CASES = [   # (segments as (start, length, slot), tokens, slots, rank, in, out, what)
+    ([(0, 3, 1)], 4, 3, 4, 8, 8, "one segment of 3 tokens on slot 1; token 3 in none"),
+    ([(0, 2, 2), (3, 5, 1), (9, 1, 2)], 11, 3, 5, 20, 12,
+     "segments (0, 2, slot 2), (3, 5, slot 1), (9, 1, slot 2); tokens 2, 8 and 10 in none; rank 5, in 20, out 12"),
+    ([(0, 4, 0), (4, 3, 3)], 8, 4, 3, 9, 7, "a segment on slot 0 (no adapter: no delta), then (4, 3, slot 3)"),
+]
+HIDDEN_SGMV_CASES = [
+    ([(1, 17, 2), (18, 2, 0), (20, 3, 1)], 24, 3, 7, 37, 70, "a segment of 17 tokens (two tiles of 16), rank 7"),
+    ([(0, 1, 1), (1, 1, 3), (2, 1, 2), (3, 1, 1)], 5, 4, 16, 64, 130, "a decode step: one token per segment, rank 16"),
+]
+
+
+def make_sgmv_inputs(segments, num_tokens: int, num_slots: int, rank: int, in_features: int, out_features: int,
+                     seed: int = 0, device: str = "cpu"):
+    """x [T, in], a [S, r, in], b [S, out, r] (fp32, every slot random, slot 0 too: a kernel must skip it, as the
+    engine's slot 0 holds zeros) and the segments as int32 tensors (seg_starts, seg_lens, seg_slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    a = torch.randn(num_slots, rank, in_features, generator=gen) / in_features ** 0.5
+    b = torch.randn(num_slots, out_features, rank, generator=gen) / rank ** 0.5
+    seg = [torch.tensor([s[i] for s in segments], dtype=torch.int32) for i in range(3)]
+    return tuple(t.to(device) for t in (x, a, b, *seg))
+
+
+def sgmv_reference(x, a, b, seg_starts, seg_lens, seg_slots, shrink_only: bool = False, **slips) -> torch.Tensor:
+    """The spec in torch: for each segment on a slot s > 0, its rows of x times A[s]^T (the shrink, [T, r]) then
+    B[s]^T (the expand, [T, out]); every other row 0. `slips` are the usual kernel mistakes, for the hints."""
+    x, a, b = x.float().cpu(), a.float().cpu(), b.float().cpu()
+    out = torch.zeros(x.shape[0], a.shape[1] if shrink_only else b.shape[1])
+    for i, (start, length, slot) in enumerate(zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist())):
+        if slips.get("segment_as_slot"):
+            slot = i
+        if slot == 0 and not slips.get("slot_0_not_skipped"):
+            continue
+        end = min(x.shape[0], start + length + (1 if slips.get("one_row_too_many") else 0))
+        mid = x[start:end] @ a[slot].t()
+        out[start:end] = mid if shrink_only else mid @ b[slot].t()
+    return out
+
+
+def _sgmv_hint(got, x, a, b, starts, lens, slots, shrink_only) -> str:
+    def close(**slips):
+        want = sgmv_reference(x, a, b, starts, lens, slots, shrink_only, **slips)
+        return bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4))
+
+    if got.isnan().any():
+        return ("NaN: the launcher fills the segments' rows with NaN, so this output was never stored (a store mask "
+                "that drops valid rows or columns, or a loop that misses the tail of a segment)")
+    if close(slot_0_not_skipped=True):
+        return "a segment on slot 0 has no adapter: its program returns at once (vLLM's lora id -1), nothing stored"
+    if close(segment_as_slot=True):
+        return "segment i uses the adapter seg_slots[i], not slot i: load the slot from seg_slot_ptr + seg"
+    if close(one_row_too_many=True):
+        return "a row past the segment's end was written: the rows of segment i are rows < seg_lens[i] (mask <, not <=)"
+    return ("compare with the torch spec above, one segment at a time: the token is seg_starts[i] + row, A[slot] "
+            "starts at slot * R * IN, B[slot] at slot * OUT * R")
+
+
+def _check_sgmv(fn, cases, seed, shrink_only: bool, name: str, device: str | None) -> None:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for i, (segments, tokens, num_slots, rank, in_f, out_f, what) in enumerate(cases):
+        x, a, b, starts, lens, slots = make_sgmv_inputs(segments, tokens, num_slots, rank, in_f, out_f, seed + i, device)
+        args = (x, a) if shrink_only else (x, a, b)
+        shapes = f"x [{tokens}, {in_f}], a {list(a.shape)}" + ("" if shrink_only else f", b {list(b.shape)}")
+        call = (f"{name}({shapes}, seg_starts={starts.tolist()}, seg_lens={lens.tolist()}, "
+                f"seg_slots={slots.tolist()})")
+        got = call_learner(fn, (*args, starts, lens, slots), call)
+        width = rank if shrink_only else out_f
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (tokens, width):
+            raise CheckFailed(f"{call} ({what}) returned {getattr(got, 'shape', type(got).__name__)}; expected "
+                              f"[{tokens}, {width}]")
+        got = got.float().cpu()
+        want = sgmv_reference(x, a, b, starts, lens, slots, shrink_only)
+        close = (got - want).abs() <= 1e-4 + 1e-4 * want.abs()
+        if bool(close.all()):
+            continue
+        r, c = (int(v) for v in (~close).nonzero()[0])
+        raise CheckFailed(f"{call} ({what}): row {r}, column {c} is {float(got[r, c]):.5g}, expected "
+                          f"{float(want[r, c]):.5g} — {_sgmv_hint(got, x, a, b, starts, lens, slots, shrink_only)}")
+    passed(name, len(cases))
+
+
+def check_sgmv_shrink(shrink: Callable, cases=SGMV_CASES, seed: int = 0, device: str | None = None) -> None:
+    """Your shrink kernel (through its launcher `sgmv_shrink(x, a, seg_starts, seg_lens, seg_slots)`) against the
+    torch spec on fresh random inputs: [T, r], each segment's rows x A[slot]^T, every other row 0."""
+    _check_sgmv(shrink, cases, seed, True, "sgmv_shrink", device)
+
+
+def check_sgmv_delta(delta: Callable, cases=SGMV_CASES, seed: int = 0, device: str | None = None) -> None:
+    """Both kernels (through `sgmv_delta(x, a, b, seg_starts, seg_lens, seg_slots)`: your shrink, then your expand)
+    against the torch spec on fresh random inputs: [T, out]."""
+    _check_sgmv(delta, cases, seed, False, "sgmv_delta", device)
+
+
+def kernel_part(sgmv_delta: Callable, counter: dict | None = None) -> Callable:
+    """The engine part lora_delta=fn(x, a, b, batch) running `sgmv_delta` on the step's segments; `counter` gets
+    the calls, their seconds, and per step kind the tokens and segments the kernels saw."""
+    from .common import Stopwatch
+
+    def fn(x, a, b, batch):
+        with Stopwatch() as sw:
+            delta = sgmv_delta(x, a, b, batch.seg_starts, batch.seg_lens, batch.seg_slots)
+        if counter is not None:
+            counter["calls"] = counter.get("calls", 0) + 1
+            counter["kernel_s"] = counter.get("kernel_s", 0.0) + sw.seconds
+            shapes = counter.setdefault("steps", {})
+            shapes[(x.shape[0], len(batch.seg_slots))] = shapes.get((x.shape[0], len(batch.seg_slots)), 0) + 1
+        return delta
+    return fn
+
+
+def tiny_lora_setup(workdir: str, num_prompts: int = 4):
+    """(engine, three LoRARequests, prompts) for the kernels' engine run under the interpreter: random:tiny-llama
+    (2 layers, hidden 64) with LoRA on and three random adapters (ranks 4, 8, 16, large enough to change its
+    greedy tokens), and random prompts of 4 to 13 tokens."""
+    import os
+
+    from .. import LLM
+    from ..bench.lora import random_adapter
+    from ..layers.lora import layer_shapes
+    from ..lora import LoRARequest
+
+    llm = LLM("random:tiny-llama", enable_lora=True, max_loras=3, max_lora_rank=16, seed=0)
+    shapes = layer_shapes(llm.engine.model)
+    requests = [LoRARequest(f"tiny{i}", 200 + i, random_adapter(os.path.join(workdir, f"tiny{i}"), shapes, rank=rank,
+                                                                seed=i, std=0.5))
+                for i, rank in enumerate((4, 8, 16))]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, llm.model_config.vocab_size, (4 + 3 * i,), generator=gen).tolist()}
+               for i in range(num_prompts)]
+    return llm, requests, prompts
+
+
+def print_kernel_engine_run(result: dict) -> None:
+    from .common import print_kernel_run
+
+    print(f"{len(result['owners'])} requests, adapters {result['owners']}")
+    print_kernel_run(result, [("the engine's own LoRA path", result["engine"], "")], result["calls"],
+                     "lora_delta calls (one shrink + one expand launch each)")
+    for (tokens, segments), calls in sorted(result["steps"].items(), reverse=True):
+        print(f"  a step of {tokens} tokens in {segments} segments: {calls} calls")
+
+
+def check_kernel_engine_run(result: dict | None) -> None:
+    if result is None:
+        raise CheckFailed("kernel_run is None: run the cell above (it needs your two kernels)")
+    if result["calls"] == 0:
+        raise CheckFailed("your kernels never ran in the engine: the plugged part was not called")
+    for i, (mine, want) in enumerate(zip(result["tokens"], result["engine"])):
+        if mine != want:
+            j = next((t for t, (p, q) in enumerate(zip(mine, want)) if p != q), min(len(mine), len(want)))
+            raise CheckFailed(f"your SGMV kernels in the engine: request {i} (adapter {result['owners'][i]}) parts "
+                              f"from the engine's own LoRA tokens at output token {j}: run the kernel checks above")
+    passed("your SGMV kernels in the engine", len(result["engine"]))
+
+
+def time_sgmv(sgmv_delta: Callable, num_tokens: int = 256, num_segments: int = 8, rank: int = 16,
+              in_features: int = 4096, out_features: int = 4096, num_slots: int = 9) -> dict:
+    """On a GPU: your two kernels on an 8B-shaped layer (a batch of num_tokens in num_segments runs) against the
+    gather form in torch (each token's A and B copied, then bmm) and the engine's own SGMV kernels."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    from .common import gpu_seconds
+
+    length = num_tokens // num_segments
+    segments = [(i * length, length, 1 + i % (num_slots - 1)) for i in range(num_segments)]
+    x, a, b, starts, lens, slots = make_sgmv_inputs(segments, num_tokens, num_slots, rank, in_features,
+                                                    out_features, device="cuda")
+    token_slots = token_slots_from_segments(num_tokens, starts, lens, slots)
+
+    def engine():
+        from ..kernels.lora import sgmv_expand, sgmv_shrink
+
+        y = torch.zeros(num_tokens, out_features, device="cuda")
+        sgmv_expand(sgmv_shrink(x, a, starts, lens, slots, length), b, y, starts, lens, slots, length)
+
+    try:
+        engine_s = gpu_seconds(engine)
+    except Exception:  # noqa: BLE001 - where the engine's kernels are not reachable (the grading sandbox)
+        engine_s = None
+    return {"device": torch.cuda.get_device_name(),
+            "shape": f"{num_tokens} tokens in {num_segments} segments, rank {rank}, {in_features} -> {out_features}",
+            "yours_s": gpu_seconds(lambda: sgmv_delta(x, a, b, starts, lens, slots)),
+            "gather_s": gpu_seconds(lambda: torch.bmm(b[token_slots], torch.bmm(a[token_slots], x.unsqueeze(2)))),
+            "engine_s": engine_s}
+
+
+def print_sgmv_timing(result: dict) -> None:
+    from .common import format_seconds, print_no_gpu_timing
+
+    if result["device"] == "cpu":
+        print_no_gpu_timing("on an 8B-shaped layer (256 tokens in 8 segments) against the gather form in torch "
+                            "and the engine's own SGMV kernels")
+        return
+    print(f"{result['shape']} — {result['device']}")
+    for name in ("yours", "engine", "gather"):
+        if result[name + "_s"] is not None:
+            print(f"  {name:>7}: {format_seconds(result[name + '_s'])}")
+    print(f"  the gather form over yours: {result['gather_s'] / result['yours_s']:.1f}x")
+
+
+# =================================================================== 5. the learner's throughput harness
+# The course's reference run of the harness: section 5's full sweep (SWEEP_ADAPTERS up to 8, 16 requests of 24
+# tokens), the master's measure_lora_throughput on the default model, warmup=1, repeats=3, recorded with
+#   MINILLM_QUICK=0 python -m grading.execute ... (the master run top to bottom; see REFERENCE_COMMAND)
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_COMMAND = ("the master notebook's section 5 cell, full mode (8 adapters, 16 requests x 24 tokens, "
+                     "warmup=1, repeats=3), on the default model")
+REFERENCE_LORA_RATIO = None     # batched tok/s / merge-and-swap tok/s at 8 adapters; set from the reference run
+HARNESS_TOKENS = 96             # the fake runs' output tokens
+
+
+def reference_throughput(run_batched: Callable, run_swapped: Callable, tokens: int, clock: Callable,
+                         warmup: int = 1, repeats: int = 3) -> dict:
+    """The harness's reference: warm-up calls untimed, each timed call between two reads of `clock`, the median and
+    the spread of each way, tokens/s from the medians, the ratio batched over merge-and-swap."""
+    import statistics
+
+    result = {}
+    for name, run in (("batched", run_batched), ("swap", run_swapped)):
+        for _ in range(warmup):
+            run()
+        samples = []
+        for _ in range(repeats):
+            start = clock()
+            run()
+            samples.append(clock() - start)
+        median = statistics.median(samples)
+        result[name] = {"median_s": median, "min_s": min(samples), "max_s": max(samples), "tok_s": tokens / median}
+    result["ratio"] = result["batched"]["tok_s"] / result["swap"]["tok_s"]
+    return result
+
+
+class _FakeRun:
+    """A fake engine run: each call moves the clock by the next scripted cost."""
+
+    def __init__(self, clock, costs):
+        self.clock, self.costs, self.calls = clock, list(costs), 0
+
+    def __call__(self):
+        if self.calls >= len(self.costs):
+            raise CheckFailed(f"the harness called a run {self.calls + 1} times; warmup + repeats = {len(self.costs)}")
+        self.clock.advance(self.costs[self.calls])
+        self.calls += 1
+
+
+def check_throughput_harness(fn: Callable) -> None:
+    """measure_lora_throughput with a FakeClock and fake runs of known costs (warm-up calls 20x slower, one
+    outlier): warm-up dropped, the median and spread of each way, tokens/s and the ratio. Never real times."""
+    from .common import FakeClock, scripted_costs, timing_mistake, timing_summary
+
+    for warmup, repeats, base_b, base_s, seed in ((1, 5, 0.4, 1.1, 0), (2, 4, 0.25, 0.9, 1), (0, 3, 0.5, 0.6, 2)):
+        clock = FakeClock()
+        costs = {"batched": scripted_costs(base_b, warmup, repeats, seed),
+                 "swap": scripted_costs(base_s, warmup, repeats, seed + 10)}
+        runs = {name: _FakeRun(clock, c) for name, c in costs.items()}
+        call = (f"measure_lora_throughput(fake batched run, fake merge-and-swap run, tokens={HARNESS_TOKENS}, "
+                f"clock=FakeClock, warmup={warmup}, repeats={repeats})")
+        got = call_learner(lambda: fn(runs["batched"], runs["swap"], HARNESS_TOKENS, clock=clock, warmup=warmup,
+                                      repeats=repeats), (), call)
+        if clock.reads == 0:
+            raise CheckFailed(f"{call}: the clock passed in was never read: time with `clock()`, not "
+                              "time.perf_counter() (the default argument is perf_counter; the check passes a fake)")
+        for name, run in runs.items():
+            if run.calls != warmup + repeats:
+                raise CheckFailed(f"{call}: the {name} run was called {run.calls} times; expected warmup + repeats = "
+                                  f"{warmup + repeats}")
+        way_keys = {"median_s", "min_s", "max_s", "tok_s"}
+        if not isinstance(got, dict) or set(got) != {"batched", "swap", "ratio"} or any(
+                not isinstance(got[k], dict) or set(got[k]) != way_keys for k in ("batched", "swap")):
+            raise CheckFailed(f"{call} returned {got!r}; expected {{'batched': {{...}}, 'swap': {{...}}, 'ratio': ...}} "
+                              "with median_s, min_s, max_s, tok_s in each")
+        for name in ("batched", "swap"):
+            stats = timing_summary(costs[name][warmup:])
+            for key, value in (("median_s", stats["median"]), ("min_s", stats["min"]), ("max_s", stats["max"]),
+                               ("tok_s", HARNESS_TOKENS / stats["median"])):
+                value_got = got[name][key]
+                if isinstance(value_got, (int, float)) and math.isclose(value_got, value, rel_tol=1e-6):
+                    continue
+                why = ""
+                if key == "median_s" and isinstance(value_got, (int, float)):
+                    why = timing_mistake(value_got, costs[name], warmup)
+                if key == "tok_s" and isinstance(value_got, (int, float)):
+                    mistake = timing_mistake(HARNESS_TOKENS / value_got, costs[name], warmup) if value_got else ""
+                    why = f"tokens / the {mistake}" if mistake else "tokens / the median seconds of one run"
+                raise CheckFailed(f"{call}[{name!r}][{key!r}] = {value_got!r}, expected {value:.6g}"
+                                  + (f": {why}" if why else ""))
+        ratio = got["batched"]["tok_s"] / got["swap"]["tok_s"]
+        if not isinstance(got["ratio"], (int, float)) or not math.isclose(got["ratio"], ratio, rel_tol=1e-6):
+            inverted = isinstance(got["ratio"], (int, float)) and got["ratio"] and math.isclose(
+                1 / got["ratio"], ratio, rel_tol=1e-6)
+            raise CheckFailed(f"{call}['ratio'] = {got['ratio']!r}, expected {ratio:.6g}: "
+                              + ("inverted: batched tok/s OVER merge-and-swap tok/s" if inverted
+                                 else "batched tok/s / merge-and-swap tok/s"))
+    passed("measure_lora_throughput", 3)
+
+
+def print_reference_ratio(rows: Sequence[dict]) -> None:
+    """The ratio at the most adapters of your sweep beside the course's reference run."""
+    from .common import print_beside_reference
+
+    row = max(rows, key=lambda r: r["num_adapters"])
+    if "ratio" not in row:
+        return
+    if REFERENCE_LORA_RATIO is None:
+        print(f"batched / merge-and-swap at {row['num_adapters']} adapters: yours {row['ratio']:.2f}x "
+              "(no reference run recorded yet)")
+        return
+    print_beside_reference(f"batched / merge-and-swap tok/s at {row['num_adapters']} adapters", row["ratio"],
+                           REFERENCE_LORA_RATIO, REFERENCE_HARDWARE, unit="x", digits=3)
+
+
+def compile_kernels(shrink_kernel, expand_kernel, targets: Sequence[int] = (80, 90), timeout_s: int = 600) -> str:
+    """Compile your two kernels ahead of time for each CUDA compute capability (no GPU needed: Triton ships the PTX
+    assembler) in a fresh process without the interpreter, which forgives what a GPU compiler does not;
+    CheckFailed with the compiler's last lines if one does not compile."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+
+    require_kernel(shrink_kernel)
+    require_kernel(expand_kernel)
+    sources = [textwrap.dedent(inspect.getsource(getattr(k, "fn", k))) for k in (shrink_kernel, expand_kernel)]
+    segments = {"seg_start_ptr": "*i32", "seg_len_ptr": "*i32", "seg_slot_ptr": "*i32"}
+    jobs = [("sgmv_shrink_kernel", {"x_ptr": "*fp32", "a_ptr": "*fp32", "mid_ptr": "*fp32", **segments, "IN": "i32",
+                                    "R": "i32", "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"},
+             {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 32}),
+            ("sgmv_expand_kernel", {"mid_ptr": "*fp32", "b_ptr": "*fp32", "delta_ptr": "*fp32", **segments,
+                                    "OUT": "i32", "R": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                                    "BLOCK_R": "constexpr"},
+             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_R": 16})]
+    with tempfile.TemporaryDirectory(prefix="lab10-aot-") as tmp:
+        path = os.path.join(tmp, "lab10_kernels.py")
+        with open(path, "w") as f:
+            f.write("import triton\nimport triton.language as tl\n\n\n" + "\n\n".join(sources))
+        script = textwrap.dedent(f"""
+            import importlib.util
+            import triton
+            from triton.backends.compiler import GPUTarget
+            from triton.compiler import ASTSource
+            spec = importlib.util.spec_from_file_location("lab10_kernels", {path!r})
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            for cc in {tuple(targets)!r}:
+                for name, signature, constexprs in {jobs!r}:
+                    triton.compile(ASTSource(fn=getattr(module, name), signature=signature, constexprs=constexprs),
+                                   target=GPUTarget("cuda", cc, 32))
+                print("sm_%d ok" % cc, flush=True)
+        """)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout_s)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise CheckFailed("your kernels do not compile for the GPU (the interpreter forgave it):\n" + "\n".join(lines[-12:]))
+    ok = [line.split()[0] for line in done.stdout.split("\n") if line.endswith(" ok")]
+    return "✓ sgmv_shrink_kernel and sgmv_expand_kernel compile for " + " and ".join(ok)
