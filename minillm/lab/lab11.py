@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed, random_tokens  # noqa: F401 - echo and random_tokens for the notebook
+from .common import (CheckFailed, FakeClock, call_learner, echo_prediction, new_figure, passed,  # noqa: F401 - for the notebook
+                     random_tokens)
 
 ATOL = 1e-5
 
@@ -302,6 +303,260 @@ def check_tp_runs(result: dict | None) -> None:
     passed("tensor-parallel tokens", len(sizes) - 1)
 
 
+# =================================================================== 5. your cut, in the engine (sharding=)
+def _fake_all_reduce(others: torch.Tensor, calls: list):
+    """rank r's all_reduce as the check plays it: the other ranks' partials (computed here) added to t."""
+    def all_reduce(t):
+        calls.append(tuple(t.shape))
+        return t + others
+    return all_reduce
+
+
+def _sharding_cases(seed: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(seed)
+    cases = [(random_weight(4, 6, seed + 1), 2, "weight [4, 6], N = 2"), (random_weight(6, 9, seed + 2), 3,
+                                                                          "weight [6, 9], N = 3")]
+    for i in range(4):
+        n = int(torch.randint(2, 5, (1,), generator=gen))
+        out_f, in_f = n * int(torch.randint(1, 9, (1,), generator=gen)), n * int(torch.randint(1, 9, (1,), generator=gen))
+        cases.append((random_weight(out_f, in_f, seed * 10 + i), n, f"random weight [{out_f}, {in_f}], N = {n}"))
+    return cases
+
+
+def check_sharding(part, seed: int = 0) -> None:
+    """A TensorSharding (minillm/seams.py) against the engine's cut: column(weight, r, N) is rank r's block of rows,
+    row(weight, r, N) its block of columns, and row_matmul(x_r, W_r, all_reduce) the whole layer's output through
+    one all-reduce of rank r's partial product (the other ranks' partials played by the check)."""
+    from ..seams import PartError, TensorSharding, check_part
+
+    try:
+        check_part(part, TensorSharding, "sharding")
+    except PartError as exc:
+        raise CheckFailed(str(exc)) from None
+    count = 0
+    for weight, n, what in _sharding_cases(seed):
+        out_f, in_f = weight.shape
+        for r in range(n):
+            for how, want, strided, other in (
+                    ("column", weight[blocks(out_f, n)[r]], weight[r::n], weight[:, blocks(in_f, n)[r]]),
+                    ("row", weight[:, blocks(in_f, n)[r]], weight[:, r::n], weight[blocks(out_f, n)[r]])):
+                before = weight.clone()
+                call = f"sharding.{how}(weight [{out_f}, {in_f}], rank={r}, world_size={n}) ({what})"
+                got = call_learner(getattr(part, how), (weight, r, n), call)
+                if not torch.equal(weight, before):
+                    raise CheckFailed(f"{call} changed the weight in place")
+                if not isinstance(got, torch.Tensor):
+                    raise CheckFailed(f"{call} returned {type(got).__name__}; expected a tensor of shape "
+                                      f"{list(want.shape)}")
+                if tuple(got.shape) != tuple(want.shape):
+                    dim = 0 if how == "column" else 1
+                    hint = (f": that is the other split's shape. {how}() cuts dim {dim} of weight [out, in] "
+                            f"({'the output rows' if dim == 0 else 'the input columns'})"
+                            if tuple(got.shape) == tuple(other.shape) else
+                            f": [{out_f // n if how == 'column' else out_f}, {in_f if how == 'column' else in_f // n}]")
+                    raise CheckFailed(f"{call} has shape {list(got.shape)}, expected {list(want.shape)}{hint}")
+                if torch.equal(got, want):
+                    count += 1
+                    continue
+                rank_of = next((k for k in range(n) if torch.equal(
+                    got, weight[blocks(out_f, n)[k]] if how == "column" else weight[:, blocks(in_f, n)[k]])), None)
+                if n > 1 and torch.equal(got, strided):
+                    hint = "every N-th index is not a block: rank r holds the contiguous block r * d / N .. (r + 1) * d / N - 1"
+                elif rank_of is not None:
+                    hint = (f"that is rank {rank_of}'s block: rank r holds block r (rank 0 the first), so every rank "
+                            "holds a different block and together they cover the matrix once")
+                else:
+                    hint = f"rank r's block of weight's dim {0 if how == 'column' else 1}, unchanged"
+                raise CheckFailed(f"{call} is not rank {r}'s block: {hint}")
+        x = random_tokens(3, in_f, seed + n)
+        full = x @ weight.t()
+        for r in range(n):
+            cols = blocks(in_f, n)[r]
+            others = full - x[:, cols] @ weight[:, cols].t()
+            calls: list = []
+            call = (f"sharding.row_matmul(x [3, {in_f // n}], weight [{out_f}, {in_f // n}], all_reduce) as rank {r} "
+                    f"of {n} ({what})")
+            got = call_learner(part.row_matmul, (x[:, cols].clone(), weight[:, cols].clone(),
+                                                 _fake_all_reduce(others, calls)), call)
+            if not calls:
+                raise CheckFailed(f"{call} never called all_reduce: rank {r}'s product is a partial sum over its "
+                                  f"{in_f // n} input features; all_reduce(partial) adds the other ranks' partials")
+            if len(calls) > 1:
+                raise CheckFailed(f"{call} called all_reduce {len(calls)} times; once, on this rank's partial product")
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != (3, out_f):
+                raise CheckFailed(f"{call} returned {getattr(got, 'shape', type(got).__name__)}; expected [3, {out_f}]")
+            if not torch.allclose(got.float(), full, atol=ATOL, rtol=1e-4):
+                if calls[0] != (3, out_f):
+                    hint = f"all_reduce got a tensor of shape {list(calls[0])}: give it the partial product [T, out]"
+                elif torch.allclose(got.float(), x[:, cols] @ weight[:, cols].t(), atol=ATOL, rtol=1e-4):
+                    hint = "that is this rank's partial alone: return what all_reduce returns (the sum over the ranks)"
+                else:
+                    hint = "all_reduce(x @ weight.T): this rank's partial product, summed over the ranks"
+                raise CheckFailed(f"{call}: the output differs from the whole layer's x @ W^T by "
+                                  f"{float((got.float() - full).abs().max()):.3g}: {hint}")
+            count += 1
+    passed("your sharding", count)
+
+
+def check_tp_tokens(result: dict | None, sharding_name: str | None) -> None:
+    """The tensor-parallel runs of section 5 used your sharding part and gave N = 1's greedy tokens."""
+    if result is None:
+        raise CheckFailed("tp is None: run the tensor-parallel cell above")
+    if result.get("sharding") != sharding_name:
+        raise CheckFailed(f"the tensor-parallel runs used sharding {result.get('sharding')!r}, not your "
+                          f"{sharding_name}: run the tensor-parallel cell again after exercise 4")
+    check_tp_runs(result)
+
+
+# =================================================================== 5. the measurement: time per step against N
+# The course's reference run, on the machine the course was written on: the notebook's tensor-parallel cell in full
+# mode (SmolLM2-135M, TP_SIZES (1, 3), 3 prompts, 2 warm-up and 8 timed decode steps per engine, gloo on the CPU):
+#   MINILLM_QUICK=0 jupyter nbconvert --execute solutions/11_scale_out.ipynb   (section 5, tp_timing)
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_TP_SIZES = (1, 3)
+REFERENCE_STEP_S = {1: 0.0, 3: 0.0}     # median seconds per decode step (3 sequences)
+REFERENCE_SPEEDUP = 0.0                 # N = 1's median / N = 3's
+
+
+class DecodeSteps:
+    """`num_prompts` sequences in `llm`'s engine, prefilled (not timed): each call runs ONE engine step, a decode
+    step of the whole batch, for at most `num_steps` calls."""
+
+    def __init__(self, llm, prompts: Sequence[dict], num_steps: int):
+        from .. import SamplingParams
+
+        if num_steps < 1:
+            raise ValueError(f"DecodeSteps(num_steps={num_steps!r}): at least 1 decode step")
+        engine = llm.engine
+        if engine.has_unfinished():
+            raise RuntimeError("DecodeSteps: the engine is already running requests; let them finish first")
+        params = SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
+        self.engine, self.num_steps, self.calls = engine, num_steps, 0
+        self.seqs = [engine.add_request(list(p["prompt_token_ids"]), params) for p in prompts]
+        while any(s.first_token_s is None and not s.is_finished for s in self.seqs):   # the prefills
+            engine.step()
+
+    def __call__(self) -> None:
+        if self.calls >= self.num_steps:
+            raise RuntimeError(f"DecodeSteps: all {self.num_steps} decode steps are spent; make a new one "
+                               "(num_steps = warmup + repeats)")
+        self.calls += 1
+        self.engine.step()
+
+    def finish(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+class FakeStep:
+    """A stand-in for DecodeSteps in the check: each call moves `clock` by the next scripted cost; nothing runs."""
+
+    def __init__(self, clock, costs: Sequence[float], label: str):
+        self.clock, self.costs, self.label = clock, list(costs), label
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.clock.advance(self.costs[min(self.calls, len(self.costs) - 1)])
+        self.calls += 1
+
+    def __repr__(self) -> str:
+        return f"<fake decode step, {self.label}>"
+
+
+def reference_step_timing(costs: Sequence[float], warmup: int) -> dict:
+    from .common import timing_summary
+
+    summary = timing_summary(list(costs)[warmup:])
+    return {"median": summary["median"], "min": summary["min"], "max": summary["max"]}
+
+
+TP_TIMING_CASES = (  # (the case in words, warmup, repeats, seed, {N: base seconds})
+    ("N = 1 and 2, 2 warm-up and 5 timed steps, one slow outlier each", 2, 5, 1, {1: 0.02, 2: 0.03}),
+    ("N = 4, 1 and 2 (neither N = 1 nor the largest N last), 1 warm-up and 4 timed steps (the median averages the "
+     "middle two)", 1, 4, 2, {4: 0.008, 1: 0.02, 2: 0.012}),
+    ("N = 1 and 3, no warm-up, 3 timed steps", 0, 3, 3, {1: 0.05, 3: 0.04}),
+)
+
+
+def check_tp_step_time(fn: Callable, cases=TP_TIMING_CASES) -> None:
+    """tp_step_time(steps, clock, warmup, repeats) on fake decode steps (one per N) that move a FakeClock by known
+    costs (warm-up steps 20x slower, one timed step 4x): each called warmup + repeats times, the warm-up dropped,
+    each N's median, min and max those of its timed steps, and speedup = N = 1's median / the largest N's."""
+    from .common import FakeClock, is_close, scripted_costs, timing_mistake
+
+    for name, warmup, repeats, seed, bases in cases:
+        clock = FakeClock()
+        costs = {n: scripted_costs(base, warmup, repeats, seed + n) for n, base in bases.items()}
+        steps = {n: FakeStep(clock, costs[n], f"N = {n}") for n in bases}
+        call = f"tp_step_time(<fake steps for N in {list(bases)}>, clock=FakeClock(), warmup={warmup}, " \
+               f"repeats={repeats}). Case: {name}"
+        got = call_learner(fn, (steps, clock, warmup, repeats), call)
+        if clock.reads == 0:
+            raise CheckFailed(f"{call}: your code never read `clock`: time with the clock you are given "
+                              "(start = clock() ... clock() - start), not time.perf_counter, so the check can script "
+                              "what each step costs")
+        for n, step in steps.items():
+            if step.calls != warmup + repeats:
+                raise CheckFailed(f"{call}: steps[{n}] was called {step.calls} times; expected warmup + repeats = "
+                                  f"{warmup + repeats} (warm up, then time `repeats` calls)")
+        if not isinstance(got, dict) or not {"times", "speedup"} <= set(got) or not isinstance(got["times"], dict):
+            raise CheckFailed(f"{call} returned {got!r}; return {{'times': {{N: {{'median', 'min', 'max'}}}}, "
+                              "'speedup': ...}")
+        if set(got["times"]) != set(bases):
+            raise CheckFailed(f"{call}: ['times'] has the keys {sorted(got['times'])}; expected one per N: "
+                              f"{sorted(bases)}")
+        for n in bases:
+            want = reference_step_timing(costs[n], warmup)
+            summary = got["times"][n]
+            if not isinstance(summary, dict) or not {"median", "min", "max"} <= set(summary):
+                raise CheckFailed(f"{call}: ['times'][{n}] = {summary!r}; expected a dict with 'median', 'min', 'max'")
+            for key in ("median", "min", "max"):
+                value = summary[key]
+                if is_close(value, want[key], rel=1e-6):
+                    continue
+                why = timing_mistake(value, costs[n], warmup) if key == "median" else ""
+                if key != "median" and is_close(value, (min if key == "min" else max)(costs[n]), rel=1e-6):
+                    why = "the spread kept a warm-up step: take min and max of the timed steps only"
+                if not why and isinstance(value, (int, float)) and is_close(value, 0.0, abs_tol=1e-3):
+                    why = "a real time, not the clock's: read `clock()`, not time.perf_counter()"
+                shown = f"{float(value):.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+                raise CheckFailed(f"{call}: ['times'][{n}][{key!r}] = {shown}, expected {want[key]:.6g} s"
+                                  + (f": that is {why}" if why else ""))
+        top = max(bases)
+        want_speedup = reference_step_timing(costs[1], warmup)["median"] / reference_step_timing(costs[top], warmup)["median"]
+        if not is_close(got["speedup"], want_speedup, rel=1e-6):
+            hint = (f"it is upside down: N = 1's median over N = {top}'s (above 1 when splitting made the step faster)"
+                    if is_close(got["speedup"], 1 / want_speedup, rel=1e-6) else
+                    f"N = 1's median over the largest N's ({top}), whatever the order of `steps`")
+            raise CheckFailed(f"{call}: speedup = {got['speedup']!r}, expected {want_speedup:.6g}: {hint}")
+    passed("tp_step_time", len(cases))
+
+
+def print_tp_timing(timing: dict, device: str) -> None:
+    from .common import format_seconds, print_beside_reference
+
+    for n, t in sorted(timing["times"].items()):
+        print(f"tensor_parallel_size={n}: {format_seconds(t['median'])} per decode step (min "
+              f"{format_seconds(t['min'])}, max {format_seconds(t['max'])})")
+    top = max(timing["times"])
+    print_beside_reference(f"decode step speed-up, N = 1 over N = {top} (reference: N = {REFERENCE_TP_SIZES[-1]})",
+                           timing["speedup"], REFERENCE_SPEEDUP, REFERENCE_HARDWARE, unit="x", device=device)
+
+
+def tp_timing_figure(timing: dict, device: str):
+    """Median ms per decode step against N, the min-max spread as error bars."""
+    ns = sorted(timing["times"])
+    med = [timing["times"][n]["median"] * 1e3 for n in ns]
+    fig = new_figure(f"A decode step against tensor_parallel_size: speed-up {timing['speedup']:.2f}x at N = {ns[-1]}",
+                     "tensor_parallel_size N", "ms per decode step (median; bars: min to max)", device)
+    fig.add_bar(x=[str(n) for n in ns], y=med,
+                error_y=dict(type="data", symmetric=False,
+                             array=[timing["times"][n]["max"] * 1e3 - m for n, m in zip(ns, med)],
+                             arrayminus=[m - timing["times"][n]["min"] * 1e3 for n, m in zip(ns, med)]),
+                text=[f"{m:.1f} ms" for m in med], textposition="outside", name="median")
+    return fig
+
+
 def reference_allreduce_costs(rows: Sequence[dict]) -> list[dict]:
     base = next((r for r in rows if r["tensor_parallel_size"] == 1), None)
     out = []
@@ -427,7 +682,7 @@ def print_pays(rows: Sequence[dict]) -> None:
 # =================================================================== 7. the autoscaler's policy
 def reference_policy(state, target_ongoing: float = 2.0, upscale_window_s: float = 5.0,
                      downscale_window_s: float = 30.0, rounding: Callable = math.ceil, edge_inside: bool = False) -> int:
-    """Exercise 5's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
+    """Exercise 6's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
     replicas; down to ceil(largest load of the last downscale_window_s / target) when that is below; clamped.
     A sample exactly window_s old is outside the window (edge_inside=True: the usual mistake, t >= now - window)."""
     def over(window_s):
@@ -459,7 +714,7 @@ def fleet_state(now_s: float, loads: Sequence[int], running: int, starting: int 
 
 
 def _policy_cases() -> list[tuple]:
-    """(state, kwargs, what): the stated cases of exercise 5 (1 s ticks, 40 s of history)."""
+    """(state, kwargs, what): the stated cases of exercise 6 (1 s ticks, 40 s of history)."""
     flat = [4] * 40
     return [
         (fleet_state(100.0, flat, running=2), {}, "a steady load of 4 on 2 replicas: keep 2"),
@@ -517,7 +772,7 @@ def _policy_hint(state, kwargs, got: int) -> str:
 
 
 def check_autoscaler(fn: Callable) -> None:
-    """autoscaler_policy against the rule of exercise 5 on the stated states."""
+    """autoscaler_policy against the rule of exercise 6 on the stated states."""
     cases = _policy_cases()
     for state, kwargs, what in cases:
         extra = "".join(f", {k}={v}" for k, v in kwargs.items())
