@@ -24,10 +24,10 @@ from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "11_scale_out" / "11_scale_out.ipynb"
 EXERCISES = {"column_parallel", "row_parallel", "parallel_mlp", "tp_sharding", "measure_tp_step_time",
-             "answer_tp8_step_ms", "autoscaler_policy", "measure_choose_fleet"}
+             "answer_tp8_step_ms", "autoscaler_policy", "measure_choose_fleet", "vllm_serve_args"}
 GRADED = {"test_column_parallel": 2, "test_row_parallel": 2, "test_parallel_mlp": 2, "test_tp_sharding": 2,
           "test_measure_tp_step_time": 2, "test_answer_tp8_step_ms": 1, "test_autoscaler_policy": 2,
-          "test_measure_choose_fleet": 2}
+          "test_measure_choose_fleet": 2, "test_vllm_serve_args": 2}
 DEVICE = "cpu: test device"
 TINY = "random:tiny-llama"   # 2 layers, hidden 64, intermediate 128, 4 query / 2 KV heads: N = 1, 2 (4 for the MLP)
 
@@ -74,7 +74,7 @@ def tp_result(experiments, solution) -> dict:
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
-    assert_master_structure(MASTER, EXERCISES, GRADED, 15)
+    assert_master_structure(MASTER, EXERCISES, GRADED, 17)
 
 
 def test_student_copy_has_stubs_and_no_solution():
@@ -93,6 +93,8 @@ def test_solution_passes_every_check(solution):
     lab11.check_autoscaler(solution["autoscaler_policy"])
     lab11.check_sharding(solution["MySharding"](), seed=3)
     lab11.check_tp_step_time(solution["tp_step_time"])
+    lab11.check_vllm_args(solution["vllm_serve_args"])
+    lab11.check_vllm_args(lab11.reference_vllm_args)
     lab11.check_answer_tp8_step_ms(solution["answer_tp8_step_ms"])
     assert lab11.answer_tp8_ms() == pytest.approx(70.6e9 * 2 / 3.35e12 / 8 * 1e3 + 3.2)
 
@@ -337,6 +339,27 @@ _CHOOSE = '''def choose_fleet(run, target_p99_s, warm_options, batch_options):
     best = min(meeting, key=lambda row: row["usd_per_mtok"])
     return {**best, "rows": rows}
 '''
+_VLLM = '''def vllm_serve_args(config):
+    fixed = {"kv_cache": True, "paged": True, "batching": "continuous", "speculative": None, "enable_lora": False}
+    for name, value in fixed.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{name}={getattr(config, name)!r}: vLLM always runs {name}={value!r}")
+    for name in ("weight_dtype", "kv_dtype"):
+        if getattr(config, name) not in (None, "fp8"):
+            raise ValueError(f"{name}={getattr(config, name)!r}: vLLM takes fp8 only")
+    args = [config.model or VLLM_DEFAULT_MODEL,
+            "--max-num-seqs", str(config.max_num_seqs), "--block-size", str(config.block_size),
+            "--tensor-parallel-size", str(config.tensor_parallel_size),
+            "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill"]
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    if config.kv_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    if config.weight_dtype == "fp8":
+        args += ["--quantization", "fp8"]
+    return args
+'''
 
 MISTAKES = {
     "test_column_parallel": [
@@ -396,6 +419,22 @@ MISTAKES = {
         ("# the last N taken as the largest\n" + _TIMING.replace("times[max(times)]", "times[list(times)[-1]]"),
          "whatever the order of `steps`"),
     ],
+    "test_vllm_serve_args": [
+        ("# minillm's spelling\n" + _VLLM.replace('"--enable-prefix-caching" if', '"--prefix-caching" if'),
+         "--prefix-caching is minillm's spelling; vLLM's is --enable-prefix-caching"),
+        ("# only the levers that are on\n" + _VLLM.replace(
+            '"--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",', "").replace(
+            "    if config.max_model_len is not None:",
+            '    if config.prefix_caching:\n        args.append("--enable-prefix-caching")\n    if config.max_model_len is not None:'),
+         "say prefix_caching explicitly"),
+        ("# static batching served anyway\n" + _VLLM.replace('"batching": "continuous", ', ""),
+         "vLLM has no flag for batching='static'"),
+        ("# the model as --model\n" + _VLLM.replace("args = [config.model or VLLM_DEFAULT_MODEL,",
+                                                     'args = ["--model", config.model or VLLM_DEFAULT_MODEL,'),
+         "--model is minillm's spelling"),
+        ("# fp8 KV as e5m2\n" + _VLLM.replace('args += ["--kv-cache-dtype", "fp8"]', 'args += ["--kv-cache-dtype", "fp8_e5m2"]'),
+         "minillm's map of vLLM's flags refuses it"),
+    ],
     "test_answer_tp8_step_ms": [
         ("answer_tp8_step_ms = 70.6e9 * 2 / 3.35e12 * 1e3 / 8   # the weights only\n", "the all-reduces are missing"),
         ("answer_tp8_step_ms = 70.6e9 * 2 / 3.35e12 * 1e3 / 8 + 80 * 20e-3   # one per layer\n",
@@ -438,7 +477,7 @@ def graded_namespace(tiny_llm, experiments, tp_result, fleet_namespace) -> dict:
 
     ns = run_solution_cells(MASTER, {"lab11": lab11, "torch": torch, "F": F, "math": math})
     ns.update(fleet_namespace, llm=tiny_llm, model_mlp=experiments["model_mlp"], tp_rows=tp_result["rows"], tp=tp_result,
-              TP_SIZES=(1, 2), time=__import__("time"),
+              TP_SIZES=(1, 2), time=__import__("time"), VLLM_DEFAULT_MODEL=lab11.VLLM_DEFAULT_MODEL,
               fleet_window=experiments["fleet_window"], functools=functools)
     ns["model_mlp_result"] = ns["model_mlp"](tiny_llm, ns["parallel_mlp"], [2, 4])
     ns["choice"] = ns["choose_fleet"](ns["fleet_window"], ns["TARGET_P99_S"], ns["WARM_OPTIONS"], ns["BATCH_OPTIONS"])

@@ -944,3 +944,121 @@ def print_choice(choice: dict | None, target_p99_s: float, hourly_usd: float) ->
         mark = "  <- your choice" if (r["warm_replicas"], r["max_num_seqs"]) == (choice["warm_replicas"], choice["max_num_seqs"]) else (
             "" if r["spike_ttft_p99_s"] <= target_p99_s else "  (misses the target)")
         print(f"{r['warm_replicas']:>5} {r['max_num_seqs']:>6} {r['spike_ttft_p99_s']:>9.2f}s {r['usd_per_mtok']:>8.3f}{mark}")
+
+
+# =================================================================== 11. the move to vLLM: your flag map
+VLLM_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"   # minillm's default model, as vLLM loads it from the hub
+VLLM_MAPPED = ("max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size", "prefix_caching",
+               "chunked_prefill", "kv_dtype", "weight_dtype")
+# levers of minillm with no vLLM meaning when set away from vLLM's behaviour: (field, the value vLLM always has)
+VLLM_FIXED = (("kv_cache", True), ("paged", True), ("batching", "continuous"), ("speculative", None),
+              ("enable_lora", False))
+# minillm's own spellings that `vllm serve` does not know -> vLLM's
+MINILLM_ONLY_FLAGS = {"--prefix-caching": "--enable-prefix-caching", "--no-prefix-caching": "--no-enable-prefix-caching",
+                      "--chunked-prefill": "--enable-chunked-prefill",
+                      "--no-chunked-prefill": "--no-enable-chunked-prefill", "--kv-dtype": "--kv-cache-dtype",
+                      "--weight-dtype": "--quantization", "--model": "the model as the first argument"}
+
+
+def reference_vllm_args(config) -> list[str]:
+    """`vllm serve` arguments for an EngineConfig: the model first, then vLLM's spelling of each mapped lever."""
+    for name, value in VLLM_FIXED:
+        if getattr(config, name) != value:
+            raise ValueError(f"{name}={getattr(config, name)!r} has no vLLM flag (vLLM always runs {name}={value!r})")
+    if config.weight_dtype not in (None, "fp8"):
+        raise ValueError(f"weight_dtype={config.weight_dtype!r} has no vLLM flag (--quantization fp8 only)")
+    if config.kv_dtype not in (None, "fp8"):
+        raise ValueError(f"kv_dtype={config.kv_dtype!r} has no vLLM flag (--kv-cache-dtype fp8 only)")
+    args = [config.model or VLLM_DEFAULT_MODEL, "--max-num-seqs", str(config.max_num_seqs), "--block-size",
+            str(config.block_size), "--tensor-parallel-size", str(config.tensor_parallel_size),
+            "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill"]
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    if config.kv_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    if config.weight_dtype == "fp8":
+        args += ["--quantization", "fp8"]
+    return args
+
+
+def _vllm_cases() -> list[tuple]:
+    from ..config import EngineConfig
+
+    return [(EngineConfig(), "the defaults (LLM())"),
+            (EngineConfig(model="random:tiny-llama", max_num_seqs=64, block_size=32, prefix_caching=True,
+                          chunked_prefill=True, max_model_len=2048),
+             "random:tiny-llama, 64 sequences, blocks of 32, prefix caching and chunked prefill on, 2048 tokens"),
+            (EngineConfig(tensor_parallel_size=2, kv_dtype="fp8", weight_dtype="fp8"),
+             "tensor_parallel_size=2, fp8 KV cache, fp8 weights"),
+            (EngineConfig(max_num_seqs=8, prefix_caching=False), "8 sequences, prefix caching off")]
+
+
+def _vllm_refusals() -> list[tuple]:
+    from ..config import EngineConfig
+
+    return [(EngineConfig(kv_cache=False), "kv_cache"), (EngineConfig(batching="static"), "batching"),
+            (EngineConfig(weight_dtype="int8"), "weight_dtype"), (EngineConfig(paged=False), "paged")]
+
+
+def check_vllm_args(fn: Callable) -> None:
+    """vllm_serve_args(config) on stated configs, read back by minillm's own map of vLLM's flags (`minillm serve`
+    accepts vLLM's spellings: serve/vllm_flags.py): the same levers must come back; prefix caching and chunked prefill
+    said explicitly (vLLM's defaults differ from minillm's); minillm-only spellings refused; levers vLLM cannot
+    express refused with a ValueError naming them."""
+    import contextlib
+    import io
+
+    from ..serve.cli import config_from_argv
+
+    count = 0
+    for config, what in _vllm_cases():
+        call = f"vllm_serve_args(EngineConfig(...)) ({what})"
+        got = call_learner(fn, (config,), call)
+        if not isinstance(got, (list, tuple)) or not all(isinstance(a, str) for a in got) or not got:
+            raise CheckFailed(f"{call} returned {got!r}; expected a list of strings, the model first "
+                              "(e.g. ['HuggingFaceTB/SmolLM2-135M-Instruct', '--max-num-seqs', '16', ...])")
+        for arg in got:
+            if arg in MINILLM_ONLY_FLAGS:
+                raise CheckFailed(f"{call}: {arg} is minillm's spelling; vLLM's is {MINILLM_ONLY_FLAGS[arg]}")
+        want_model = config.model or VLLM_DEFAULT_MODEL
+        if got[0] != want_model:
+            raise CheckFailed(f"{call}: the first argument is {got[0]!r}; `vllm serve` takes the model first: "
+                              f"{want_model!r}" + (" (minillm's default model, by its hub id)" if config.model is None else ""))
+        for on, off, name in (("--enable-prefix-caching", "--no-enable-prefix-caching", "prefix_caching"),
+                              ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "chunked_prefill")):
+            said = [a for a in got if a in (on, off)]
+            if len(said) != 1:
+                raise CheckFailed(f"{call}: say {name} explicitly, once ({on} or {off}; you gave {said or 'neither'}): "
+                                  f"vLLM 0.11 turns it on by default, minillm's LLM() leaves it off")
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                back = config_from_argv(list(got[1:]) + ["--model", got[0]])
+        except SystemExit:
+            raise CheckFailed(f"{call} = {list(got)}: minillm's map of vLLM's flags refuses it: "
+                              f"{stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else ''}") from None
+        except ValueError as exc:
+            raise CheckFailed(f"{call} = {list(got)}: minillm's map of vLLM's flags refuses it: {exc}") from None
+        for name in VLLM_MAPPED:
+            if getattr(back, name) != getattr(config, name):
+                raise CheckFailed(f"{call} = {list(got)}: read back by minillm's map of vLLM's flags, {name} is "
+                                  f"{getattr(back, name)!r}, expected {getattr(config, name)!r}")
+        count += 1
+    for config, lever in _vllm_refusals():
+        call = f"vllm_serve_args(EngineConfig({lever}={getattr(config, lever)!r}))"
+        try:
+            got = fn(config)
+        except NotImplementedError:
+            raise
+        except ValueError as exc:
+            if lever not in str(exc):
+                raise CheckFailed(f"{call} raised ValueError({str(exc)!r}); name the lever {lever!r} in the message")
+            count += 1
+            continue
+        except Exception as exc:
+            raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}; raise a ValueError naming {lever!r}") from None
+        raise CheckFailed(f"{call} returned {got!r}: vLLM has no flag for {lever}={getattr(config, lever)!r} (it always "
+                          f"runs {dict(VLLM_FIXED).get(lever, 'without it')!r}); raise a ValueError naming {lever!r} "
+                          "instead of serving something else")
+    passed("vllm_serve_args", count)
