@@ -9,29 +9,70 @@ values that follow from the shapes and the rules. Everything runs on tiny random
 
 from __future__ import annotations
 
-import functools
+from kernel_utils import DEVICE as KERNEL_DEVICE  # noqa: F401 - first: picks the interpreter before triton is imported
 
+import functools
+import re
+
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lab_utils import (assert_check_fails, assert_master_structure, notebook_functions, run_solution_cells,
-                       solution_fixture, student_stubs)
+from lab_utils import (assert_check_fails, assert_master_structure, import_file, notebook_functions, solution_source,
+                       student_stubs)
 
 from grading.build import REPO_ROOT, SOURCE_DIR
 from minillm.lab import lab11
 from minillm.lab.common import CheckFailed, figure_subtitle
 
 MASTER = SOURCE_DIR / "11_scale_out" / "11_scale_out.ipynb"
-EXERCISES = {"column_parallel", "row_parallel", "parallel_mlp", "tp_sharding", "measure_tp_step_time",
+EXERCISES = {"column_parallel", "row_parallel", "parallel_mlp", "tp_sharding", "measure_tp_step_time", "row_shard_matmul_kernel",
              "answer_tp8_step_ms", "autoscaler_policy", "measure_choose_fleet", "vllm_serve_args"}
 GRADED = {"test_column_parallel": 2, "test_row_parallel": 2, "test_parallel_mlp": 2, "test_tp_sharding": 2,
-          "test_measure_tp_step_time": 2, "test_answer_tp8_step_ms": 1, "test_autoscaler_policy": 2,
+          "test_measure_tp_step_time": 2, "test_row_shard_matmul_kernel": 2, "test_answer_tp8_step_ms": 1, "test_autoscaler_policy": 2,
           "test_measure_choose_fleet": 2, "test_vllm_serve_args": 2}
 DEVICE = "cpu: test device"
 TINY = "random:tiny-llama"   # 2 layers, hidden 64, intermediate 128, 4 query / 2 KV heads: N = 1, 2 (4 for the MLP)
 
-solution = solution_fixture(MASTER, {"lab11": lab11, "torch": torch, "F": F})
+MODULE_HEADER = ("import math\nimport os\n\nimport torch\nimport torch.nn.functional as F\nimport triton\n"
+                 "import triton.language as tl\n\nfrom minillm.lab import lab11\n")
+LAUNCHER = "def row_shard_matmul("   # the locked cell that launches the kernel, kept with the solution cells
+# One line of the solution kernel changed (the usual slips), as {name: (old, new, occurrences)}.
+KERNEL_SLIPS = {
+    "w_transposed": ("w_ptr + cols[:, None] * K + ks[None, :]", "w_ptr + ks[None, :] * N + cols[:, None]", 1),
+    "last_k_block_skipped": ("for k0 in range(0, K, BLOCK_K):", "for k0 in range(0, K - BLOCK_K, BLOCK_K):", 1),
+    "y_transposed": ("tl.store(y_ptr + rows[:, None] * N + cols[None, :]", "tl.store(y_ptr + cols[None, :] * M + rows[:, None]", 1),
+    "store_mask_off_by_one": ("acc, mask=(rows[:, None] < M) & (cols[None, :] < N))",
+                              "acc, mask=(rows[:, None] < M - 1) & (cols[None, :] < N))", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def solution_module(tmp_path_factory):
+    """The master's solution cells and the kernel's launcher, imported from a file (Triton reads a kernel's
+    source from its file)."""
+    path = tmp_path_factory.mktemp("lab11_solution") / "lab11_solution.py"
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
+    return import_file(path, "lab11_solution")
+
+
+@pytest.fixture(scope="module")
+def solution(solution_module) -> dict:
+    return {key: value for key, value in vars(solution_module).items() if not key.startswith("__")}
+
+
+@pytest.fixture(scope="module")
+def wrong_kernels(tmp_path_factory) -> dict:
+    """{slip: row_shard_matmul launching the solution kernel with that one slip}, each imported from its own file."""
+    source, launchers = solution_source(MASTER, MODULE_HEADER, LAUNCHER), {}
+    folder = tmp_path_factory.mktemp("lab11_wrong")
+    for name, (old, new, count) in KERNEL_SLIPS.items():
+        assert source.count(old) == count, f"the solution kernel changed: {old!r} is not there {count} time(s)"
+        path = folder / f"lab11_{name}.py"
+        path.write_text(source.replace(old, new))
+        launchers[name] = import_file(path, f"lab11_{name}").row_shard_matmul
+    return launchers
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +107,23 @@ def experiments(fleet_namespace) -> dict:
 
 
 @pytest.fixture(scope="module")
+def kernel_tp(solution, tp_result) -> dict:
+    """tensor_parallel_size 2 on the tiny Llama, every rank's row-parallel layers through the solution's kernel
+    (sent to the worker by value), 2 greedy tokens on tp_runs' prompts."""
+    from minillm import LLM, SamplingParams
+
+    shard_matmul, base = solution["row_shard_matmul"], solution["MySharding"]
+
+    class KernelSharding(base):
+        def row_matmul(self, x, weight, all_reduce):
+            return all_reduce(shard_matmul(x, weight))
+
+    run = notebook_functions(MASTER, "kernel_tp_run", LLM=LLM, SamplingParams=SamplingParams, lab11=lab11,
+                             KernelSharding=KernelSharding)["kernel_tp_run"]
+    return run(TINY, 2, 2, device="cpu")
+
+
+@pytest.fixture(scope="module")
 def tp_result(experiments, solution) -> dict:
     """tensor_parallel_size 1 and 2 on the tiny Llama, 4 greedy tokens (the N = 2 run starts one gloo worker that
     cuts its shard with the solution's MySharding, sent by value), the steps timed by the solution's harness."""
@@ -74,7 +132,7 @@ def tp_result(experiments, solution) -> dict:
 
 
 def test_master_has_every_graded_piece_with_hidden_tests():
-    assert_master_structure(MASTER, EXERCISES, GRADED, 17)
+    assert_master_structure(MASTER, EXERCISES, GRADED, 19)
 
 
 def test_student_copy_has_stubs_and_no_solution():
@@ -163,6 +221,38 @@ def test_tp_runs_equal_tokens_and_count_the_all_reduces(tp_result, capsys):
     broken = {**tp_result, "tokens": {1: tp_result["tokens"][1], 2: [[0] + t[1:] for t in tp_result["tokens"][2]]}}
     with pytest.raises(CheckFailed, match="tensor_parallel_size=2: prompt 0 parts from N = 1's greedy tokens at output token 0"):
         lab11.check_tp_runs(broken)
+
+
+def test_the_kernel_matches_the_reference_and_runs_in_every_rank(solution, kernel_tp, tp_result, capsys):
+    lab11.check_row_shard_matmul(solution["row_shard_matmul"], seed=3)
+    x, w = torch.randn(2, 9), torch.randn(5, 9)
+    assert torch.allclose(solution["row_shard_matmul"](x, w), x @ w.T, atol=1e-5)
+    assert kernel_tp["tokens"] == [t[:2] for t in tp_result["tokens"][1]]
+    lab11.kernel_tp_check(kernel_tp, tp_result)
+    lab11.print_kernel_tp(kernel_tp, tp_result)
+    assert "3 of 3 prompts give N = 1's tokens ✓" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="prompt 0 parts from N = 1's greedy tokens at output token 1"):
+        lab11.kernel_tp_check({**kernel_tp, "tokens": [[t[0], -1] for t in kernel_tp["tokens"]]}, tp_result)
+    if not torch.cuda.is_available():
+        assert lab11.time_row_shard_matmul(solution["row_shard_matmul"]) == {"device": "cpu"}
+        lab11.print_row_shard_timing({"device": "cpu"})
+        assert "No GPU here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("slip, names_it", [("w_transposed", "W was read as [K, N]"),
+                                            ("last_k_block_skipped", "the last block of K"),
+                                            ("y_transposed", "y was stored column by column"),
+                                            ("store_mask_off_by_one", "was never stored")])
+def test_the_kernel_check_names_each_slip(wrong_kernels, slip, names_it):
+    with pytest.raises(CheckFailed, match=re.escape(names_it)):
+        lab11.check_row_shard_matmul(wrong_kernels[slip])
+
+
+def test_student_kernel_is_a_stub_that_keeps_its_setup():
+    student = nbformat.read(REPO_ROOT / "labs" / "11_scale_out.ipynb", as_version=4)
+    kernel = next(c.source for c in student.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "row_shard_matmul_kernel")
+    assert "raise NotImplementedError()" in kernel and "tl.store" not in kernel and "tl.dot" not in kernel
+    assert "rows = tl.program_id(0) * BLOCK_M" in kernel and "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)" in kernel
 
 
 def test_reference_costs_and_the_timing_of_the_measured_rows(tp_result, capsys):
@@ -419,6 +509,12 @@ MISTAKES = {
         ("# the last N taken as the largest\n" + _TIMING.replace("times[max(times)]", "times[list(times)[-1]]"),
          "whatever the order of `steps`"),
     ],
+    "test_row_shard_matmul_kernel": [
+        ('row_shard_matmul = WRONG["w_transposed"]\n', "W was read as [K, N]"),
+        ('row_shard_matmul = WRONG["last_k_block_skipped"]\n', "the last block of K"),
+        ('row_shard_matmul = WRONG["y_transposed"]\n', "y was stored column by column"),
+        ('row_shard_matmul = WRONG["store_mask_off_by_one"]\n', "was never stored"),
+    ],
     "test_vllm_serve_args": [
         ("# minillm's spelling\n" + _VLLM.replace('"--enable-prefix-caching" if', '"--prefix-caching" if'),
          "--prefix-caching is minillm's spelling; vLLM's is --enable-prefix-caching"),
@@ -470,12 +566,13 @@ MISTAKES = {
 
 
 @pytest.fixture(scope="module")
-def graded_namespace(tiny_llm, experiments, tp_result, fleet_namespace) -> dict:
+def graded_namespace(tiny_llm, experiments, tp_result, fleet_namespace, solution, wrong_kernels, kernel_tp) -> dict:
     """What the graded test cells read: the master's solution cells, the tiny model and its MLP check, the measured
     tensor-parallel rows, the fleet sweep's function and the choice made with it."""
     import math
 
-    ns = run_solution_cells(MASTER, {"lab11": lab11, "torch": torch, "F": F, "math": math})
+    ns = dict(solution, lab11=lab11, torch=torch, F=F, math=math, WRONG=wrong_kernels, kernel_tp=kernel_tp)
+    ns.update(notebook_functions(MASTER, "row_parallel_spec", torch=torch))
     ns.update(fleet_namespace, llm=tiny_llm, model_mlp=experiments["model_mlp"], tp_rows=tp_result["rows"], tp=tp_result,
               TP_SIZES=(1, 2), time=__import__("time"), VLLM_DEFAULT_MODEL=lab11.VLLM_DEFAULT_MODEL,
               fleet_window=experiments["fleet_window"], functools=functools)

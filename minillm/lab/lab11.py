@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import (CheckFailed, FakeClock, call_learner, echo_prediction, new_figure, passed,  # noqa: F401 - for the notebook
+                     device_label, require_kernel,
                      random_tokens)
 
 ATOL = 1e-5
@@ -1062,3 +1063,109 @@ def check_vllm_args(fn: Callable) -> None:
                           f"runs {dict(VLLM_FIXED).get(lever, 'without it')!r}); raise a ValueError naming {lever!r} "
                           "instead of serving something else")
     passed("vllm_serve_args", count)
+
+
+# =================================================================== 5. your kernel: a row-parallel shard's matmul
+def reference_row_shard_matmul(x_shard: torch.Tensor, w_shard: torch.Tensor) -> torch.Tensor:
+    """One rank's partial product of a row-parallel layer: x_shard [M, K] @ w_shard [N, K]^T, fp32 [M, N]."""
+    return x_shard.float() @ w_shard.float().t()
+
+
+# (M, N, K, what): rows, output features and this rank's input features; tails on every dimension
+KERNEL_CASES = ((1, 16, 32, "one token, N and K exactly one block"),
+                (3, 24, 40, "3 tokens, N = 24 and K = 40: a tail of 8 on K (blocks of 32)"),
+                (5, 33, 20, "5 tokens, K = 20: less than one block of K"),
+                (17, 40, 70, "17 tokens (two blocks of rows), K = 70: two full blocks of K and a tail"))
+
+
+def check_row_shard_matmul(fn: Callable, seed: int = 0, num_random: int = 3, device: str = "cpu") -> None:
+    """row_shard_matmul(x_shard, w_shard) (your kernel, launched) against x_shard @ w_shard^T on fresh random inputs:
+    the stated shapes, then random ones; within 1e-4 of the largest output."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = list(KERNEL_CASES)
+    for i in range(num_random):
+        m, n, k = (int(torch.randint(1, 20, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen)),
+                   int(torch.randint(1, 100, (1,), generator=gen)))
+        cases.append((m, n, k, f"random case {i}"))
+    for m, n, k, what in cases:
+        x = torch.randn(m, k, generator=gen).to(device)
+        w = torch.randn(n, k, generator=gen).to(device)
+        call = f"row_shard_matmul(x_shard [{m}, {k}], w_shard [{n}, {k}]) ({what})"
+        got = call_learner(fn, (x, w), call)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (m, n):
+            raise CheckFailed(f"{call} returned {getattr(got, 'shape', type(got).__name__)}; expected [{m}, {n}]")
+        got, want = got.float().cpu(), reference_row_shard_matmul(x, w).cpu()
+        tol = 1e-4 * max(1.0, float(want.abs().max()))
+        if torch.isnan(got).any():
+            r, c = (int(v) for v in torch.nonzero(torch.isnan(got))[0])
+            raise CheckFailed(f"{call}: output [{r}, {c}] was never stored (the launcher fills y with NaN): the grid and "
+                              "the store's mask must cover every row < M and column < N")
+        err = float((got - want).abs().max())
+        if err <= tol:
+            continue
+        xc, wc = x.float().cpu(), w.float().cpu()
+        full_k = (k // 32) * 32 if k % 32 else k - 32
+        if torch.allclose(got, xc @ wc.reshape(k, n), atol=tol):
+            hint = ("W was read as [K, N]: w_shard is [N, K] row-major, so W[n, k] sits at n * K + k (the stride of "
+                    "its rows is K)")
+        elif torch.allclose(got.reshape(-1), want.t().reshape(-1), atol=tol):
+            hint = "y was stored column by column: y[m, n] sits at m * N + n"
+        elif full_k >= 0 and torch.allclose(got, xc[:, :full_k] @ wc[:, :full_k].t(), atol=tol):
+            hint = (f"the last block of K (columns {full_k} .. {k - 1}) is missing: loop over every block, "
+                    "range(0, K, BLOCK_K), the last one masked with ks < K")
+        else:
+            hint = "acc += x_tile @ w_tile^T over every block of K, masks on rows < M, cols < N and ks < K"
+        raise CheckFailed(f"{call}: differs from x_shard @ w_shard^T by {err:.3g} (allowed {tol:.3g}): {hint}")
+    passed("row_shard_matmul", len(cases))
+
+
+def kernel_tp_check(result: dict | None, tp_result: dict | None) -> None:
+    """Your kernel inside the tensor-parallel engine gave N = 1's greedy tokens (their first tokens)."""
+    if result is None:
+        raise CheckFailed("kernel_tp is None: run the cell that runs the engine with your kernel")
+    want = [t[:len(result["tokens"][0])] for t in tp_result["tokens"][min(tp_result["tokens"])]]
+    for i, (mine, ref) in enumerate(zip(result["tokens"], want)):
+        if mine != ref:
+            j = next((t for t, (p, q) in enumerate(zip(mine, ref)) if p != q), min(len(mine), len(ref)))
+            raise CheckFailed(f"tensor_parallel_size={result['tensor_parallel_size']} with your kernel: prompt {i} "
+                              f"parts from N = 1's greedy tokens at output token {j}")
+    passed("your kernel in the tensor-parallel engine", len(want))
+
+
+def print_kernel_tp(result: dict, tp_result: dict) -> None:
+    want = [t[:len(result["tokens"][0])] for t in tp_result["tokens"][min(tp_result["tokens"])]]
+    same = sum(a == b for a, b in zip(result["tokens"], want))
+    print(f"tensor_parallel_size={result['tensor_parallel_size']}, every rank's o_proj and down_proj through your "
+          f"kernel: {same} of {len(want)} prompts give N = 1's tokens" + (" ✓" if same == len(want) else " ✗"))
+    print(f"  {result['tokens']}  ({result['wall_s']:.1f} s for {len(result['tokens'][0])} tokens, {result['device']})")
+    from .common import print_interpreter_note
+
+    print_interpreter_note()
+
+
+def time_row_shard_matmul(fn: Callable, tokens: int = 1, out_features: int = 4096, in_features: int = 512) -> dict:
+    """On a GPU: your kernel against torch's matmul on one rank's shard of a Llama-3-8B o_proj at N = 8
+    ([4096, 512] fp32). Without a GPU: {"device": "cpu"}."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    from .common import gpu_seconds
+
+    x = torch.randn(tokens, in_features, device="cuda")
+    w = torch.randn(out_features, in_features, device="cuda")
+    return {"device": torch.cuda.get_device_name(), "shape": f"x_shard [{tokens}, {in_features}], w_shard "
+            f"[{out_features}, {in_features}] fp32", "yours_s": gpu_seconds(lambda: fn(x, w)),
+            "torch_s": gpu_seconds(lambda: x @ w.t()),
+            "bytes": (w.numel() + x.numel() + tokens * out_features) * 4}
+
+
+def print_row_shard_timing(result: dict) -> None:
+    from .common import print_no_gpu_timing
+
+    if result["device"] == "cpu":
+        print_no_gpu_timing("on one rank's shard of a Llama-3-8B o_proj at N = 8 (x_shard [1, 512], w_shard "
+                            "[4096, 512]) beside torch's matmul")
+        return
+    print(f"{result['shape']} — {result['device']}")
+    for name in ("yours", "torch"):
+        s = result[f"{name}_s"]
+        print(f"  {name:>6}: {s * 1e6:.1f} µs, {result['bytes'] / s / 1e9:.0f} GB/s")
