@@ -305,6 +305,11 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
             "return {'times': times, 'speedup': times[1]['median'] / times[max(times)]['median']}"),
         "answer_tp8_step_ms": "answer_tp8_step_ms = lab11.answer_tp8_ms()",
         "vllm_serve_args": _fn("vllm_serve_args(config)", "return lab11.reference_vllm_args(config)"),
+        # a kernel that does nothing, and the torch reference behind the launcher's name
+        "row_shard_matmul_kernel": "import triton\nimport triton.language as tl\n@triton.jit\n"
+                                   "def row_shard_matmul_kernel(y_ptr):\n    tl.store(y_ptr, tl.load(y_ptr))\n"
+                                   "def row_shard_matmul(x_shard, w_shard):\n"
+                                   "    return lab11.reference_row_shard_matmul(x_shard, w_shard)",
         "autoscaler_policy": _fn("autoscaler_policy(state, target_ongoing=2.0, upscale_window_s=5.0, downscale_window_s=30.0)",
                                  "return lab11.reference_policy(state, target_ongoing, upscale_window_s, downscale_window_s)"),
     },

@@ -112,14 +112,23 @@ def kernel_tp(solution, tp_result) -> dict:
     (sent to the worker by value), 2 greedy tokens on tp_runs' prompts."""
     from minillm import LLM, SamplingParams
 
-    shard_matmul, base = solution["row_shard_matmul"], solution["MySharding"]
+    shard_matmul = solution["row_shard_matmul"]
 
-    class KernelSharding(base):
+    class KernelSharding:   # the notebook's, around the solution's launcher
+        def __init__(self, cut):
+            self.cut = cut
+
+        def column(self, weight, rank, world_size):
+            return self.cut.column(weight, rank, world_size)
+
+        def row(self, weight, rank, world_size):
+            return self.cut.row(weight, rank, world_size)
+
         def row_matmul(self, x, weight, all_reduce):
             return all_reduce(shard_matmul(x, weight))
 
     run = notebook_functions(MASTER, "kernel_tp_run", LLM=LLM, SamplingParams=SamplingParams, lab11=lab11,
-                             KernelSharding=KernelSharding)["kernel_tp_run"]
+                             KernelSharding=KernelSharding, MySharding=solution["MySharding"])["kernel_tp_run"]
     return run(TINY, 2, 2, device="cpu")
 
 
@@ -211,9 +220,12 @@ def test_tp_runs_equal_tokens_and_count_the_all_reduces(tp_result, capsys):
     # machine can outweigh them (even below zero); only their bound is checked
     assert abs(two["allreduce_s"]) < two["step_s"] and abs(two["allgather_s"]) < two["step_s"]
     lab11.check_tp_runs(tp_result)
-    lab11.check_tp_tokens(tp_result, "MySharding")
-    with pytest.raises(CheckFailed, match="not your MySharding"):
-        lab11.check_tp_tokens({**tp_result, "sharding": None}, "MySharding")
+    assert tp_result["sharding"] == "MySharding" and tp_result["simulated"] == {2: tp_result["tokens"][1]}
+    lab11.check_tp_tokens(tp_result)
+    with pytest.raises(CheckFailed, match="ran without your sharding part"):
+        lab11.check_tp_tokens({**tp_result, "simulated": {}})
+    with pytest.raises(CheckFailed, match="your sharding with 2 ranks .simulated in this process.: prompt 0 parts"):
+        lab11.check_tp_tokens({**tp_result, "simulated": {2: [[-1] + t[1:] for t in tp_result["tokens"][2]]}})
     lab11.print_tp_runs(tp_result, DEVICE)
     assert "tensor_parallel_size=2: 3 of 3 prompts give N = 1's tokens ✓" in capsys.readouterr().out
     fig = lab11.tp_figure(tp_result["rows"], DEVICE)
@@ -269,6 +281,34 @@ def test_reference_costs_and_the_timing_of_the_measured_rows(tp_result, capsys):
     assert "tensor_parallel_size=2:" in out and lab11.REFERENCE_HARDWARE in out
     fig = lab11.tp_timing_figure(timing, DEVICE)
     assert list(fig.data[0].x) == ["1", "2"] and DEVICE in figure_subtitle(fig)
+
+
+def test_simulated_ranks_give_the_engines_tokens_and_catch_a_wrong_cut(tiny_llm, solution):
+    import threading
+
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [11, 12, 13]}]
+    want = lab11.simulated_tp_tokens(tiny_llm, lab11_megatron(), 1, prompts, 3)
+    assert tiny_llm.generate(prompts, __import__("minillm").SamplingParams(max_tokens=3, temperature=0,
+                                                                            ignore_eos=True))[0].outputs[0].token_ids == want[0]
+    assert lab11.simulated_tp_tokens(tiny_llm, solution["MySharding"](), 2, prompts, 3) == want
+
+    class NoReduce(solution["MySharding"]):
+        def row_matmul(self, x, weight, all_reduce):
+            return x @ weight.T
+
+    class NextRank(solution["MySharding"]):
+        def column(self, weight, rank, world_size):
+            return super().column(weight, (rank + 1) % world_size, world_size)
+
+    with pytest.raises(ValueError, match="never called all_reduce"):
+        lab11.simulated_tp_tokens(tiny_llm, NoReduce(), 2, prompts, 3)
+    assert lab11.simulated_tp_tokens(tiny_llm, NextRank(), 2, prompts, 3) != want
+    assert type(tiny_llm.engine.model.layers[0].o_proj).__name__ == "Linear", "the layers are put back"
+
+    class Local(solution["MySharding"]):   # holds something that cannot be pickled: it stays in this process
+        lock = threading.Lock()
+
+    assert lab11.sendable(solution["MySharding"]()) and not lab11.sendable(Local())
 
 
 def test_the_engine_refuses_a_sharding_part_it_cannot_use():

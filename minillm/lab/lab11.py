@@ -399,14 +399,25 @@ def check_sharding(part, seed: int = 0) -> None:
     passed("your sharding", count)
 
 
-def check_tp_tokens(result: dict | None, sharding_name: str | None) -> None:
-    """The tensor-parallel runs of section 5 used your sharding part and gave N = 1's greedy tokens."""
+def check_tp_tokens(result: dict | None) -> None:
+    """Your sharding part gave N = 1's greedy tokens: with N ranks simulated in this process (always), and in the
+    tensor-parallel engine's worker processes where the part could travel there (result["sharding"] names it)."""
     if result is None:
         raise CheckFailed("tp is None: run the tensor-parallel cell above")
-    if result.get("sharding") != sharding_name:
-        raise CheckFailed(f"the tensor-parallel runs used sharding {result.get('sharding')!r}, not your "
-                          f"{sharding_name}: run the tensor-parallel cell again after exercise 4")
+    if not result.get("simulated"):
+        raise CheckFailed("the tensor-parallel cell ran without your sharding part: run it again after exercise 4")
+    sizes = list(result["tokens"])
+    base = result["tokens"][sizes[0]]
+    for n, tokens in result["simulated"].items():
+        for i, (mine, want) in enumerate(zip(tokens, base)):
+            if mine != want:
+                j = next((t for t, (p, q) in enumerate(zip(mine, want)) if p != q), min(len(mine), len(want)))
+                raise CheckFailed(f"your sharding with {n} ranks (simulated in this process): prompt {i} parts from "
+                                  f"N = {sizes[0]}'s greedy tokens at output token {j}")
     check_tp_runs(result)
+    if result.get("sharding") is None:
+        print("  (the worker processes ran the engine's own cut: your part could not be sent to them here; the "
+              "simulated ranks ran yours)")
 
 
 # =================================================================== 5. the measurement: time per step against N
@@ -1169,3 +1180,118 @@ def print_row_shard_timing(result: dict) -> None:
     for name in ("yours", "torch"):
         s = result[f"{name}_s"]
         print(f"  {name:>6}: {s * 1e6:.1f} µs, {result['bytes'] / s / 1e9:.0f} GB/s")
+
+
+# =================================================================== 5. N ranks simulated in one process
+def sendable(part) -> bool:
+    """Whether a sharding part can travel to the worker processes (by value). A part that lives in another
+    process (the autograder keeps the learner's code in its sandbox) cannot: then the ranks are simulated here."""
+    from ..engine.parallel import pack_sharding
+
+    try:
+        pack_sharding(part)
+    except ValueError:
+        return False
+    return True
+
+
+class _SimColumn(torch.nn.Module):
+    """A column-parallel layer of N simulated ranks: each sub-matrix (q, k, v or gate, up) cut by the part for every
+    rank, each rank's output block computed from its own rows, the blocks side by side in rank order."""
+
+    def __init__(self, full, sizes, names, part, n: int, what: str):
+        super().__init__()
+        from ..models.shard import _cut
+
+        subs = full.weight.detach().split(sizes)
+        self.weights = [[_cut(part, "column", sub, r, n, f"{what}.weight[{name}]") for r in range(n)]
+                        for sub, name in zip(subs, names)]
+        self.biases = None
+        if full.bias is not None:
+            self.biases = [[_cut(part, "column", sub, r, n, f"{what}.bias[{name}]") for r in range(n)]
+                           for sub, name in zip(full.bias.detach().split(sizes), names)]
+
+    def forward(self, x):
+        outs = []
+        for i, ranks in enumerate(self.weights):
+            for r, w in enumerate(ranks):
+                y = x @ w.t()
+                outs.append(y + self.biases[i][r] if self.biases is not None else y)
+        return torch.cat(outs, dim=-1)
+
+
+class _SimRow(torch.nn.Module):
+    """A row-parallel layer of N simulated ranks: rank r holds block r of the input features and its shard from
+    part.row; part.row_matmul runs once per rank to learn its partial, then once as rank 0 with an all_reduce that
+    adds the other ranks' partials (what gloo's sum would give it); the bias is added after."""
+
+    def __init__(self, full, part, n: int, what: str):
+        super().__init__()
+        from ..models.shard import _cut
+
+        self.shards = [_cut(part, "row", full.weight.detach(), r, n, f"{what}.weight") for r in range(n)]
+        self.bias, self.part, self.n, self.what = full.bias, part, n, what
+
+    def forward(self, x):
+        width = x.shape[-1] // self.n
+        xs = [x[..., r * width:(r + 1) * width].contiguous() for r in range(self.n)]
+        partials = [None] * self.n
+        for r in range(self.n):
+            def record(t, r=r):
+                partials[r] = t.clone()
+                return t
+            self.part.row_matmul(xs[r], self.shards[r], record)
+        if any(p is None for p in partials):
+            raise ValueError(f"sharding.row_matmul on {self.what} never called all_reduce: a rank's product is a "
+                             "partial sum; return all_reduce(partial)")
+        total = torch.stack(partials).sum(0)
+        y = self.part.row_matmul(xs[0], self.shards[0], lambda t: t + (total - partials[0]))
+        want = (*x.shape[:-1], self.shards[0].shape[0])
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want:
+            raise ValueError(f"sharding.row_matmul on {self.what} returned {getattr(y, 'shape', type(y).__name__)}; "
+                             f"expected {list(want)}")
+        return y if self.bias is None else y + self.bias
+
+
+def simulated_tp_tokens(llm, part, n: int, prompts, max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of `llm`'s one-device engine with every decoder layer's matmuls computed as N ranks cut by
+    `part` would (each rank's blocks, its row_matmul with an all_reduce that adds the other ranks' partials), all in
+    this process. The layers are put back afterwards. For a part that cannot reach worker processes."""
+    from .. import SamplingParams
+    from ..models.shard import check_tensor_parallel
+
+    model = llm.engine.model
+    cfg = model.cfg
+    check_tensor_parallel(cfg, n)
+    hd = cfg.head_dim
+    q, kv, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    saved, runner = [], llm.engine.runner
+    fuse = getattr(runner, "fuse_cpu_decode", None)
+    try:
+        for i, layer in enumerate(model.layers):
+            names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            saved.append({name: layer._modules[name] for name in names})
+            layer._modules["qkv_proj"] = _SimColumn(layer.qkv_proj, (q, kv, kv), ("q", "k", "v"), part, n,
+                                                    f"layers.{i}.qkv_proj")
+            layer._modules["gate_up_proj"] = _SimColumn(layer.gate_up_proj, (inter, inter), ("gate", "up"), part, n,
+                                                        f"layers.{i}.gate_up_proj")
+            layer._modules["o_proj"] = _SimRow(saved[-1]["o_proj"], part, n, f"layers.{i}.o_proj")
+            layer._modules["down_proj"] = _SimRow(saved[-1]["down_proj"], part, n, f"layers.{i}.down_proj")
+        if fuse is not None:
+            runner.fuse_cpu_decode = False
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                            use_tqdm=False) if _takes_tqdm(llm) else \
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        for layer, modules in zip(model.layers, saved):
+            for name, module in modules.items():
+                layer._modules[name] = module
+        if fuse is not None:
+            runner.fuse_cpu_decode = fuse
+
+
+def _takes_tqdm(llm) -> bool:
+    import inspect
+
+    return "use_tqdm" in inspect.signature(llm.generate).parameters
