@@ -1,11 +1,14 @@
 """Lab 11 (scale out): the master's solutions pass every check; the checks name each usual mistake (every N-th row
 taken for a block, the wrong dimension split, the outputs out of rank order, the whole product on every rank, the fused
-gate_up cut as one matrix, gate and up swapped, the all-reduce share or the speed-up upside down, mebibytes for
-megabytes, the all-reduces forgotten or counted once per layer, a policy without windows, on running replicas, without
-its clamp or with floor, the fastest fleet instead of the cheapest, the target ignored); every graded test cell fails on
-two or more plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails); the notebook's experiments (the split on
-a model's own MLP, the tensor-parallel runs with their all-reduce counts, the simulated day, the fleet sweep) give
-values that follow from the shapes and the rules. Everything runs on tiny random models and the example profile."""
+gate_up cut as one matrix, gate and up swapped; a sharding part that cuts the wrong dimension or the wrong rank's block
+or forgets the all-reduce; a timing harness that keeps the warm-up, takes the mean or the min, inverts the speed-up or
+ignores the injected clock; a row-parallel shard kernel with the wrong stride, the last block of K skipped or its output
+transposed; vLLM flags in minillm's spelling or left unsaid; a policy without windows, on running replicas, without its
+clamp or with floor, the fastest fleet instead of the cheapest, the target ignored); every graded test cell fails on two
+or more plausible mistakes (MISTAKES, run by lab_utils.assert_check_fails); the notebook's experiments (the split on a
+model's own MLP, the tensor-parallel runs with the learner's sharding part in the worker processes and simulated in one
+process, the learner's kernel in every rank, the simulated day, the fleet sweep) give values that follow from the shapes
+and the rules. Everything runs on tiny random models and the example profile."""
 
 from __future__ import annotations
 

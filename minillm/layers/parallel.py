@@ -118,7 +118,7 @@ class RowParallelLinear(nn.Module):
             want = (*x.shape[:-1], self.inner.weight.shape[0])
             if not isinstance(y, torch.Tensor) or tuple(y.shape) != want:
                 raise ValueError(f"sharding.row_matmul(x {list(x.shape)}, weight {list(self.inner.weight.shape)}, "
-                                 f"all_reduce) returned {getattr(y, 'shape', type(y).__name__)}; expected the whole "
+                                 f"all_reduce) returned {list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}; expected the whole "
                                  f"layer's output {list(want)} (the partial product, summed by all_reduce)")
         return y if self.bias is None else y + self.bias
 

@@ -129,7 +129,7 @@ def _cut(sharding, how: str, weight: torch.Tensor, rank: int, world_size: int, w
     full = weight.detach().clone().unsqueeze(1) if vector else weight.detach().clone()
     out_f, in_f = full.shape
     want = (out_f // world_size, in_f) if how == "column" else (out_f, in_f // world_size)
-    got = getattr(sharding, how)(full, rank, world_size)
+    got = (sharding.column if how == "column" else sharding.row)(full, rank, world_size)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != want:
         other = "column" if how == "row" else "row"
         hint = (f" (that is the shape {other}() should give: {how}() cuts dim {0 if how == 'column' else 1})"
