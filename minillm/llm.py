@@ -29,8 +29,8 @@ class LLM:
     object), `block_manager=` (a factory (num_blocks, block_size, contiguous) -> allocator),
     `scheduling_policy=`, `proposer=`, `verifier=` (with speculative=...), `sampler=`, and inside the model
     `quantized_matmul=` (with weight_dtype=...), `lora_delta=` (with enable_lora=True), `moe_router=` and
-    `moe_experts=` (a Mixtral-style model). An engine's parts are its own: another engine on the same
-    weights (with_levers) runs with its own.
+    `moe_experts=` (a Mixtral-style model); and `sharding=` (with tensor_parallel_size > 1: how every rank cuts
+    its shard). An engine's parts are its own: another engine on the same weights (with_levers) runs with its own.
     """
 
     def __init__(self, model: str | None = None, _share_weights_with: "LLM | None" = None, **levers_and_parts: Any):
@@ -64,6 +64,8 @@ class LLM:
             inherited.update(quantized_matmul=None)
         if not levers["enable_lora"]:
             inherited.update(lora_delta=None)
+        if levers["tensor_parallel_size"] == 1:   # one rank: nothing to cut
+            inherited.update(sharding=None)
         return LLM(self.config.model, _share_weights_with=self, **{**levers, **inherited, **changes})
 
     # ------------------------------------------------------------ inputs

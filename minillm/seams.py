@@ -24,6 +24,7 @@ calls the methods the protocol names and nothing else: it never probes a part wi
                                                              LLM(moe_router=...)
     MoE experts         MoEExperts (a function; a Mixtral-style model)
                                                              LLM(moe_experts=...)
+    sharding            TensorSharding (tensor_parallel_size > 1) LLM(sharding=...)
 
 A function part is any callable that takes its protocol's `__call__` arguments by position; it is checked
 by binding them to its signature, so one with the wrong number of parameters is refused at construction
@@ -35,7 +36,8 @@ TritonAttentionBackend (layers/attention.py), BlockManager (engine/block_manager
 ContinuousBatching / StaticBatching (engine/scheduler.py), NgramProposer (speculative/ngram.py),
 SelfDraftProposer / DraftModelProposer (speculative/draft.py) and SpecVerifier (speculative/verify.py),
 TorchSampler (layers/sampler.py); each QuantizedLinear's own path (quant/linear.py), add_lora_delta
-(layers/lora.py), route and the experts' loop (models/moe.py, kernels/fused_moe.py).
+(layers/lora.py), route and the experts' loop (models/moe.py, kernels/fused_moe.py), MegatronSharding
+(models/shard.py).
 
 Floor 0: this module imports nothing of minillm (the annotations name types of higher floors
 as strings only).
@@ -273,6 +275,26 @@ class MoEExperts(Protocol):
 
 
 FUNCTION_PROTOCOLS = (QuantizedMatmul, LoRADelta, MoERouter, MoEExperts)
+
+
+# =================================================================== tensor parallelism
+class TensorSharding(Protocol):
+    """sharding=part (with tensor_parallel_size=N > 1, float weights, local worker processes): how each rank cuts
+    its shard of every linear layer and computes a row-parallel layer's output. Every rank runs the part in its own
+    process: it travels to the workers by value (cloudpickle), so a class defined in a notebook works. Column-parallel
+    matrices are q, k, v of qkv_proj and gate, up of gate_up_proj (each cut on its own, then stacked); row-parallel
+    ones are o_proj and down_proj. A 1-D bias of a column-parallel matrix is cut as a [out, 1] weight."""
+
+    def column(self, weight, rank, world_size):
+        """weight: [out, in] one column-parallel matrix -> rank `rank`'s output rows [out / world_size, in]."""
+
+    def row(self, weight, rank, world_size):
+        """weight: [out, in] one row-parallel matrix -> rank `rank`'s input columns [out, in / world_size]."""
+
+    def row_matmul(self, x, weight, all_reduce):
+        """x: [T, in / N] this rank's input features; weight: [out, in / N] this rank's shard (from row());
+        all_reduce(t): t summed over every rank (in place; returns it) -> [T, out], the whole layer's output
+        (without its bias, which the engine adds once after)."""
 
 
 # =================================================================== the check

@@ -385,8 +385,20 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "row_parallel": _fn("row_parallel(x, weight, num_shards)", "return lab11.reference_row(x, weight, num_shards)"),
         "parallel_mlp": _fn("parallel_mlp(x, w_gate_up, w_down, num_shards)",
                             "return lab11.reference_mlp_partials(x, w_gate_up, w_down, num_shards)"),
-        "measure_allreduce_costs": _fn("allreduce_costs(rows)", "return lab11.reference_allreduce_costs(rows)"),
+        "tp_sharding": "from minillm.models.shard import MegatronSharding\nMySharding = MegatronSharding",
+        "measure_tp_step_time": "import time\n" + _fn(
+            "tp_step_time(steps, clock=time.perf_counter, warmup=2, repeats=5)",
+            "times = {}\nfor n, step in steps.items():\n    costs = []\n    for _ in range(warmup + repeats):\n"
+            "        start = clock()\n        step()\n        costs.append(clock() - start)\n"
+            "    times[n] = lab11.reference_step_timing(costs, warmup)\n"
+            "return {'times': times, 'speedup': times[1]['median'] / times[max(times)]['median']}"),
         "answer_tp8_step_ms": "answer_tp8_step_ms = lab11.answer_tp8_ms()",
+        "vllm_serve_args": _fn("vllm_serve_args(config)", "return lab11.reference_vllm_args(config)"),
+        # a kernel that does nothing, and the torch reference behind the launcher's name
+        "row_shard_matmul_kernel": "import triton\nimport triton.language as tl\n@triton.jit\n"
+                                   "def row_shard_matmul_kernel(y_ptr):\n    tl.store(y_ptr, tl.load(y_ptr))\n"
+                                   "def row_shard_matmul(x_shard, w_shard):\n"
+                                   "    return lab11.reference_row_shard_matmul(x_shard, w_shard)",
         "autoscaler_policy": _fn("autoscaler_policy(state, target_ongoing=2.0, upscale_window_s=5.0, downscale_window_s=30.0)",
                                  "return lab11.reference_policy(state, target_ongoing, upscale_window_s, downscale_window_s)"),
     },

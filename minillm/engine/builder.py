@@ -30,7 +30,7 @@ from ..models.quantize import head_dtype_for, quantize_for_config
 from ..layers.context import ModelParts
 from ..models.moe import check_moe_parts
 from ..seams import (BlockAllocator, LoRADelta, MoEExperts, MoERouter, PrefixCache, Proposer, QuantizedMatmul, Sampler,
-                     SchedulingPolicy, Truncation, Verifier, check_part)
+                     SchedulingPolicy, TensorSharding, Truncation, Verifier, check_part)
 from ..speculative.draft import DraftModelProposer, SelfDraftProposer
 from ..speculative.ngram import NgramProposer
 from ..speculative.verify import SpecVerifier
@@ -60,8 +60,10 @@ class EngineParts:
     lora_delta         a LoRADelta (needs enable_lora=True; default: add_lora_delta, torch or Triton SGMV)
     moe_router         a MoERouter (a Mixtral-style model; default: softmax, top-k, renormalised)
     moe_experts        a MoEExperts (a Mixtral-style model; default: the experts' loop or the fused-MoE kernel)
+    sharding           a TensorSharding (needs tensor_parallel_size > 1; default: MegatronSharding, models/shard.py):
+                       every rank cuts its shard with it and runs its row-parallel matmuls through it
 
-    The last four act inside the model: the runner hands them to it in each pass's ForwardContext.
+    quantized_matmul .. moe_experts act inside the model: the runner hands them to it in each pass's ForwardContext.
     """
 
     block_manager: BlockManagerFactory | None = None
@@ -73,6 +75,7 @@ class EngineParts:
     lora_delta: LoRADelta | None = None
     moe_router: MoERouter | None = None
     moe_experts: MoEExperts | None = None
+    sharding: TensorSharding | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -108,6 +111,11 @@ class EngineParts:
                                      ("moe_experts", self.moe_experts, MoEExperts)):
             if part is not None:
                 check_part(part, protocol, name)
+        if self.sharding is not None:
+            if config.tensor_parallel_size == 1:
+                raise ValueError("sharding= needs tensor_parallel_size > 1 (2 or more ranks): with one rank nothing is "
+                                 "cut and there is nothing to all-reduce")
+            check_part(self.sharding, TensorSharding, "sharding")
         if self.block_manager is not None:
             if not config.kv_cache:
                 raise ValueError("block_manager= needs kv_cache=True: without a cache there is no pool to manage")
@@ -281,12 +289,12 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
         block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len,
                                                 parts.block_manager)
     else:
-        check_config(config, model_config, device)
+        check_config(config, model_config, device, parts.sharding)
         tp = TensorParallel(config.tensor_parallel_size, device)
         block_manager, kv_cache = build_kv_pool(config, model_config, dtype, device, max_model_len, parts.block_manager,
                                                 partial(TPKVCache, tp), tp.shard_config(model_config))
         model = tensor_parallel_weights(tp, config, model_path, device, dtype, max_model_len,
-                                        block_manager.num_blocks if block_manager is not None else 0)
+                                        block_manager.num_blocks if block_manager is not None else 0, parts.sharding)
         weights = make_weights(model_path, model_config, model, load_tokenizer(model_path), weight_format(config))
     check_moe_parts(weights.model, parts.moe_router, parts.moe_experts)
     scheduler = Scheduler(config, block_manager, max_model_len, parts.scheduling_policy)

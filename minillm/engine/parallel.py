@@ -53,19 +53,46 @@ class TensorParallelError(RuntimeError):
 
 
 # ------------------------------------------------------------------ one rank's model
-def load_shard(config, model_path: str, group: TPGroup, device: torch.device, dtype: torch.dtype, max_model_len: int):
-    """This rank's shard: the float checkpoint, split, then quantized shard by shard (weight_dtype)."""
+def load_shard(config, model_path: str, group: TPGroup, device: torch.device, dtype: torch.dtype, max_model_len: int,
+               sharding=None):
+    """This rank's shard: the float checkpoint, split (by `sharding`, a TensorSharding, or the engine's own cut),
+    then quantized shard by shard (weight_dtype)."""
     model = load_model(model_path, dtype, device, max_model_len)
     wd = config.weight_dtype if config.weight_dtype != "auto" else None
-    shard = shard_model(model, group, wd, config.weight_group_size, config.weight_head_dtype)
+    shard = shard_model(model, group, wd, config.weight_group_size, config.weight_head_dtype, sharding)
     del model
     return shard
 
 
-def check_config(config, model_config, device: torch.device | None = None) -> None:
+def pack_sharding(sharding) -> bytes | None:
+    """A TensorSharding for the worker processes: by value (cloudpickle), so a class defined in a notebook or
+    a script's __main__ reaches them; plain pickle (an importable class) where cloudpickle is not installed."""
+    if sharding is None:
+        return None
+    try:
+        import cloudpickle as pickler
+    except ImportError:
+        pickler = pickle
+    try:
+        return pickler.dumps(sharding)
+    except Exception as exc:
+        raise ValueError(f"sharding={type(sharding).__name__} object cannot be sent to the worker processes "
+                         f"({type(exc).__name__}: {exc}); keep it a plain class of functions (pip install cloudpickle "
+                         "for one defined in a notebook)") from exc
+
+
+def check_config(config, model_config, device: torch.device | None = None, sharding=None) -> None:
     """What tensor_parallel_size > 1 cannot do (yet), refused with the reason before anything starts."""
     n = config.tensor_parallel_size
     check_tensor_parallel(model_config, n, config.weight_dtype, config.weight_group_size)
+    if sharding is not None:
+        if config.weight_dtype not in (None, "auto"):
+            raise ValueError(f"sharding= with weight_dtype={config.weight_dtype!r}: a sharding part cuts float "
+                             "weights; leave weight_dtype unset")
+        if torchrun_env() is not None:
+            raise ValueError("sharding= under torchrun: the other ranks are separate `minillm serve` processes that "
+                             "cut their own shards; a sharding part runs with LLM(tensor_parallel_size=N)'s local "
+                             "workers only")
     if device is not None and device.type == "cuda" and torchrun_env() is None:
         gpus = torch.cuda.device_count()
         if n > gpus:
@@ -78,10 +105,10 @@ def check_config(config, model_config, device: torch.device | None = None) -> No
 
 
 def worker_runner(config, model_path: str, group: TPGroup, device: torch.device, dtype: torch.dtype,
-                  max_model_len: int, num_blocks: int) -> ModelRunner:
+                  max_model_len: int, num_blocks: int, sharding=None) -> ModelRunner:
     """A worker's ModelRunner: its shard and a KV pool of its heads with rank 0's number of blocks (0: no cache)."""
     model_config = load_model_config(model_path)
-    model = load_shard(config, model_path, group, device, dtype, max_model_len)
+    model = load_shard(config, model_path, group, device, dtype, max_model_len, sharding)
     kv_cache = None
     if num_blocks:
         kv_cache = KVCache(shard_config(model_config, group.world_size), num_blocks, config.block_size, dtype, device,
@@ -112,7 +139,8 @@ def worker_entry() -> None:
 
 
 def _worker_main(rank: int, world_size: int, port: int, config, model_path: str, dtype: torch.dtype,
-                 max_model_len: int, num_blocks: int, parent_pid: int, device_type: str) -> None:
+                 max_model_len: int, num_blocks: int, parent_pid: int, device_type: str,
+                 sharding: bytes | None = None) -> None:
     """A local worker process (spawned by TensorParallel.launch): load the shard, meet the group, replay."""
     torch.set_num_threads(1)   # one thread per rank: N ranks share the machine's cores
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
@@ -122,7 +150,8 @@ def _worker_main(rank: int, world_size: int, port: int, config, model_path: str,
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     group = TPGroup(rank, world_size, None, device)
-    runner = worker_runner(config, model_path, group, device, dtype, max_model_len, num_blocks)
+    part = pickle.loads(sharding) if sharding is not None else None
+    runner = worker_runner(config, model_path, group, device, dtype, max_model_len, num_blocks, part)
     store.set(f"ready/{rank}", "1")
     group.backend, control = make_backends(store, rank, world_size, device, loopback=True)
     try:
@@ -193,14 +222,17 @@ class TensorParallel:
         return shard_config(model_config, self.world_size)
 
     # ---------------------------------------------------------- start
-    def launch(self, config, model_path: str, dtype: torch.dtype, max_model_len: int, num_blocks: int) -> None:
+    def launch(self, config, model_path: str, dtype: torch.dtype, max_model_len: int, num_blocks: int,
+               sharding=None) -> None:
         """Local mode: start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
         n = self.world_size
+        packed = pack_sharding(sharding)
         self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         for rank in range(1, n):
             self.processes.append(WorkerProcess(rank, (rank, n, self.store.port, config, model_path, dtype,
-                                                       max_model_len, num_blocks, os.getpid(), self.device.type)))
+                                                       max_model_len, num_blocks, os.getpid(), self.device.type,
+                                                       packed)))
 
     def connect(self) -> None:
         """Local mode: wait for every worker's shard (a worker that dies while loading is reported), then
@@ -318,16 +350,17 @@ class TPModelRunner(ModelRunner):
 
 
 def tensor_parallel_weights(tp: TensorParallel, config, model_path: str, device: torch.device, dtype: torch.dtype,
-                            max_model_len: int, num_blocks: int):
+                            max_model_len: int, num_blocks: int, sharding=None):
     """Rank 0's shard, with the other ranks started (local mode) or joined (torchrun) and holding theirs.
-    The shard's head tells the workers which rows to compute before its all-gather."""
+    The shard's head tells the workers which rows to compute before its all-gather. `sharding`: a
+    TensorSharding every rank cuts its shard with (local mode only)."""
     try:
         if torchrun_env() is not None:
             tp.join_torchrun(max_model_len, num_blocks)
             model = load_shard(config, model_path, tp.group, device, dtype, max_model_len)
         else:
-            tp.launch(config, model_path, dtype, max_model_len, num_blocks)
-            model = load_shard(config, model_path, tp.group, device, dtype, max_model_len)
+            tp.launch(config, model_path, dtype, max_model_len, num_blocks, sharding)
+            model = load_shard(config, model_path, tp.group, device, dtype, max_model_len, sharding)
             tp.connect()
     except BaseException:
         tp.shutdown(timeout_s=2.0)

@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .common import CheckFailed, call_learner, echo_prediction, new_figure, passed, random_tokens  # noqa: F401 - echo and random_tokens for the notebook
+from .common import (CheckFailed, FakeClock, call_learner, echo_prediction, new_figure, passed,  # noqa: F401 - for the notebook
+                     device_label, require_kernel,
+                     random_tokens)
 
 ATOL = 1e-5
 
@@ -302,6 +304,273 @@ def check_tp_runs(result: dict | None) -> None:
     passed("tensor-parallel tokens", len(sizes) - 1)
 
 
+# =================================================================== 5. your cut, in the engine (sharding=)
+def _fake_all_reduce(others: torch.Tensor, calls: list):
+    """rank r's all_reduce as the check plays it: the other ranks' partials (computed here) added to t."""
+    def all_reduce(t):
+        calls.append(tuple(t.shape))
+        return t + others
+    return all_reduce
+
+
+def _sharding_cases(seed: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(seed)
+    cases = [(random_weight(4, 6, seed + 1), 2, "weight [4, 6], N = 2"), (random_weight(6, 9, seed + 2), 3,
+                                                                          "weight [6, 9], N = 3")]
+    for i in range(4):
+        n = int(torch.randint(2, 5, (1,), generator=gen))
+        out_f, in_f = n * int(torch.randint(1, 9, (1,), generator=gen)), n * int(torch.randint(1, 9, (1,), generator=gen))
+        cases.append((random_weight(out_f, in_f, seed * 10 + i), n, f"random weight [{out_f}, {in_f}], N = {n}"))
+    return cases
+
+
+def check_sharding(part, seed: int = 0) -> None:
+    """A TensorSharding (minillm/seams.py) against the engine's cut: column(weight, r, N) is rank r's block of rows,
+    row(weight, r, N) its block of columns, and row_matmul(x_r, W_r, all_reduce) the whole layer's output through
+    one all-reduce of rank r's partial product (the other ranks' partials played by the check)."""
+    from ..seams import PartError, TensorSharding, check_part
+
+    try:
+        check_part(part, TensorSharding, "sharding")
+    except PartError as exc:
+        raise CheckFailed(str(exc)) from None
+    count = 0
+    for weight, n, what in _sharding_cases(seed):
+        out_f, in_f = weight.shape
+        for r in range(n):
+            for how, want, strided, other in (
+                    ("column", weight[blocks(out_f, n)[r]], weight[r::n], weight[:, blocks(in_f, n)[r]]),
+                    ("row", weight[:, blocks(in_f, n)[r]], weight[:, r::n], weight[blocks(out_f, n)[r]])):
+                before = weight.clone()
+                call = f"sharding.{how}(weight [{out_f}, {in_f}], rank={r}, world_size={n}) ({what})"
+                got = call_learner(getattr(part, how), (weight, r, n), call)
+                if not torch.equal(weight, before):
+                    raise CheckFailed(f"{call} changed the weight in place")
+                if not isinstance(got, torch.Tensor):
+                    raise CheckFailed(f"{call} returned {type(got).__name__}; expected a tensor of shape "
+                                      f"{list(want.shape)}")
+                if tuple(got.shape) != tuple(want.shape):
+                    dim = 0 if how == "column" else 1
+                    hint = (f": that is the other split's shape. {how}() cuts dim {dim} of weight [out, in] "
+                            f"({'the output rows' if dim == 0 else 'the input columns'})"
+                            if tuple(got.shape) == tuple(other.shape) else
+                            f": [{out_f // n if how == 'column' else out_f}, {in_f if how == 'column' else in_f // n}]")
+                    raise CheckFailed(f"{call} has shape {list(got.shape)}, expected {list(want.shape)}{hint}")
+                if torch.equal(got, want):
+                    count += 1
+                    continue
+                rank_of = next((k for k in range(n) if torch.equal(
+                    got, weight[blocks(out_f, n)[k]] if how == "column" else weight[:, blocks(in_f, n)[k]])), None)
+                if n > 1 and torch.equal(got, strided):
+                    hint = "every N-th index is not a block: rank r holds the contiguous block r * d / N .. (r + 1) * d / N - 1"
+                elif rank_of is not None:
+                    hint = (f"that is rank {rank_of}'s block: rank r holds block r (rank 0 the first), so every rank "
+                            "holds a different block and together they cover the matrix once")
+                else:
+                    hint = f"rank r's block of weight's dim {0 if how == 'column' else 1}, unchanged"
+                raise CheckFailed(f"{call} is not rank {r}'s block: {hint}")
+        x = random_tokens(3, in_f, seed + n)
+        full = x @ weight.t()
+        for r in range(n):
+            cols = blocks(in_f, n)[r]
+            others = full - x[:, cols] @ weight[:, cols].t()
+            calls: list = []
+            call = (f"sharding.row_matmul(x [3, {in_f // n}], weight [{out_f}, {in_f // n}], all_reduce) as rank {r} "
+                    f"of {n} ({what})")
+            got = call_learner(part.row_matmul, (x[:, cols].clone(), weight[:, cols].clone(),
+                                                 _fake_all_reduce(others, calls)), call)
+            if not calls:
+                raise CheckFailed(f"{call} never called all_reduce: rank {r}'s product is a partial sum over its "
+                                  f"{in_f // n} input features; all_reduce(partial) adds the other ranks' partials")
+            if len(calls) > 1:
+                raise CheckFailed(f"{call} called all_reduce {len(calls)} times; once, on this rank's partial product")
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != (3, out_f):
+                raise CheckFailed(f"{call} returned {getattr(got, 'shape', type(got).__name__)}; expected [3, {out_f}]")
+            if not torch.allclose(got.float(), full, atol=ATOL, rtol=1e-4):
+                if calls[0] != (3, out_f):
+                    hint = f"all_reduce got a tensor of shape {list(calls[0])}: give it the partial product [T, out]"
+                elif torch.allclose(got.float(), x[:, cols] @ weight[:, cols].t(), atol=ATOL, rtol=1e-4):
+                    hint = "that is this rank's partial alone: return what all_reduce returns (the sum over the ranks)"
+                else:
+                    hint = "all_reduce(x @ weight.T): this rank's partial product, summed over the ranks"
+                raise CheckFailed(f"{call}: the output differs from the whole layer's x @ W^T by "
+                                  f"{float((got.float() - full).abs().max()):.3g}: {hint}")
+            count += 1
+    passed("your sharding", count)
+
+
+def check_tp_tokens(result: dict | None) -> None:
+    """Your sharding part gave N = 1's greedy tokens: with N ranks simulated in this process (always), and in the
+    tensor-parallel engine's worker processes where the part could travel there (result["sharding"] names it)."""
+    if result is None:
+        raise CheckFailed("tp is None: run the tensor-parallel cell above")
+    if not result.get("simulated"):
+        raise CheckFailed("the tensor-parallel cell ran without your sharding part: run it again after exercise 4")
+    sizes = list(result["tokens"])
+    base = result["tokens"][sizes[0]]
+    for n, tokens in result["simulated"].items():
+        for i, (mine, want) in enumerate(zip(tokens, base)):
+            if mine != want:
+                j = next((t for t, (p, q) in enumerate(zip(mine, want)) if p != q), min(len(mine), len(want)))
+                raise CheckFailed(f"your sharding with {n} ranks (simulated in this process): prompt {i} parts from "
+                                  f"N = {sizes[0]}'s greedy tokens at output token {j}")
+    check_tp_runs(result)
+    if result.get("sharding") is None:
+        print("  (the worker processes ran the engine's own cut: your part could not be sent to them here; the "
+              "simulated ranks ran yours)")
+
+
+# =================================================================== 5. the measurement: time per step against N
+# The course's reference run, on the machine the course was written on (shared with other jobs while it ran): the
+# solution's tp_step_time in full mode's setting (SmolLM2-135M fp32, N = 1 and 3 on gloo, the notebook's 3 prompts of
+# seed 0, 2 warm-up and 8 timed decode steps per engine, lab11.DecodeSteps), the solution cells' code run as a script:
+#   engines = {n: LLM(None, tensor_parallel_size=n, device="cpu") for n in (1, 3)}
+#   tp_step_time({n: lab11.DecodeSteps(e, prompts, 10) for n, e in engines.items()}, warmup=2, repeats=8)
+REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
+REFERENCE_TP_SIZES = (1, 3)
+REFERENCE_STEP_S = {1: 0.394, 3: 1.049}   # median seconds per decode step (3 sequences); min 0.226 / 0.267 s
+REFERENCE_SPEEDUP = 0.375                 # N = 1's median / N = 3's: splitting made the step 2.7x slower here
+
+
+class DecodeSteps:
+    """`num_prompts` sequences in `llm`'s engine, prefilled (not timed): each call runs ONE engine step, a decode
+    step of the whole batch, for at most `num_steps` calls."""
+
+    def __init__(self, llm, prompts: Sequence[dict], num_steps: int):
+        from .. import SamplingParams
+
+        if num_steps < 1:
+            raise ValueError(f"DecodeSteps(num_steps={num_steps!r}): at least 1 decode step")
+        engine = llm.engine
+        if engine.has_unfinished():
+            raise RuntimeError("DecodeSteps: the engine is already running requests; let them finish first")
+        params = SamplingParams(max_tokens=num_steps + 1, temperature=0, ignore_eos=True)
+        self.engine, self.num_steps, self.calls = engine, num_steps, 0
+        self.seqs = [engine.add_request(list(p["prompt_token_ids"]), params) for p in prompts]
+        while any(s.first_token_s is None and not s.is_finished for s in self.seqs):   # the prefills
+            engine.step()
+
+    def __call__(self) -> None:
+        if self.calls >= self.num_steps:
+            raise RuntimeError(f"DecodeSteps: all {self.num_steps} decode steps are spent; make a new one "
+                               "(num_steps = warmup + repeats)")
+        self.calls += 1
+        self.engine.step()
+
+    def finish(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+class FakeStep:
+    """A stand-in for DecodeSteps in the check: each call moves `clock` by the next scripted cost; nothing runs."""
+
+    def __init__(self, clock, costs: Sequence[float], label: str):
+        self.clock, self.costs, self.label = clock, list(costs), label
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.clock.advance(self.costs[min(self.calls, len(self.costs) - 1)])
+        self.calls += 1
+
+    def __repr__(self) -> str:
+        return f"<fake decode step, {self.label}>"
+
+
+def reference_step_timing(costs: Sequence[float], warmup: int) -> dict:
+    from .common import timing_summary
+
+    summary = timing_summary(list(costs)[warmup:])
+    return {"median": summary["median"], "min": summary["min"], "max": summary["max"]}
+
+
+TP_TIMING_CASES = (  # (the case in words, warmup, repeats, seed, {N: base seconds})
+    ("N = 1 and 2, 2 warm-up and 5 timed steps, one slow outlier each", 2, 5, 1, {1: 0.02, 2: 0.03}),
+    ("N = 4, 1 and 2 (neither N = 1 nor the largest N last), 1 warm-up and 4 timed steps (the median averages the "
+     "middle two)", 1, 4, 2, {4: 0.008, 1: 0.02, 2: 0.012}),
+    ("N = 1 and 3, no warm-up, 3 timed steps", 0, 3, 3, {1: 0.05, 3: 0.04}),
+)
+
+
+def check_tp_step_time(fn: Callable, cases=TP_TIMING_CASES) -> None:
+    """tp_step_time(steps, clock, warmup, repeats) on fake decode steps (one per N) that move a FakeClock by known
+    costs (warm-up steps 20x slower, one timed step 4x): each called warmup + repeats times, the warm-up dropped,
+    each N's median, min and max those of its timed steps, and speedup = N = 1's median / the largest N's."""
+    from .common import FakeClock, is_close, scripted_costs, timing_mistake
+
+    for name, warmup, repeats, seed, bases in cases:
+        clock = FakeClock()
+        costs = {n: scripted_costs(base, warmup, repeats, seed + n) for n, base in bases.items()}
+        steps = {n: FakeStep(clock, costs[n], f"N = {n}") for n in bases}
+        call = f"tp_step_time(<fake steps for N in {list(bases)}>, clock=FakeClock(), warmup={warmup}, " \
+               f"repeats={repeats}). Case: {name}"
+        got = call_learner(fn, (steps, clock, warmup, repeats), call)
+        if clock.reads == 0:
+            raise CheckFailed(f"{call}: your code never read `clock`: time with the clock you are given "
+                              "(start = clock() ... clock() - start), not time.perf_counter, so the check can script "
+                              "what each step costs")
+        for n, step in steps.items():
+            if step.calls != warmup + repeats:
+                raise CheckFailed(f"{call}: steps[{n}] was called {step.calls} times; expected warmup + repeats = "
+                                  f"{warmup + repeats} (warm up, then time `repeats` calls)")
+        if not isinstance(got, dict) or not {"times", "speedup"} <= set(got) or not isinstance(got["times"], dict):
+            raise CheckFailed(f"{call} returned {got!r}; return {{'times': {{N: {{'median', 'min', 'max'}}}}, "
+                              "'speedup': ...}")
+        if set(got["times"]) != set(bases):
+            raise CheckFailed(f"{call}: ['times'] has the keys {sorted(got['times'])}; expected one per N: "
+                              f"{sorted(bases)}")
+        for n in bases:
+            want = reference_step_timing(costs[n], warmup)
+            summary = got["times"][n]
+            if not isinstance(summary, dict) or not {"median", "min", "max"} <= set(summary):
+                raise CheckFailed(f"{call}: ['times'][{n}] = {summary!r}; expected a dict with 'median', 'min', 'max'")
+            for key in ("median", "min", "max"):
+                value = summary[key]
+                if is_close(value, want[key], rel=1e-6):
+                    continue
+                why = timing_mistake(value, costs[n], warmup) if key == "median" else ""
+                if key != "median" and is_close(value, (min if key == "min" else max)(costs[n]), rel=1e-6):
+                    why = "the spread kept a warm-up step: take min and max of the timed steps only"
+                if not why and isinstance(value, (int, float)) and is_close(value, 0.0, abs_tol=1e-3):
+                    why = "a real time, not the clock's: read `clock()`, not time.perf_counter()"
+                shown = f"{float(value):.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+                raise CheckFailed(f"{call}: ['times'][{n}][{key!r}] = {shown}, expected {want[key]:.6g} s"
+                                  + (f": that is {why}" if why else ""))
+        top = max(bases)
+        want_speedup = reference_step_timing(costs[1], warmup)["median"] / reference_step_timing(costs[top], warmup)["median"]
+        if not is_close(got["speedup"], want_speedup, rel=1e-6):
+            hint = (f"it is upside down: N = 1's median over N = {top}'s (above 1 when splitting made the step faster)"
+                    if is_close(got["speedup"], 1 / want_speedup, rel=1e-6) else
+                    f"N = 1's median over the largest N's ({top}), whatever the order of `steps`")
+            raise CheckFailed(f"{call}: speedup = {got['speedup']!r}, expected {want_speedup:.6g}: {hint}")
+    passed("tp_step_time", len(cases))
+
+
+def print_tp_timing(timing: dict, device: str) -> None:
+    from .common import format_seconds, print_beside_reference
+
+    for n, t in sorted(timing["times"].items()):
+        print(f"tensor_parallel_size={n}: {format_seconds(t['median'])} per decode step (min "
+              f"{format_seconds(t['min'])}, max {format_seconds(t['max'])})")
+    top = max(timing["times"])
+    print_beside_reference(f"decode step speed-up, N = 1 over N = {top} (reference: N = {REFERENCE_TP_SIZES[-1]})",
+                           timing["speedup"], REFERENCE_SPEEDUP, REFERENCE_HARDWARE, unit="x", device=device)
+
+
+def tp_timing_figure(timing: dict, device: str):
+    """Median ms per decode step against N, the min-max spread as error bars."""
+    ns = sorted(timing["times"])
+    med = [timing["times"][n]["median"] * 1e3 for n in ns]
+    fig = new_figure(f"A decode step against tensor_parallel_size: speed-up {timing['speedup']:.2f}x at N = {ns[-1]}",
+                     "tensor_parallel_size N", "ms per decode step (median; bars: min to max)", device)
+    fig.add_bar(x=[str(n) for n in ns], y=med,
+                error_y=dict(type="data", symmetric=False,
+                             array=[timing["times"][n]["max"] * 1e3 - m for n, m in zip(ns, med)],
+                             arrayminus=[m - timing["times"][n]["min"] * 1e3 for n, m in zip(ns, med)]),
+                text=[f"{m:.1f} ms" for m in med], textposition="outside", name="median")
+    return fig
+
+
 def reference_allreduce_costs(rows: Sequence[dict]) -> list[dict]:
     base = next((r for r in rows if r["tensor_parallel_size"] == 1), None)
     out = []
@@ -427,7 +696,7 @@ def print_pays(rows: Sequence[dict]) -> None:
 # =================================================================== 7. the autoscaler's policy
 def reference_policy(state, target_ongoing: float = 2.0, upscale_window_s: float = 5.0,
                      downscale_window_s: float = 30.0, rounding: Callable = math.ceil, edge_inside: bool = False) -> int:
-    """Exercise 5's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
+    """Exercise 6's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
     replicas; down to ceil(largest load of the last downscale_window_s / target) when that is below; clamped.
     A sample exactly window_s old is outside the window (edge_inside=True: the usual mistake, t >= now - window)."""
     def over(window_s):
@@ -459,7 +728,7 @@ def fleet_state(now_s: float, loads: Sequence[int], running: int, starting: int 
 
 
 def _policy_cases() -> list[tuple]:
-    """(state, kwargs, what): the stated cases of exercise 5 (1 s ticks, 40 s of history)."""
+    """(state, kwargs, what): the stated cases of exercise 6 (1 s ticks, 40 s of history)."""
     flat = [4] * 40
     return [
         (fleet_state(100.0, flat, running=2), {}, "a steady load of 4 on 2 replicas: keep 2"),
@@ -517,7 +786,7 @@ def _policy_hint(state, kwargs, got: int) -> str:
 
 
 def check_autoscaler(fn: Callable) -> None:
-    """autoscaler_policy against the rule of exercise 5 on the stated states."""
+    """autoscaler_policy against the rule of exercise 6 on the stated states."""
     cases = _policy_cases()
     for state, kwargs, what in cases:
         extra = "".join(f", {k}={v}" for k, v in kwargs.items())
@@ -689,3 +958,342 @@ def print_choice(choice: dict | None, target_p99_s: float, hourly_usd: float) ->
         mark = "  <- your choice" if (r["warm_replicas"], r["max_num_seqs"]) == (choice["warm_replicas"], choice["max_num_seqs"]) else (
             "" if r["spike_ttft_p99_s"] <= target_p99_s else "  (misses the target)")
         print(f"{r['warm_replicas']:>5} {r['max_num_seqs']:>6} {r['spike_ttft_p99_s']:>9.2f}s {r['usd_per_mtok']:>8.3f}{mark}")
+
+
+# =================================================================== 11. the move to vLLM: your flag map
+VLLM_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"   # minillm's default model, as vLLM loads it from the hub
+VLLM_MAPPED = ("max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size", "prefix_caching",
+               "chunked_prefill", "kv_dtype", "weight_dtype")
+# levers of minillm with no vLLM meaning when set away from vLLM's behaviour: (field, the value vLLM always has)
+VLLM_FIXED = (("kv_cache", True), ("paged", True), ("batching", "continuous"), ("speculative", None),
+              ("enable_lora", False))
+# minillm's own spellings that `vllm serve` does not know -> vLLM's
+MINILLM_ONLY_FLAGS = {"--prefix-caching": "--enable-prefix-caching", "--no-prefix-caching": "--no-enable-prefix-caching",
+                      "--chunked-prefill": "--enable-chunked-prefill",
+                      "--no-chunked-prefill": "--no-enable-chunked-prefill", "--kv-dtype": "--kv-cache-dtype",
+                      "--weight-dtype": "--quantization", "--model": "the model as the first argument"}
+
+
+def reference_vllm_args(config) -> list[str]:
+    """`vllm serve` arguments for an EngineConfig: the model first, then vLLM's spelling of each mapped lever."""
+    for name, value in VLLM_FIXED:
+        if getattr(config, name) != value:
+            raise ValueError(f"{name}={getattr(config, name)!r} has no vLLM flag (vLLM always runs {name}={value!r})")
+    if config.weight_dtype not in (None, "fp8"):
+        raise ValueError(f"weight_dtype={config.weight_dtype!r} has no vLLM flag (--quantization fp8 only)")
+    if config.kv_dtype not in (None, "fp8"):
+        raise ValueError(f"kv_dtype={config.kv_dtype!r} has no vLLM flag (--kv-cache-dtype fp8 only)")
+    args = [config.model or VLLM_DEFAULT_MODEL, "--max-num-seqs", str(config.max_num_seqs), "--block-size",
+            str(config.block_size), "--tensor-parallel-size", str(config.tensor_parallel_size),
+            "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill"]
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    if config.kv_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    if config.weight_dtype == "fp8":
+        args += ["--quantization", "fp8"]
+    return args
+
+
+def _vllm_cases() -> list[tuple]:
+    from ..config import EngineConfig
+
+    return [(EngineConfig(), "the defaults (LLM())"),
+            (EngineConfig(model="random:tiny-llama", max_num_seqs=64, block_size=32, prefix_caching=True,
+                          chunked_prefill=True, max_model_len=2048),
+             "random:tiny-llama, 64 sequences, blocks of 32, prefix caching and chunked prefill on, 2048 tokens"),
+            (EngineConfig(tensor_parallel_size=2, kv_dtype="fp8", weight_dtype="fp8"),
+             "tensor_parallel_size=2, fp8 KV cache, fp8 weights"),
+            (EngineConfig(max_num_seqs=8, prefix_caching=False), "8 sequences, prefix caching off")]
+
+
+def _vllm_refusals() -> list[tuple]:
+    from ..config import EngineConfig
+
+    return [(EngineConfig(kv_cache=False), "kv_cache"), (EngineConfig(batching="static"), "batching"),
+            (EngineConfig(weight_dtype="int8"), "weight_dtype"), (EngineConfig(paged=False), "paged")]
+
+
+def check_vllm_args(fn: Callable) -> None:
+    """vllm_serve_args(config) on stated configs, read back by minillm's own map of vLLM's flags (`minillm serve`
+    accepts vLLM's spellings: serve/vllm_flags.py): the same levers must come back; prefix caching and chunked prefill
+    said explicitly (vLLM's defaults differ from minillm's); minillm-only spellings refused; levers vLLM cannot
+    express refused with a ValueError naming them."""
+    import contextlib
+    import io
+
+    from ..serve.cli import config_from_argv
+
+    count = 0
+    for config, what in _vllm_cases():
+        call = f"vllm_serve_args(EngineConfig(...)) ({what})"
+        got = call_learner(fn, (config,), call)
+        if not isinstance(got, (list, tuple)) or not all(isinstance(a, str) for a in got) or not got:
+            raise CheckFailed(f"{call} returned {got!r}; expected a list of strings, the model first "
+                              "(e.g. ['HuggingFaceTB/SmolLM2-135M-Instruct', '--max-num-seqs', '16', ...])")
+        for arg in got:
+            if arg in MINILLM_ONLY_FLAGS:
+                raise CheckFailed(f"{call}: {arg} is minillm's spelling; vLLM's is {MINILLM_ONLY_FLAGS[arg]}")
+        want_model = config.model or VLLM_DEFAULT_MODEL
+        if got[0] != want_model:
+            raise CheckFailed(f"{call}: the first argument is {got[0]!r}; `vllm serve` takes the model first: "
+                              f"{want_model!r}" + (" (minillm's default model, by its hub id)" if config.model is None else ""))
+        for on, off, name in (("--enable-prefix-caching", "--no-enable-prefix-caching", "prefix_caching"),
+                              ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "chunked_prefill")):
+            said = [a for a in got if a in (on, off)]
+            if len(said) != 1:
+                raise CheckFailed(f"{call}: say {name} explicitly, once ({on} or {off}; you gave {said or 'neither'}): "
+                                  f"vLLM 0.11 turns it on by default, minillm's LLM() leaves it off")
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                back = config_from_argv(list(got[1:]) + ["--model", got[0]])
+        except SystemExit:
+            raise CheckFailed(f"{call} = {list(got)}: minillm's map of vLLM's flags refuses it: "
+                              f"{stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else ''}") from None
+        except ValueError as exc:
+            raise CheckFailed(f"{call} = {list(got)}: minillm's map of vLLM's flags refuses it: {exc}") from None
+        for name in VLLM_MAPPED:
+            if getattr(back, name) != getattr(config, name):
+                raise CheckFailed(f"{call} = {list(got)}: read back by minillm's map of vLLM's flags, {name} is "
+                                  f"{getattr(back, name)!r}, expected {getattr(config, name)!r}")
+        count += 1
+    for config, lever in _vllm_refusals():
+        call = f"vllm_serve_args(EngineConfig({lever}={getattr(config, lever)!r}))"
+        try:
+            got = fn(config)
+        except NotImplementedError:
+            raise
+        except ValueError as exc:
+            if lever not in str(exc):
+                raise CheckFailed(f"{call} raised ValueError({str(exc)!r}); name the lever {lever!r} in the message")
+            count += 1
+            continue
+        except Exception as exc:
+            raise CheckFailed(f"{call} raised {type(exc).__name__}: {exc}; raise a ValueError naming {lever!r}") from None
+        raise CheckFailed(f"{call} returned {got!r}: vLLM has no flag for {lever}={getattr(config, lever)!r} (it always "
+                          f"runs {dict(VLLM_FIXED).get(lever, 'without it')!r}); raise a ValueError naming {lever!r} "
+                          "instead of serving something else")
+    passed("vllm_serve_args", count)
+
+
+# =================================================================== 5. your kernel: a row-parallel shard's matmul
+def reference_row_shard_matmul(x_shard: torch.Tensor, w_shard: torch.Tensor) -> torch.Tensor:
+    """One rank's partial product of a row-parallel layer: x_shard [M, K] @ w_shard [N, K]^T, fp32 [M, N]."""
+    return x_shard.float() @ w_shard.float().t()
+
+
+# (M, N, K, what): rows, output features and this rank's input features; tails on every dimension
+KERNEL_CASES = ((1, 16, 32, "one token, N and K exactly one block"),
+                (3, 24, 40, "3 tokens, N = 24 and K = 40: a tail of 8 on K (blocks of 32)"),
+                (5, 33, 20, "5 tokens, K = 20: less than one block of K"),
+                (17, 40, 70, "17 tokens (two blocks of rows), K = 70: two full blocks of K and a tail"))
+
+
+def check_row_shard_matmul(fn: Callable, seed: int = 0, num_random: int = 3, device: str = "cpu") -> None:
+    """row_shard_matmul(x_shard, w_shard) (your kernel, launched) against x_shard @ w_shard^T on fresh random inputs:
+    the stated shapes, then random ones; within 1e-4 of the largest output."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = list(KERNEL_CASES)
+    for i in range(num_random):
+        m, n, k = (int(torch.randint(1, 20, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen)),
+                   int(torch.randint(1, 100, (1,), generator=gen)))
+        cases.append((m, n, k, f"random case {i}"))
+    for m, n, k, what in cases:
+        x = torch.randn(m, k, generator=gen).to(device)
+        w = torch.randn(n, k, generator=gen).to(device)
+        call = f"row_shard_matmul(x_shard [{m}, {k}], w_shard [{n}, {k}]) ({what})"
+        got = call_learner(fn, (x, w), call)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (m, n):
+            raise CheckFailed(f"{call} returned {getattr(got, 'shape', type(got).__name__)}; expected [{m}, {n}]")
+        got, want = got.float().cpu(), reference_row_shard_matmul(x, w).cpu()
+        tol = 1e-4 * max(1.0, float(want.abs().max()))
+        if torch.isnan(got).any():
+            r, c = (int(v) for v in torch.nonzero(torch.isnan(got))[0])
+            raise CheckFailed(f"{call}: output [{r}, {c}] was never stored (the launcher fills y with NaN): the grid and "
+                              "the store's mask must cover every row < M and column < N")
+        err = float((got - want).abs().max())
+        if err <= tol:
+            continue
+        xc, wc = x.float().cpu(), w.float().cpu()
+        full_k = (k // 32) * 32 if k % 32 else k - 32
+        if torch.allclose(got, xc @ wc.reshape(k, n), atol=tol):
+            hint = ("W was read as [K, N]: w_shard is [N, K] row-major, so W[n, k] sits at n * K + k (the stride of "
+                    "its rows is K)")
+        elif torch.allclose(got.reshape(-1), want.t().reshape(-1), atol=tol):
+            hint = "y was stored column by column: y[m, n] sits at m * N + n"
+        elif full_k >= 0 and torch.allclose(got, xc[:, :full_k] @ wc[:, :full_k].t(), atol=tol):
+            hint = (f"the last block of K (columns {full_k} .. {k - 1}) is missing: loop over every block, "
+                    "range(0, K, BLOCK_K), the last one masked with ks < K")
+        else:
+            hint = "acc += x_tile @ w_tile^T over every block of K, masks on rows < M, cols < N and ks < K"
+        raise CheckFailed(f"{call}: differs from x_shard @ w_shard^T by {err:.3g} (allowed {tol:.3g}): {hint}")
+    passed("row_shard_matmul", len(cases))
+
+
+def kernel_tp_check(result: dict | None, tp_result: dict | None) -> None:
+    """Your kernel inside the tensor-parallel engine gave N = 1's greedy tokens (their first tokens)."""
+    if result is None:
+        raise CheckFailed("kernel_tp is None: run the cell that runs the engine with your kernel")
+    want = [t[:len(result["tokens"][0])] for t in tp_result["tokens"][min(tp_result["tokens"])]]
+    for i, (mine, ref) in enumerate(zip(result["tokens"], want)):
+        if mine != ref:
+            j = next((t for t, (p, q) in enumerate(zip(mine, ref)) if p != q), min(len(mine), len(ref)))
+            raise CheckFailed(f"tensor_parallel_size={result['tensor_parallel_size']} with your kernel: prompt {i} "
+                              f"parts from N = 1's greedy tokens at output token {j}")
+    passed("your kernel in the tensor-parallel engine", len(want))
+
+
+def print_kernel_tp(result: dict, tp_result: dict) -> None:
+    want = [t[:len(result["tokens"][0])] for t in tp_result["tokens"][min(tp_result["tokens"])]]
+    same = sum(a == b for a, b in zip(result["tokens"], want))
+    print(f"tensor_parallel_size={result['tensor_parallel_size']}, every rank's o_proj and down_proj through your "
+          f"kernel: {same} of {len(want)} prompts give N = 1's tokens" + (" ✓" if same == len(want) else " ✗"))
+    print(f"  {result['tokens']}  ({result['wall_s']:.1f} s for {len(result['tokens'][0])} tokens, {result['device']})")
+    from .common import print_interpreter_note
+
+    print_interpreter_note()
+
+
+def time_row_shard_matmul(fn: Callable, tokens: int = 1, out_features: int = 4096, in_features: int = 512) -> dict:
+    """On a GPU: your kernel against torch's matmul on one rank's shard of a Llama-3-8B o_proj at N = 8
+    ([4096, 512] fp32). Without a GPU: {"device": "cpu"}."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    from .common import gpu_seconds
+
+    x = torch.randn(tokens, in_features, device="cuda")
+    w = torch.randn(out_features, in_features, device="cuda")
+    return {"device": torch.cuda.get_device_name(), "shape": f"x_shard [{tokens}, {in_features}], w_shard "
+            f"[{out_features}, {in_features}] fp32", "yours_s": gpu_seconds(lambda: fn(x, w)),
+            "torch_s": gpu_seconds(lambda: x @ w.t()),
+            "bytes": (w.numel() + x.numel() + tokens * out_features) * 4}
+
+
+def print_row_shard_timing(result: dict) -> None:
+    from .common import print_no_gpu_timing
+
+    if result["device"] == "cpu":
+        print_no_gpu_timing("on one rank's shard of a Llama-3-8B o_proj at N = 8 (x_shard [1, 512], w_shard "
+                            "[4096, 512]) beside torch's matmul")
+        return
+    print(f"{result['shape']} — {result['device']}")
+    for name in ("yours", "torch"):
+        s = result[f"{name}_s"]
+        print(f"  {name:>6}: {s * 1e6:.1f} µs, {result['bytes'] / s / 1e9:.0f} GB/s")
+
+
+# =================================================================== 5. N ranks simulated in one process
+def sendable(part) -> bool:
+    """Whether a sharding part can travel to the worker processes (by value). A part that lives in another
+    process (the autograder keeps the learner's code in its sandbox) cannot: then the ranks are simulated here."""
+    from ..engine.parallel import pack_sharding
+
+    try:
+        pack_sharding(part)
+    except ValueError:
+        return False
+    return True
+
+
+class _SimColumn(torch.nn.Module):
+    """A column-parallel layer of N simulated ranks: each sub-matrix (q, k, v or gate, up) cut by the part for every
+    rank, each rank's output block computed from its own rows, the blocks side by side in rank order."""
+
+    def __init__(self, full, sizes, names, part, n: int, what: str):
+        super().__init__()
+        from ..models.shard import _cut
+
+        subs = full.weight.detach().split(sizes)
+        self.weights = [[_cut(part, "column", sub, r, n, f"{what}.weight[{name}]") for r in range(n)]
+                        for sub, name in zip(subs, names)]
+        self.biases = None
+        if full.bias is not None:
+            self.biases = [[_cut(part, "column", sub, r, n, f"{what}.bias[{name}]") for r in range(n)]
+                           for sub, name in zip(full.bias.detach().split(sizes), names)]
+
+    def forward(self, x):
+        outs = []
+        for i, ranks in enumerate(self.weights):
+            for r, w in enumerate(ranks):
+                y = x @ w.t()
+                outs.append(y + self.biases[i][r] if self.biases is not None else y)
+        return torch.cat(outs, dim=-1)
+
+
+class _SimRow(torch.nn.Module):
+    """A row-parallel layer of N simulated ranks: rank r holds block r of the input features and its shard from
+    part.row; part.row_matmul runs once per rank to learn its partial, then once as rank 0 with an all_reduce that
+    adds the other ranks' partials (what gloo's sum would give it); the bias is added after."""
+
+    def __init__(self, full, part, n: int, what: str):
+        super().__init__()
+        from ..models.shard import _cut
+
+        self.shards = [_cut(part, "row", full.weight.detach(), r, n, f"{what}.weight") for r in range(n)]
+        self.bias, self.part, self.n, self.what = full.bias, part, n, what
+
+    def forward(self, x):
+        width = x.shape[-1] // self.n
+        xs = [x[..., r * width:(r + 1) * width].contiguous() for r in range(self.n)]
+        partials = [None] * self.n
+        for r in range(self.n):
+            def record(t, r=r):
+                partials[r] = t.clone()
+                return t
+            self.part.row_matmul(xs[r], self.shards[r], record)
+        if any(p is None for p in partials):
+            raise ValueError(f"sharding.row_matmul on {self.what} never called all_reduce: a rank's product is a "
+                             "partial sum; return all_reduce(partial)")
+        total = torch.stack(partials).sum(0)
+        y = self.part.row_matmul(xs[0], self.shards[0], lambda t: t + (total - partials[0]))
+        want = (*x.shape[:-1], self.shards[0].shape[0])
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want:
+            raise ValueError(f"sharding.row_matmul on {self.what} returned {getattr(y, 'shape', type(y).__name__)}; "
+                             f"expected {list(want)}")
+        return y if self.bias is None else y + self.bias
+
+
+def simulated_tp_tokens(llm, part, n: int, prompts, max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of `llm`'s one-device engine with every decoder layer's matmuls computed as N ranks cut by
+    `part` would (each rank's blocks, its row_matmul with an all_reduce that adds the other ranks' partials), all in
+    this process. The layers are put back afterwards. For a part that cannot reach worker processes."""
+    from .. import SamplingParams
+    from ..models.shard import check_tensor_parallel
+
+    model = llm.engine.model
+    cfg = model.cfg
+    check_tensor_parallel(cfg, n)
+    hd = cfg.head_dim
+    q, kv, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    saved, runner = [], llm.engine.runner
+    fuse = getattr(runner, "fuse_cpu_decode", None)
+    try:
+        for i, layer in enumerate(model.layers):
+            names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            saved.append({name: layer._modules[name] for name in names})
+            layer._modules["qkv_proj"] = _SimColumn(layer.qkv_proj, (q, kv, kv), ("q", "k", "v"), part, n,
+                                                    f"layers.{i}.qkv_proj")
+            layer._modules["gate_up_proj"] = _SimColumn(layer.gate_up_proj, (inter, inter), ("gate", "up"), part, n,
+                                                        f"layers.{i}.gate_up_proj")
+            layer._modules["o_proj"] = _SimRow(saved[-1]["o_proj"], part, n, f"layers.{i}.o_proj")
+            layer._modules["down_proj"] = _SimRow(saved[-1]["down_proj"], part, n, f"layers.{i}.down_proj")
+        if fuse is not None:
+            runner.fuse_cpu_decode = False
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                            use_tqdm=False) if _takes_tqdm(llm) else \
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        for layer, modules in zip(model.layers, saved):
+            for name, module in modules.items():
+                layer._modules[name] = module
+        if fuse is not None:
+            runner.fuse_cpu_decode = fuse
+
+
+def _takes_tqdm(llm) -> bool:
+    import inspect
+
+    return "use_tqdm" in inspect.signature(llm.generate).parameters

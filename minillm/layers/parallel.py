@@ -101,14 +101,25 @@ class RowParallelLinear(nn.Module):
     """A row-parallel matrix (o_proj, down_proj): this rank's input columns in `inner` (a Linear or a
     QuantizedLinear, no bias), its partial product all-reduced, then the bias added once."""
 
-    def __init__(self, inner: nn.Module, bias: torch.Tensor | None, group: TPGroup):
+    def __init__(self, inner: nn.Module, bias: torch.Tensor | None, group: TPGroup, row_matmul=None):
         super().__init__()
         self.inner = inner
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.__dict__["group"] = group   # not a submodule, not copied by state_dict
+        # a TensorSharding's row_matmul(x, weight, all_reduce) (sharding=...): it computes the partial product and
+        # calls the all-reduce itself; None: inner's matmul, then the group's all-reduce
+        self.__dict__["row_matmul"] = row_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(self.inner(x))
+        if self.row_matmul is None:
+            y = self.group.all_reduce(self.inner(x))
+        else:
+            y = self.row_matmul(x, self.inner.weight, self.group.all_reduce)
+            want = (*x.shape[:-1], self.inner.weight.shape[0])
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != want:
+                raise ValueError(f"sharding.row_matmul(x {list(x.shape)}, weight {list(self.inner.weight.shape)}, "
+                                 f"all_reduce) returned {list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}; expected the whole "
+                                 f"layer's output {list(want)} (the partial product, summed by all_reduce)")
         return y if self.bias is None else y + self.bias
 
 

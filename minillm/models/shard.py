@@ -107,12 +107,52 @@ def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return t[start:start + size]
 
 
+class MegatronSharding:
+    """The engine's own TensorSharding (seams.py): contiguous blocks, rank 0 first; the partial product of a
+    row-parallel layer, then the all-reduce."""
+
+    def column(self, weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        size = weight.shape[0] // world_size
+        return weight[rank * size:(rank + 1) * size]
+
+    def row(self, weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        size = weight.shape[1] // world_size
+        return weight[:, rank * size:(rank + 1) * size]
+
+    def row_matmul(self, x: torch.Tensor, weight: torch.Tensor, all_reduce) -> torch.Tensor:
+        return all_reduce((x @ weight.t()).contiguous())
+
+
+def _cut(sharding, how: str, weight: torch.Tensor, rank: int, world_size: int, what: str) -> torch.Tensor:
+    """sharding.column / sharding.row on one matrix, its shape checked (a bias is cut as a [out, 1] matrix)."""
+    vector = weight.dim() == 1
+    full = weight.detach().clone().unsqueeze(1) if vector else weight.detach().clone()
+    out_f, in_f = full.shape
+    want = (out_f // world_size, in_f) if how == "column" else (out_f, in_f // world_size)
+    got = (sharding.column if how == "column" else sharding.row)(full, rank, world_size)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != want:
+        other = "column" if how == "row" else "row"
+        hint = (f" (that is the shape {other}() should give: {how}() cuts dim {0 if how == 'column' else 1})"
+                if isinstance(got, torch.Tensor) and tuple(got.shape) == ((out_f, in_f // world_size) if how == "column"
+                                                                           else (out_f // world_size, in_f)) else "")
+        raise ValueError(f"sharding.{how}({what} [{out_f}, {in_f}], rank={rank}, world_size={world_size}) returned "
+                         f"{list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}; expected "
+                         f"{list(want)}{hint}")
+    got = got.to(weight.dtype).contiguous()
+    return got[:, 0] if vector else got
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, group: TPGroup, weight_dtype: str | None = None, group_size: int = 128,
-                weight_head_dtype: str = "auto") -> ShardedLlama:
-    """Rank group.rank's shard of a float `model` (left as it was), quantized to weight_dtype (None: float)."""
+                weight_head_dtype: str = "auto", sharding=None) -> ShardedLlama:
+    """Rank group.rank's shard of a float `model` (left as it was), quantized to weight_dtype (None: float).
+    `sharding`: a TensorSharding (seams.py) that cuts the decoder layers' matrices and runs the row-parallel
+    layers' matmul and all-reduce (float weights only); None: the engine's own cut."""
     cfg, n, r = model.cfg, group.world_size, group.rank
     check_tensor_parallel(cfg, n, weight_dtype, group_size)
+    if sharding is not None and weight_dtype not in (None, "auto"):
+        raise ValueError(f"sharding= with weight_dtype={weight_dtype!r}: a sharding part cuts float weights; "
+                         "leave weight_dtype unset")
     if model.quantized_head is not None or any(not isinstance(layer.o_proj, Linear) for layer in model.layers):
         raise ValueError("shard_model takes a float model: shard first, then quantize the shards")
     scfg = shard_config(cfg, n)
@@ -130,20 +170,35 @@ def shard_model(model: LlamaForCausalLM, group: TPGroup, weight_dtype: str | Non
     gate_up_rows = torch.cat([torch.arange(r * si, (r + 1) * si),
                               cfg.intermediate_size + torch.arange(r * si, (r + 1) * si)]).to(device)
     row_biases = []
+
+    def column_cut(t: torch.Tensor, rows: torch.Tensor, sizes: tuple[int, ...], what: str) -> torch.Tensor:
+        if sharding is None:
+            return t[rows]
+        return torch.cat([_cut(sharding, "column", part, r, n, f"{what}[{name}]")
+                          for part, name in zip(t.split(sizes), ("q", "k", "v") if len(sizes) == 3 else ("gate", "up"))])
+
+    def row_cut(t: torch.Tensor, start: int, width: int, what: str) -> torch.Tensor:
+        if sharding is None:
+            return t[:, start:start + width].contiguous()
+        return _cut(sharding, "row", t, r, n, what)
+
+    qkv_sizes, gate_up_sizes = (q, kv, kv), (cfg.intermediate_size,) * 2
     for full, mine in zip(model.layers, shard.layers):
         mine.input_layernorm.weight.copy_(full.input_layernorm.weight)
         mine.post_attention_layernorm.weight.copy_(full.post_attention_layernorm.weight)
-        mine.qkv_proj.weight.copy_(full.qkv_proj.weight[qkv_rows])
+        mine.qkv_proj.weight.copy_(column_cut(full.qkv_proj.weight, qkv_rows, qkv_sizes, "qkv_proj.weight"))
         if full.qkv_proj.bias is not None:
-            mine.qkv_proj.bias.copy_(full.qkv_proj.bias[qkv_rows])
-        mine.gate_up_proj.weight.copy_(full.gate_up_proj.weight[gate_up_rows])
+            mine.qkv_proj.bias.copy_(column_cut(full.qkv_proj.bias, qkv_rows, qkv_sizes, "qkv_proj.bias"))
+        mine.gate_up_proj.weight.copy_(column_cut(full.gate_up_proj.weight, gate_up_rows, gate_up_sizes,
+                                                  "gate_up_proj.weight"))
         if full.gate_up_proj.bias is not None:
-            mine.gate_up_proj.bias.copy_(full.gate_up_proj.bias[gate_up_rows])
+            mine.gate_up_proj.bias.copy_(column_cut(full.gate_up_proj.bias, gate_up_rows, gate_up_sizes,
+                                                    "gate_up_proj.bias"))
         # row-parallel: this rank's input columns, no bias inside (added once, after the all-reduce)
         mine.o_proj = Linear(sq, cfg.hidden_size)
-        mine.o_proj.weight.data = full.o_proj.weight[:, r * sq:(r + 1) * sq].contiguous()
+        mine.o_proj.weight.data = row_cut(full.o_proj.weight, r * sq, sq, "o_proj.weight")
         mine.down_proj = Linear(si, cfg.hidden_size)
-        mine.down_proj.weight.data = full.down_proj.weight[:, r * si:(r + 1) * si].contiguous()
+        mine.down_proj.weight.data = row_cut(full.down_proj.weight, r * si, si, "down_proj.weight")
         row_biases.append((full.o_proj.bias, full.down_proj.bias))
     shard.norm.weight.copy_(model.norm.weight)
     lo, hi = shard.vocab_start, shard.vocab_end
@@ -159,9 +214,10 @@ def shard_model(model: LlamaForCausalLM, group: TPGroup, weight_dtype: str | Non
         for full, mine in zip(model.layers, shard.layers):
             for name, width in (("o_proj", sq), ("down_proj", si)):
                 _whole_row_scales(getattr(mine, name), getattr(full, name).weight, r * width, width)
+    row_matmul = sharding.row_matmul if sharding is not None else None
     for mine, (o_bias, down_bias) in zip(shard.layers, row_biases):
-        mine.o_proj = RowParallelLinear(mine.o_proj, o_bias, group)
-        mine.down_proj = RowParallelLinear(mine.down_proj, down_bias, group)
+        mine.o_proj = RowParallelLinear(mine.o_proj, o_bias, group, row_matmul)
+        mine.down_proj = RowParallelLinear(mine.down_proj, down_bias, group, row_matmul)
     shard.eval()
     return shard
 
