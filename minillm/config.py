@@ -41,6 +41,25 @@ MAX_LORA_RANK = 256                      # enable_lora: the largest adapter rank
 MAX_TENSOR_PARALLEL = 64                 # tensor_parallel_size: ranks at most
 KV_DTYPES = ("int8", "fp8")               # or None / "auto": the model dtype (see engine/kv_cache.py)
 
+# Chunked prefill's step budget (max_num_batched_tokens) per device: the largest step the engine runs. Smaller
+# chunks let decodes and short prompts in sooner, but each chunk re-reads the weights and the cached K/V of the
+# chunks before it. On a CPU a chunk of 512 tokens keeps a long prompt's prefill throughput near whole-prompt
+# prefill (`python -m minillm.bench.chunking`, docs/PERFORMANCE.md); a GPU takes 2048, as vLLM's default for an
+# online server on a data-center GPU. Without chunking a step admits whole prompts up to 8192 tokens.
+CPU_CHUNK_TOKENS = 512
+GPU_CHUNK_TOKENS = 2048
+WHOLE_PREFILL_TOKENS = 8192
+DEVICE_DEFAULTS = ("chunked_prefill", "max_num_batched_tokens")   # None: chosen when the engine is built
+
+
+def default_max_num_batched_tokens(device, chunked_prefill: bool = True) -> int:
+    """max_num_batched_tokens=None on `device` (a torch.device or its type name): the chunk budget, or
+    WHOLE_PREFILL_TOKENS without chunked prefill."""
+    if not chunked_prefill:
+        return WHOLE_PREFILL_TOKENS
+    kind = getattr(device, "type", str(device))
+    return CPU_CHUNK_TOKENS if kind == "cpu" else GPU_CHUNK_TOKENS
+
 
 def lever(default, help: str):
     """An EngineConfig field with its help text (`minillm serve --help`, `minillm ... --set`)."""
@@ -71,7 +90,9 @@ class EngineConfig:
     batching: str = lever("continuous",
         'continuous: requests join and leave the running batch; static: hold the batch until its longest ends')
     max_num_seqs: int = lever(16, 'sequences in one step at most')
-    max_num_batched_tokens: int = lever(8192, 'tokens in one step at most (prompt chunks with chunked_prefill)')
+    max_num_batched_tokens: int | None = lever(None,
+        'tokens in one step at most (the chunk budget with chunked_prefill); None: 512 on a CPU and 2048 on a GPU '
+        'when chunking, else 8192')
 
     # Kernels.
     attention_backend: Any = lever("auto",
@@ -87,8 +108,9 @@ class EngineConfig:
 
     # Levers of the later labs (chunked prefill, quantization, prefix caching, speculative decoding).
     # Every value listed is built; anything else is refused at construction with the allowed values.
-    chunked_prefill: bool = lever(False,
-        'split long prompts into chunks of max_num_batched_tokens, beside the running decodes')
+    chunked_prefill: bool | None = lever(None,
+        'split long prompts into chunks of max_num_batched_tokens, beside the running decodes; None: on wherever '
+        'kv_cache=True (as vLLM), False: one step prefills whole prompts')
     long_prefill_token_threshold: int = lever(0,
         "chunked prefill: one prompt's chunk takes at most this many tokens a step, leaving the rest of the budget "
         "to other requests (vLLM's --long-prefill-token-threshold); 0: a chunk may take the whole budget")
@@ -130,6 +152,19 @@ class EngineConfig:
             )
         return cls(model=model, **kwargs)
 
+    def resolve_defaults(self, device) -> tuple[str, ...]:
+        """Fill in the levers left to a default that depends on the device or on other levers (DEVICE_DEFAULTS,
+        None), in place, when the engine is built for `device`; returns the names filled. chunked_prefill None
+        becomes kv_cache (a chunk attends to the cached earlier chunks), max_num_batched_tokens None the
+        device's budget (default_max_num_batched_tokens)."""
+        filled = tuple(name for name in DEVICE_DEFAULTS if getattr(self, name) is None)
+        if self.chunked_prefill is None:
+            self.chunked_prefill = self.kv_cache
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_max_num_batched_tokens(device, self.chunked_prefill)
+        self.validate()
+        return filled
+
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -144,8 +179,13 @@ class EngineConfig:
         need(self.batching in BATCHING_MODES, f"batching={self.batching!r} is not one of {BATCHING_MODES}")
         need(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096,
              f"max_num_seqs={self.max_num_seqs!r} must be an integer in [1, 4096]")
-        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
-             f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
+        need(self.max_num_batched_tokens is None or (isinstance(self.max_num_batched_tokens, int)
+                                                     and not isinstance(self.max_num_batched_tokens, bool)
+                                                     and self.max_num_batched_tokens >= 1),
+             f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1 (or None: the "
+             "device's default)")
+        need(self.chunked_prefill is None or isinstance(self.chunked_prefill, bool),
+             f"chunked_prefill={self.chunked_prefill!r} must be None (on with the KV cache), True or False")
         need(isinstance(self.long_prefill_token_threshold, int) and not isinstance(self.long_prefill_token_threshold, bool)
              and self.long_prefill_token_threshold >= 0,
              f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} must be an integer >= 0 (0: off)")

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
-from .config import EngineConfig
+from .config import DEVICE_DEFAULTS, EngineConfig
 from .engine.builder import EngineParts, build_engine
 from .engine.engine import validate_cache_salt
 from .engine.metrics import RunStats
@@ -37,6 +37,9 @@ class LLM:
         parts = EngineParts(**{name: levers_and_parts.pop(name) for name in EngineParts.names()
                                if name in levers_and_parts})
         self.config = EngineConfig.from_kwargs(model=model, **levers_and_parts)
+        # levers left to their defaults (None) that the engine fills in for its device: with_levers leaves them
+        # to the new engine's defaults (kv_cache=False turns the default chunked prefill off)
+        self._defaulted = tuple(name for name in DEVICE_DEFAULTS if getattr(self.config, name) is None)
         donor = _share_weights_with.engine if _share_weights_with is not None else None
         self.engine = build_engine(self.config, parts, share_weights_with=donor)
         self.tokenizer = self.engine.tokenizer
@@ -54,7 +57,8 @@ class LLM:
         Each engine keeps its own KV pool and scheduler; only the read-only weights are shared. Parts
         not named carry over from this engine (give `part=None` for the engine's own).
         """
-        levers = {**self._levers(), **{k: v for k, v in changes.items() if k not in EngineParts.names()}}
+        levers = {**self._levers(), **{name: None for name in self._defaulted},
+                  **{k: v for k, v in changes.items() if k not in EngineParts.names()}}
         inherited = {name: getattr(self.engine.parts, name) for name in EngineParts.names()}
         if levers["speculative"] is None:      # parts the new levers leave unused are not carried over
             inherited.update(proposer=None, verifier=None)

@@ -1,7 +1,7 @@
 """The engine against transformers on the default model: greedy tokens and fp32 logits.
 
-The engine runs every prompt in one generate() call (so batching, queueing and mixed
-prompt lengths are exercised too); transformers runs them one at a time.
+The engine runs every prompt in one generate() call (so batching, queueing, mixed prompt lengths and the
+default chunked prefill are exercised too); transformers runs them one at a time.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def run_engine(llm, prompts: list, params: SamplingParams):
     original = runner.logits
 
     def spy(seqs, rows=None, prompt_logprobs=False):
-        assert rows is None, "whole prompts, no chunks: every sequence's row is sampled"
         out = original(seqs, rows, prompt_logprobs)
-        for seq, row in zip(seqs, out):
+        sampled = seqs if rows is None else [seqs[i] for i in rows]   # chunked prefill: a chunk samples no row
+        assert len(out) == len(sampled), f"{len(out)} logits rows for {len(sampled)} sampled sequences"
+        for seq, row in zip(sampled, out):
             captured[seq.request_id].append(row.detach().clone())
         return out
 
@@ -154,10 +155,13 @@ def test_logits_match_transformers_fp32(kv_on_run, reference):
 def test_batch_was_queued_and_outputs_keep_prompt_order(kv_on_run, cases, default_llm):
     outs, _, stats = kv_on_run
     assert len(cases) > default_llm.config.max_num_seqs  # some requests had to wait for a slot
-    prefills = [s for s in stats.steps if s.kind == "prefill"]
+    prefills = [s for s in stats.steps if s.kind in ("prefill", "mixed")]   # mixed: prompt chunks beside decodes
     assert len(prefills) >= 2
     assert max(s.num_seqs for s in stats.steps) == default_llm.config.max_num_seqs
-    assert prefills[0].num_tokens == sum(len(o.prompt_token_ids) for o in list(outs.values())[: prefills[0].num_seqs])
+    # the first step feeds the prompts in order, the last one admitted cut at the step's budget (chunked prefill)
+    lengths = [len(o.prompt_token_ids) for o in list(outs.values())[: prefills[0].num_seqs]]
+    assert default_llm.config.chunked_prefill
+    assert sum(lengths[:-1]) < prefills[0].num_tokens == min(sum(lengths), default_llm.config.max_num_batched_tokens)
     for (name, prompt), o in zip(cases.items(), outs.values()):
         if isinstance(prompt, str):
             assert o.prompt == prompt, name
@@ -232,9 +236,10 @@ def test_static_and_continuous_batching_agree(default_llm, default_model_dir, mo
         assert len(c.outputs[0].token_ids) == m and c.outputs[0].finish_reason == "length"
     # static: the second pair waits until the whole first pair is done (1 prefill + 7 decodes each)
     assert s_steps == ([("prefill", 2), ("decode", 2)] + [("decode", 1)] * 6) * 2
-    # continuous: a freed slot is refilled at once, so the same work takes fewer steps
-    assert c_steps == [("prefill", 2), ("decode", 2), ("prefill", 1), ("decode", 2), ("prefill", 1)] \
-        + [("decode", 2)] * 5 + [("decode", 1)] * 2
+    # continuous: a freed slot is refilled at once, so the same work takes fewer steps; with chunked prefill (the
+    # default) the new prompt shares its step with the running request's decode ("mixed")
+    assert c_steps == [("prefill", 2), ("decode", 2), ("mixed", 2), ("decode", 2), ("mixed", 2)] \
+        + [("decode", 2)] * 3 + [("decode", 1)] * 4
     assert len(c_steps) < len(s_steps)
 
 

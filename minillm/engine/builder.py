@@ -1,6 +1,7 @@
 """build_engine: the one place an Engine gets its parts.
 
-    device, dtype      resolve_device / resolve_dtype (hardware.py), check_cuda_graphs
+    device, dtype      resolve_device / resolve_dtype (hardware.py), check_cuda_graphs; the config resolved for
+                       the device (chunked prefill on with the KV cache, its budget per device: config.py)
     context            context_limit: max_model_len within the model's positions and sliding window
     weights            load_weights: from disk, or shared with (or quantized from) another engine's
     KV pool            build_kv_pool: bytes -> blocks (kv_cache.pool_bytes), the block allocator, the cache
@@ -275,6 +276,7 @@ def build_engine(config: EngineConfig, parts: EngineParts | None = None,
     engine whose weights this one reuses (LLM.with_levers) instead of loading them again."""
     parts = (parts or EngineParts()).check(config)
     device = resolve_device(config.device)
+    config.resolve_defaults(device)   # chunked prefill and its budget per device (config.py), in place
     dtype = resolve_dtype(config.dtype, device)
     check_cuda_graphs(config, device)
     donor = share_weights_with

@@ -70,6 +70,13 @@ def causal_mask(num_q: int, num_keys: int, num_cached: int, device) -> torch.Ten
     return k_pos <= q_pos
 
 
+# A prompt chunk over cached keys needs a mask (its queries start past key 0); SDPA turns it into a float
+# [queries, keys] tensor. Queries go QUERY_TILE at a time, each tile over the keys it may see, so that tensor
+# stays [QUERY_TILE, keys]: linear in the context, never [n, n] for a long prompt (SDPA's CPU kernel is
+# flash-style: no [heads, queries, keys] scores either). tests/test_attention_memory.py holds the peak.
+QUERY_TILE = 512
+
+
 class TorchAttentionBackend:
     """The reference backend: index_copy into the pool, scaled_dot_product_attention over it."""
 
@@ -91,6 +98,10 @@ class TorchAttentionBackend:
 
     def attend(self, q, k, v, scale, num_cached):
         num_q, num_keys = q.shape[0], k.shape[1]
+        if 1 < num_q != num_keys and num_q > QUERY_TILE:   # a long chunk after cached keys: tile by tile
+            return torch.cat([self.attend(q[a:a + QUERY_TILE], k[:, :num_cached + a + QUERY_TILE],
+                                          v[:, :num_cached + a + QUERY_TILE], scale, num_cached + a)
+                              for a in range(0, num_q, QUERY_TILE)], dim=0)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, num_q, D]
         kh, vh = k.unsqueeze(0), v.unsqueeze(0)
         if num_q == 1:

@@ -53,7 +53,7 @@ class AsyncEngine:
 
     def __init__(self, llm: "LLM", start: bool = True, levers: dict | None = None):
         """`levers`: EngineConfig fields set on the engine while this serves it, and restored at shutdown
-        ({"chunked_prefill": True, "max_num_batched_tokens": 512}: minillm/serve/chunking.py server_levers)."""
+        ({"long_prefill_token_threshold": 256}: minillm/serve/chunking.py server_levers)."""
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         with _owned_lock:
             if llm.engine.owner_thread is not None:

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ServeArgumentParser(
         prog="minillm serve", usage="%(prog)s [MODEL] [--FLAG [VALUE] ...]   (every flag below)", description="An OpenAI-compatible HTTP server on the minillm engine: /v1/completions, "
         "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics. The server chunks long prompts "
-        "(--chunked-prefill, max_num_batched_tokens 512 on a CPU, 2048 on a GPU) unless the flags say otherwise.",
+        "(--enable-chunked-prefill, max_num_batched_tokens 512 on a CPU, 2048 on a GPU, as the engine does by default; "
+        "a prompt's chunk takes at most half of a step) unless the flags say otherwise.",
         epilog=SCHEME)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it (the same as --model MODEL)")

@@ -50,7 +50,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help_text = levers.help_text(f.name)
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{help_text} (default: {default!r})" if help_text else f"(default: {default!r})"
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool", "bool | None"):   # bool | None: None is the flag left out
             engine.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:

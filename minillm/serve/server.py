@@ -8,8 +8,9 @@
         client = openai.OpenAI(base_url=server.base_url, api_key="none")
         ...
 
-The server chunks long prompts (chunked_prefill=True, minillm/serve/chunking.py) so that no request waits
-behind another's whole prefill; `llm` gets its own levers back at close(). Uvicorn runs its own event loop in its own thread, so this works inside a Jupyter kernel
+The server chunks long prompts (chunked_prefill=True, as the engine does by default; minillm/serve/chunking.py
+adds a cap per prompt) so that no request waits behind another's whole prefill; `llm` gets its own levers back
+at close(). Uvicorn runs its own event loop in its own thread, so this works inside a Jupyter kernel
 (whose loop is already running in the main thread). While the server runs, its engine thread
 owns `llm.engine`: do not call llm.generate() until close().
 """
@@ -121,9 +122,10 @@ def serve_in_thread(llm: "LLM", host: str = "127.0.0.1", port: int = 0, model_na
                     max_num_batched_tokens: int | None = None) -> ServerHandle:
     """Start the OpenAI-compatible server on `llm` in a background thread; returns once it accepts connections.
     `lora_modules`: {name: path}, ["name=path", ...] or [LoRARequest, ...] (an LLM built with enable_lora=True): a
-    request's `model` field selects an adapter by its name. `chunked_prefill` (default True, as vLLM serves;
-    None: as `llm` was built) and `max_num_batched_tokens` (None: 512 on a CPU, 2048 on a GPU when chunking)
-    hold while the server runs; close() gives `llm` back with its own levers."""
+    request's `model` field selects an adapter by its name. `chunked_prefill` (default True, as vLLM serves,
+    with long_prefill_token_threshold at half the budget; None: as `llm` was built) and `max_num_batched_tokens`
+    (None: as built, or 512 on a CPU and 2048 on a GPU when the server turns chunking on) hold while the server
+    runs; close() gives `llm` back with its own levers."""
     return ServerHandle(llm, host, port, model_name, log_level, lora_modules, chunked_prefill, max_num_batched_tokens)
 
 

@@ -198,7 +198,7 @@ def add_vllm_spellings(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
                        default=sup, help="= --prefix-caching (vLLM's default is on, minillm's off)")
     group.add_argument("--enable-chunked-prefill", dest="chunked_prefill", action=argparse.BooleanOptionalAction,
-                       default=sup, help="= --chunked-prefill (on by default in vLLM and in minillm serve; LLM() keeps it off)")
+                       default=sup, help="= --chunked-prefill (on by default in vLLM and in minillm)")
     group.add_argument("--kv-cache-dtype", dest="kv_dtype", type=kv_cache_dtype, default=sup,
                        metavar="{auto,fp8,fp8_e4m3}", help="= --kv-dtype: auto -> none, fp8 / fp8_e4m3 -> fp8")
     group.add_argument("--quantization", "-q", dest="weight_dtype", type=quantization, default=sup,
