@@ -74,28 +74,33 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def add_parser(sub) -> None:
+    from ..distill.pipeline import DistillRecipe
     from ..distill.student import STRATEGIES
     from ..distill.tasks import TASKS
 
+    r = DistillRecipe()     # the defaults live in the recipe
+
     d = sub.add_parser("distill", help="distil a smaller student from a teacher on a focused task and score it "
                                        "beside the teacher on held-out messages (export: minillm distill export)")
-    d.add_argument("--task", choices=list(TASKS), default="extract",
+    d.add_argument("--task", choices=list(TASKS), default=r.task,
                    help="extract: name / order id / product as JSON; intent: one of the support intents as JSON")
     d.add_argument("--teacher", default=None, help="an HF directory (default: SmolLM2-135M-Instruct)")
     d.add_argument("--adapter", default=None, help="a PEFT adapter directory merged into the teacher")
-    d.add_argument("--layers", type=_in_range("--layers", 1, 1000), default=6, help="layers the student keeps")
-    d.add_argument("--strategy", choices=list(STRATEGIES), default="spread", help="which layers it keeps")
+    d.add_argument("--layers", type=_in_range("--layers", 1, 1000), default=r.num_layers,
+                   help="layers the student keeps")
+    d.add_argument("--strategy", choices=list(STRATEGIES), default=r.layer_strategy, help="which layers it keeps")
     d.add_argument("--intermediate-size", type=_in_range("--intermediate-size", 1, 1 << 20), default=None,
                    help="narrower MLPs (default: the teacher's width)")
-    d.add_argument("--train", type=_in_range("--train", 1, 5000), default=96, help="training messages")
-    d.add_argument("--heldout", type=_in_range("--heldout", 1, 5000), default=48, help="held-out messages")
-    d.add_argument("--steps", type=_in_range("--steps", 1, 100_000), default=60)
-    d.add_argument("--batch-size", type=_in_range("--batch-size", 1, 5000), default=8)
-    d.add_argument("--lr", type=_in_range("--lr", 1e-7, 1.0, float), default=1e-3)
-    d.add_argument("--temperature", type=_in_range("--temperature", 0.05, 100.0, float), default=2.0)
-    d.add_argument("--alpha", type=_in_range("--alpha", 0.0, 1.0, float), default=0.5,
+    d.add_argument("--train", type=_in_range("--train", 1, 5000), default=r.num_train, help="training messages")
+    d.add_argument("--heldout", type=_in_range("--heldout", 1, 5000), default=r.num_heldout,
+                   help="held-out messages")
+    d.add_argument("--steps", type=_in_range("--steps", 1, 100_000), default=r.steps)
+    d.add_argument("--batch-size", type=_in_range("--batch-size", 1, 5000), default=r.batch_size)
+    d.add_argument("--lr", type=_in_range("--lr", 1e-7, 1.0, float), default=r.lr)
+    d.add_argument("--temperature", type=_in_range("--temperature", 0.05, 100.0, float), default=r.temperature)
+    d.add_argument("--alpha", type=_in_range("--alpha", 0.0, 1.0, float), default=r.alpha,
                    help="weight of the KL to the teacher (1: KL only, 0: cross-entropy on its tokens only)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=r.seed)
     d.add_argument("--out", default="students/student", help="the student's HF directory")
     d.add_argument("--compare", action="store_true",
                    help="also score the pruned student untrained and one trained on the task's true labels alone")
