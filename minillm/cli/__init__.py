@@ -34,8 +34,19 @@ DELEGATED = {
                                                  "a p99 TTFT target needs, --validate against a real Ray Serve fleet"),
     ("distill", "export"): ("minillm.cli.distill", "a Hugging Face Llama directory (a student, or 'default') to GGUF "
                                                     "F16 / Q8_0 / Q4_0 with an Ollama Modelfile beside it"),
+    ("distill", "sweep"): ("minillm.cli.distill", "student depth x weight_dtype beside the teacher: score, tok/s, "
+                                                   "TTFT, memory, $/Mtok, the Pareto front and the cheapest point "
+                                                   "within a margin of the teacher (--draft, --memory, --llama-cpp)"),
+    ("distill", "memory"): ("minillm.cli.distill", "weights + KV cache at a context against 4 / 8 / 16 GB devices "
+                                                    "and this machine, with the bandwidth bound on tok/s"),
+    ("distill", "llama-cpp"): ("minillm.cli.distill", "llama.cpp (llama-cpp-python) beside minillm on a model's "
+                                                       "exported GGUF: tok/s and greedy tokens"),
     ("cost",): ("minillm.bench.cost", "$ per million output tokens as the levers stack, measured here, plotted"),
 }
+
+
+ENTRIES = {("distill", "export"): "cmd_export", ("distill", "sweep"): "cmd_sweep", ("distill", "memory"): "cmd_memory",
+           ("distill", "llama-cpp"): "cmd_llama_cpp"}   # delegated commands whose entry is not `main`
 
 
 def _delegate(argv: list[str]) -> int | None:
@@ -44,7 +55,7 @@ def _delegate(argv: list[str]) -> int | None:
     for prefix, (module, _) in DELEGATED.items():
         if tuple(argv[:len(prefix)]) == prefix:
             target = importlib.import_module(module)
-            entry = target.cmd_export if prefix == ("distill", "export") else target.main
+            entry = getattr(target, ENTRIES.get(prefix, "main"))
             return entry(argv[len(prefix):])
     return None
 

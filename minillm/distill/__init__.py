@@ -8,6 +8,10 @@
     evaluate.py   the task's scores (field / intent accuracy, valid JSON) beside the teacher's
     pipeline.py   one run end to end: `distill(DistillRecipe(...), out_dir)`
     export_gguf.py   a model to GGUF (F16 / Q8_0 / Q4_0) with its tokenizer, and an Ollama Modelfile
+    sweep.py      student depth x weight_dtype beside the teacher: score, tok/s, TTFT, memory, $/Mtok, the Pareto
+                  front and the pick (the cheapest point within a margin of the teacher's score)
+    memory.py     weights + KV cache at a context against devices' RAM, the bandwidth bound on tok/s
+    ondevice.py   the student as the teacher's draft model (beside n-gram and self-draft); llama.cpp on its GGUF
 """
 
 from .loss import distillation_loss, distillation_loss_parts, reference_distillation_loss

@@ -82,15 +82,27 @@ def _teacher_dir(recipe: DistillRecipe) -> Path:
     return Path(default_model_path())
 
 
-def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, progress: bool = True,
-            generate: bool = True) -> DistillResult:
-    """Distil a student into `out_dir`; compare=True also trains the labels-only student and scores the pruned one.
-    generate=False scores students by top-1 agreement only (no held-out answers generated: quicker)."""
+@dataclasses.dataclass
+class TeacherData:
+    """What every student of one recipe learns from: the teacher's answers and logits, the held-out messages."""
+    teacher_dir: Path
+    teacher: object                     # the transformers model (students are cut from it)
+    tokenizer: object
+    pad_id: int
+    train: list
+    heldout: list
+    items: list                         # TrainingItems with the teacher's logits
+    eval_items: list                    # the held-out teacher answers (for top-1 agreement)
+    teacher_row: dict                   # the teacher's held-out scores
+    seconds: dict[str, float]
+
+
+def prepare(recipe: DistillRecipe, progress: bool = True) -> TeacherData:
+    """The teacher's answers on the training and held-out messages (one batched run) and its logits on the training ones."""
     recipe.check()
     seconds, clock = {}, time.perf_counter()
     teacher_dir = _teacher_dir(recipe)
     teacher = load_teacher(teacher_dir, recipe.adapter)
-    keep = select_layers(teacher.config.num_hidden_layers, recipe.num_layers, recipe.layer_strategy)
     teacher_llm = LLM(str(teacher_dir), **({"enable_lora": True} if recipe.adapter else {}))
     lora = None
     if recipe.adapter:
@@ -101,17 +113,30 @@ def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, p
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train = make_examples(recipe.task, "train", recipe.num_train)
     heldout = make_examples(recipe.task, "heldout", recipe.num_heldout)
-
     answers = teacher_answers(teacher_llm, recipe.task, train + heldout, lora, progress, recipe.max_answer_tokens)
     train_answers, heldout_answers = answers[:len(train)], answers[len(train):]
     seconds["teacher answers"] = time.perf_counter() - clock
     teacher_texts = [decode_answer(tokenizer, a) for a in heldout_answers]
-    rows = {"teacher": {**score_answers(recipe.task, heldout, teacher_texts), "agreement": 1.0,
-                        "layers": teacher.config.num_hidden_layers, "params_m": _params_m(teacher)}}
+    row = {**score_answers(recipe.task, heldout, teacher_texts), "agreement": 1.0,
+           "layers": teacher.config.num_hidden_layers, "params_m": _params_m(teacher)}
     clock = time.perf_counter()
     items = teacher_items(teacher, tokenizer, recipe.task, train, train_answers, progress=progress)
     eval_items = teacher_items(teacher, tokenizer, recipe.task, heldout, heldout_answers, with_logits=False)
     seconds["teacher logits"] = time.perf_counter() - clock
+    return TeacherData(teacher_dir, teacher, tokenizer, pad_id, train, heldout, items, eval_items, row, seconds)
+
+
+def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, progress: bool = True,
+            generate: bool = True, data: TeacherData | None = None) -> DistillResult:
+    """Distil a student into `out_dir`; compare=True also trains the labels-only student and scores the pruned one.
+    generate=False scores students by top-1 agreement only (no held-out answers generated: quicker).
+    data: the teacher's data of an earlier `prepare` (same task and messages), to distil several students from it."""
+    recipe.check()
+    data = data if data is not None else prepare(recipe, progress)
+    seconds = dict(data.seconds)
+    teacher, tokenizer, pad_id, heldout = data.teacher, data.tokenizer, data.pad_id, data.heldout
+    keep = select_layers(teacher.config.num_hidden_layers, recipe.num_layers, recipe.layer_strategy)
+    rows = {"teacher": dict(data.teacher_row)}
 
     def fit(name: str, train_items, alpha: float) -> tuple:
         student = build_student(teacher, keep, recipe.intermediate_size)
@@ -122,25 +147,38 @@ def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, p
         return student, history
 
     def score(name: str, student) -> None:
-        path = save_student(student, teacher_dir, Path(out_dir) if name == "distilled" else Path(out_dir) / f".{name}",
+        path = save_student(student, data.teacher_dir,
+                            Path(out_dir) if name == "distilled" else Path(out_dir) / f".{name}",
                             {"recipe": dataclasses.asdict(recipe), "keep_layers": keep, "student": name})
         scores = dict.fromkeys(("score", "valid_json", "exact"))
         if generate:
+            start = time.perf_counter()
             texts = generate_answers(LLM(str(path)), recipe.task, heldout, max_tokens=recipe.max_answer_tokens)
             scores = score_answers(recipe.task, heldout, texts)
+            seconds[f"score {name}"] = time.perf_counter() - start
         rows[f"student {name}"] = {**scores,
-                                   "agreement": top1_agreement(student, eval_items, pad_id=pad_id),
+                                   "agreement": top1_agreement(student, data.eval_items, pad_id=pad_id),
                                    "layers": len(keep), "params_m": _params_m(student)}
 
     histories = {}
     if compare:
         score("pruned", fit("pruned", [], 0.0)[0])
-        labelled, histories["labels only"] = fit("labels only", label_items(tokenizer, recipe.task, train), 0.0)
+        labelled, histories["labels only"] = fit("labels only", label_items(tokenizer, recipe.task, data.train), 0.0)
         score("labels only", labelled)
-    distilled, histories["distilled"] = fit("distilled", items, recipe.alpha)
+    distilled, histories["distilled"] = fit("distilled", data.items, recipe.alpha)
     score("distilled", distilled)
     report = format_report(recipe.task, rows)
     manifest = {"recipe": dataclasses.asdict(recipe), "keep_layers": keep, "student": "distilled",
                 "heldout": rows, "seconds": seconds}
-    save_student(distilled, teacher_dir, out_dir, manifest)
+    save_student(distilled, data.teacher_dir, out_dir, manifest)
     return DistillResult(Path(out_dir), keep, rows, histories, seconds, report)
+
+
+def distill_depths(recipe: DistillRecipe, depths: list[int], out_root: str | Path, progress: bool = True,
+                   data: TeacherData | None = None) -> dict[int, DistillResult]:
+    """One distilled student per depth (layers kept), all from one run of the teacher: `<out_root>/<task>-<depth>`."""
+    if not depths or len(set(depths)) != len(depths):
+        raise ValueError(f"depths={depths} must be distinct layer counts (at least one)")
+    data = data if data is not None else prepare(recipe, progress)
+    return {depth: distill(dataclasses.replace(recipe, num_layers=depth), Path(out_root) / f"{recipe.task}-{depth}",
+                           progress=progress, data=data) for depth in depths}
