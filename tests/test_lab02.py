@@ -17,8 +17,8 @@ import nbformat
 import pytest
 import torch
 
-from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, run_solution_cells,
-                       solution_module_fixture, solution_source)
+from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, solution_module_fixture,
+                       solution_source)
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab02

@@ -819,4 +819,5 @@ __all__ = [
     "check_answer_most_saving_slots", "check_sweep_speeds", "gantt_figure", "ScheduleExplorer", "DecodeRoofline",
     "measure_decode_roofline", "print_raw_sweep",
     "print_batch_sweep", "batch_sweep_figure", "print_policies", "FloorExplorer", "device_label", "echo_prediction",
+    "common", "ServeRun", "FakeRun", "check_batching_speedup", "batching_figure", "print_batching",
 ]
