@@ -671,6 +671,7 @@ def graded_namespace(llm, llm_no_cache, solution, wrong_kernels) -> dict:
                "llm": llm, "llm_no_cache": llm_no_cache, "cfg": llm.model_config, "KV_BYTES_PER_VALUE": 4,
                "CHECK_PROMPTS": lab02.DEFAULT_CHECK_PROMPTS[:2], "CHECK_TOKENS": 6})
     exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)   # its globals are ns: the kernel is looked up there
+    common.check_engine(llm).set_attention_backend("torch")    # as test_in_engine leaves it (llm_backend_restored)
     return ns
 
 
