@@ -6,15 +6,19 @@ from __future__ import annotations
 from kernel_utils import DEVICE  # noqa: F401 - first: picks the interpreter before triton is imported
 
 import math
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import nbformat
 import pytest
 import torch
 
-from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, run_solution_cells,
-                       solution_module_fixture, solution_source)
+from lab_utils import (assert_check_fails, import_file, nbgrader_cells, notebook_functions, solution_module_fixture,
+                       solution_source)
 
 from grading.build import SOURCE_DIR
 from minillm.lab import lab02
@@ -667,6 +671,7 @@ def graded_namespace(llm, llm_no_cache, solution, wrong_kernels) -> dict:
                "llm": llm, "llm_no_cache": llm_no_cache, "cfg": llm.model_config, "KV_BYTES_PER_VALUE": 4,
                "CHECK_PROMPTS": lab02.DEFAULT_CHECK_PROMPTS[:2], "CHECK_TOKENS": 6})
     exec(compile(LAUNCHER_SOURCE, "<launcher>", "exec"), ns)   # its globals are ns: the kernel is looked up there
+    common.check_engine(llm).set_attention_backend("torch")    # as test_in_engine leaves it (llm_backend_restored)
     return ns
 
 
@@ -705,6 +710,32 @@ def test_stub_kernel_raises_not_implemented(tmp_path):
     module = import_file(path, "lab02_stub")
     with pytest.raises(NotImplementedError, match="store_kv_kernel is still a stub"):
         module.store_kv(*(torch.zeros(1, 2, 4) for _ in range(4)), torch.tensor([0]))
+
+
+def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
+    """What the interpreter forgives (types, shapes, an int64 slot in the offsets) fails here, without a GPU."""
+    path = tmp_path / "lab02_aot.py"
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
+    script = textwrap.dedent(f"""
+        import importlib.util
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import triton
+        spec = importlib.util.spec_from_file_location("lab02_aot", {str(path)!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for dtype in ("fp32", "bf16", "fp16"):
+            sig = {{"k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "k_new_ptr": "*" + dtype,
+                   "v_new_ptr": "*" + dtype, "slots_ptr": "*i64", "num_kv_heads": "i32", "num_slots": "i32",
+                   "head_dim": "i32", "BLOCK_D": "constexpr"}}
+            for cc in (80, 90):
+                triton.compile(ASTSource(fn=module.store_kv_kernel, signature=sig, constexprs={{"BLOCK_D": 128}}),
+                               target=GPUTarget("cuda", cc, 32))
+        print("compiled")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 def test_engine_runs_the_learner_kernel_with_its_own_tokens(llm, solution, experiments, capsys):

@@ -12,7 +12,6 @@ token_times_from_metrics, measured_points) are written in the notebook itself, w
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 
 import ipywidgets as widgets
