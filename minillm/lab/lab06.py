@@ -594,7 +594,8 @@ def cost_figure(cached_cost: Callable, prefix_tokens: int = 10_000, suffix_token
 # The reference run: the notebook's measurement cell in full mode (time_ttft on NUM_QUESTIONS = 10 questions about
 # a DOC_TOKENS = 2000-token document, SamplingParams(max_tokens=1), warmup=1) on the course's reference machine.
 REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
-REFERENCE_TTFT_S = {"off": 3.2, "on": 0.25}   # median TTFT of the cached questions, seconds
+# The machine was shared with other jobs at the time: the absolute TTFTs are slow, the ratio is what to compare.
+REFERENCE_TTFT_S = {"off": 103.3, "on": 2.67}   # median TTFT of the 9 questions after the first, seconds
 REFERENCE_TTFT_SPEEDUP = REFERENCE_TTFT_S["off"] / REFERENCE_TTFT_S["on"]
 
 
