@@ -945,7 +945,8 @@ def print_kv_int8_run(result: dict) -> None:
 # course's reference machine.
 TIMED_SETTINGS = ("fp32", "int8", "int4 g128")
 REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
-REFERENCE_TOKENS_PER_S = {"fp32": 9.0, "int8": 12.0, "int4 g128": 11.0}
+# The machine was shared with other jobs at the time: the absolute tokens/s are low, the ratios are what to compare.
+REFERENCE_TOKENS_PER_S = {"fp32": 2.45, "int8": 3.69, "int4 g128": 4.69}   # medians; int8 1.51x, int4 g128 1.92x
 
 
 class FakeCompletion:
