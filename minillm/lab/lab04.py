@@ -1017,3 +1017,19 @@ def print_explain_questions(utilization: dict | None, at_once: dict | None, timi
           f"{a.get('contiguous', '?')}, and your harness measured {fmt(t.get('speedup'), '.2f')}x the tokens/s. Why is "
           "the speed-up smaller than the ratio of requests at once? And a paged engine that admitted more requests "
           "than fit to completion had to preempt: is that worse than making them wait?")
+
+
+class TimedEngine:
+    """A real engine handed to the learner's harness from the grader's kernel (the engine's own parts are references
+    the sandbox does not have): generate() runs it with the SamplingParams it was made with (the harness's `params`
+    argument, None here, is ignored) and returns outputs whose `outputs[0].token_ids` the harness counts."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        outs = self.engine.generate(prompts, self.params, use_tqdm=False)
+        return [FakeRequestOutput(len(o.outputs[0].token_ids)) for o in outs]

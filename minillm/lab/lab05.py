@@ -1074,3 +1074,19 @@ def print_explain_questions(timing: dict | None) -> None:
           "int8 KV cost that int8 weights do not (hint: who computes the scales, and when)?")
     print("6. AutoRound (section 7) changes no byte of the int4 format and no line of your kernel. Where does its gain "
           "come from, and what could it not fix?")
+
+
+class TimedEngine:
+    """A real engine handed to the learner's harness from the grader's kernel (the engine's own parts are references
+    the sandbox does not have): generate() runs it with the SamplingParams it was made with (the harness's `params`
+    argument, None here, is ignored) and returns outputs whose `outputs[0].token_ids` the harness counts."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        outs = self.engine.generate(prompts, self.params, use_tqdm=False)
+        return [FakeRequestOutput(len(o.outputs[0].token_ids)) for o in outs]

@@ -1187,3 +1187,19 @@ def print_explain_questions(spec_rows: dict | None, spec_timing: dict | None, ke
     per_launch = r["sequences"] / r["launches"] if r.get("launches") else None
     print(f"6. Your kernel verified {_fmt(per_launch, '.1f')} sequences per launch in {r.get('launches', '?')} "
           "launches. What does fusing the verifier save per step at batch 64 on a GPU, and why does it not show here?")
+
+
+class TimedEngine:
+    """A real engine handed to the learner's harness from the grader's kernel (the engine's own parts are references
+    the sandbox does not have): generate() runs it with the SamplingParams it was made with (the harness's `params`
+    argument, None here, is ignored) and returns outputs whose `outputs[0].token_ids` the harness counts."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        outs = self.engine.generate(prompts, self.params, use_tqdm=False)
+        return [FakeRequestOutput(len(o.outputs[0].token_ids)) for o in outs]
