@@ -945,7 +945,27 @@ def print_kv_int8_run(result: dict) -> None:
 # course's reference machine.
 TIMED_SETTINGS = ("fp32", "int8", "int4 g128")
 REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
-REFERENCE_TOKENS_PER_S = {"fp32": 9.0, "int8": 12.0, "int4 g128": 11.0}
+# The machine was shared with other jobs at the time: the absolute tokens/s are low, the ratios are what to compare.
+REFERENCE_TOKENS_PER_S = {"fp32": 2.45, "int8": 3.69, "int4 g128": 4.69}   # medians; int8 1.51x, int4 g128 1.92x
+
+
+class FakeCompletion:
+    """What a fake engine's output holds, reachable from the sandbox by its attributes (not a dataclass: the
+    learner reads `out.outputs[0].token_ids` through the grader's handle)."""
+
+    __sandbox_methods__ = ()
+    __sandbox_attributes__ = ("token_ids", "text")
+
+    def __init__(self, num_tokens: int):
+        self.token_ids, self.text = list(range(num_tokens)), ""
+
+
+class FakeRequestOutput:
+    __sandbox_methods__ = ()
+    __sandbox_attributes__ = ("outputs",)
+
+    def __init__(self, num_tokens: int):
+        self.outputs = [FakeCompletion(num_tokens)]
 
 
 class FakeDecodeEngine:
@@ -959,15 +979,12 @@ class FakeDecodeEngine:
         self.clock, self.costs, self.tokens, self.calls = clock, list(costs), tokens, 0
 
     def generate(self, prompts, params=None, use_tqdm=True):
-        from ..outputs import CompletionOutput, RequestOutput
-
         if self.calls >= len(self.costs):
             raise RuntimeError(f"generate() called {self.calls + 1} times; warmup + repeats is {len(self.costs)}")
         self.clock.advance(self.costs[self.calls])
         self.calls += 1
         batch = prompts if isinstance(prompts, list) else [prompts]
-        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", list(range(self.tokens)), "length")], True)
-                for i in range(len(batch))]
+        return [FakeRequestOutput(self.tokens) for _ in range(len(batch))]
 
 
 def check_time_decode(time_decode: Callable, warmup: int = 2, repeats: int = 5, seed: int = 0) -> None:
@@ -975,7 +992,6 @@ def check_time_decode(time_decode: Callable, warmup: int = 2, repeats: int = 5, 
     median (min, max) seconds per call, tokens per second, and each engine's speed-up over fp32."""
     import statistics
 
-    from ..sampling import SamplingParams
     from .common import FakeClock, scripted_costs, timing_mistake
 
     clock = FakeClock()
@@ -983,7 +999,7 @@ def check_time_decode(time_decode: Callable, warmup: int = 2, repeats: int = 5, 
     costs = {name: scripted_costs(base, warmup, repeats, seed + i) for i, (name, base) in enumerate(bases.items())}
     engines = {name: FakeDecodeEngine(clock, costs[name], tokens=16) for name in bases}
     call = f"time_decode(engines, prompt, params, warmup={warmup}, repeats={repeats}, clock=FakeClock)"
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = {"max_tokens": 16, "ignore_eos": True}   # the fake engines ignore it; plain data crosses to the sandbox
     got = call_learner(lambda: time_decode(engines, {"prompt_token_ids": [1, 2, 3]}, params, warmup=warmup,
                                            repeats=repeats, clock=clock), (), call)
     if clock.reads == 0:
@@ -1058,3 +1074,19 @@ def print_explain_questions(timing: dict | None) -> None:
           "int8 KV cost that int8 weights do not (hint: who computes the scales, and when)?")
     print("6. AutoRound (section 7) changes no byte of the int4 format and no line of your kernel. Where does its gain "
           "come from, and what could it not fix?")
+
+
+class TimedEngine:
+    """A real engine handed to the learner's harness from the grader's kernel (the engine's own parts are references
+    the sandbox does not have): generate() runs it with the SamplingParams it was made with (the harness's `params`
+    argument, None here, is ignored) and returns outputs whose `outputs[0].token_ids` the harness counts."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        outs = self.engine.generate(prompts, self.params, use_tqdm=False)
+        return [FakeRequestOutput(len(o.outputs[0].token_ids)) for o in outs]

@@ -594,7 +594,8 @@ def cost_figure(cached_cost: Callable, prefix_tokens: int = 10_000, suffix_token
 # The reference run: the notebook's measurement cell in full mode (time_ttft on NUM_QUESTIONS = 10 questions about
 # a DOC_TOKENS = 2000-token document, SamplingParams(max_tokens=1), warmup=1) on the course's reference machine.
 REFERENCE_HARDWARE = "2-core AMD EPYC (AVX2)"
-REFERENCE_TTFT_S = {"off": 3.2, "on": 0.25}   # median TTFT of the cached questions, seconds
+# The machine was shared with other jobs at the time: the absolute TTFTs are slow, the ratio is what to compare.
+REFERENCE_TTFT_S = {"off": 103.3, "on": 2.67}   # median TTFT of the 9 questions after the first, seconds
 REFERENCE_TTFT_SPEEDUP = REFERENCE_TTFT_S["off"] / REFERENCE_TTFT_S["on"]
 
 
@@ -609,15 +610,13 @@ class FakeTTFTEngine:
         self.clock, self.costs, self.prompts = clock, list(costs), []
 
     def generate(self, prompts, params=None, use_tqdm=True):
-        from ..outputs import CompletionOutput, RequestOutput
-
         if len(self.prompts) >= len(self.costs):
             raise RuntimeError(f"generate() called {len(self.prompts) + 1} times; there are {len(self.costs)} prompts")
         self.clock.advance(self.costs[len(self.prompts)])
         self.prompts.append(prompts)
         batch = prompts if isinstance(prompts, list) else [prompts]
-        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", [7], "length")], True)
-                for i in range(len(batch))]
+        return None   # a TTFT harness reads only the clock
+
 
 
 def check_time_ttft(time_ttft: Callable, warmup: int = 1, num_prompts: int = 6, seed: int = 0) -> None:
@@ -634,9 +633,7 @@ def check_time_ttft(time_ttft: Callable, warmup: int = 1, num_prompts: int = 6, 
     engines = {name: FakeTTFTEngine(clock, costs[name]) for name in costs}
     prompts = [{"prompt_token_ids": [1, 2, 3, i]} for i in range(num_prompts)]
     call = f"time_ttft(engines, {num_prompts} prompts, params, warmup={warmup}, clock=FakeClock)"
-    from ..sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=1)
+    params = {"max_tokens": 1}   # the fake engines ignore it; plain data crosses to the sandbox
     got = call_learner(lambda: time_ttft(engines, prompts, params, warmup=warmup, clock=clock), (), call)
     if clock.reads == 0:
         raise CheckFailed(f"{call}: the clock it was given was never read: time each call with clock(), not "
@@ -699,3 +696,19 @@ def print_explain_questions(saving, timing: dict | None) -> None:
           "Why might a provider still want the salt?")
     print("4. Your break-even of exercise 7 does not depend on how long the shared start is, nor on the questions "
           "after it. Why not?")
+
+
+class TimedEngine:
+    """A real engine handed to the learner's harness from the grader's kernel (the engine's own parts are references
+    the sandbox does not have): generate() runs it with the SamplingParams it was made with (the harness's `params`
+    argument, None here, is ignored)."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        self.engine.generate(prompts, self.params, use_tqdm=False)
+        return None   # a TTFT harness reads only the clock

@@ -1045,6 +1045,25 @@ REFERENCE_TOKENS_PER_S = {"off": 2.3, "on": 8.8}   # median tokens/s of a call, 
 REFERENCE_SPEEDUP = 3.8                            # on over off
 
 
+class FakeCompletion:
+    """What a fake engine's output holds, reachable from the sandbox by its attributes (not a dataclass: the
+    learner reads `out.outputs[0].token_ids` through the grader's handle)."""
+
+    __sandbox_methods__ = ()
+    __sandbox_attributes__ = ("token_ids", "text")
+
+    def __init__(self, num_tokens: int):
+        self.token_ids, self.text = list(range(num_tokens)), ""
+
+
+class FakeRequestOutput:
+    __sandbox_methods__ = ()
+    __sandbox_attributes__ = ("outputs",)
+
+    def __init__(self, num_tokens: int):
+        self.outputs = [FakeCompletion(num_tokens)]
+
+
 class FakeSpecEngine:
     """A stand-in for an engine in the harness check: each generate() call moves the shared FakeClock by the next
     scripted cost and returns `tokens` output tokens per prompt (as RequestOutputs)."""
@@ -1056,15 +1075,12 @@ class FakeSpecEngine:
         self.clock, self.costs, self.tokens, self.calls = clock, list(costs), tokens, 0
 
     def generate(self, prompts, params=None, use_tqdm=True):
-        from ..outputs import CompletionOutput, RequestOutput
-
         if self.calls >= len(self.costs):
             raise RuntimeError(f"generate() called {self.calls + 1} times; warmup + repeats is {len(self.costs)}")
         self.clock.advance(self.costs[self.calls])
         self.calls += 1
         prompts = prompts if isinstance(prompts, list) else [prompts]
-        return [RequestOutput(str(i), None, [1, 2, 3], [CompletionOutput(0, "", list(range(self.tokens)), "length")], True)
-                for i in range(len(prompts))]
+        return [FakeRequestOutput(self.tokens) for _ in range(len(prompts))]
 
 
 def _harness_case(warmup: int, repeats: int, seed: int):
@@ -1086,7 +1102,7 @@ def check_time_speculation(time_speculation: Callable, warmup: int = 2, repeats:
     clock, costs, engines = _harness_case(warmup, repeats, seed)
     prompts = ["a", "b"]
     call = f"time_speculation(engines, 2 prompts, params, warmup={warmup}, repeats={repeats}, clock=FakeClock)"
-    params = SamplingParams(max_tokens=24, temperature=0)
+    params = {"max_tokens": 24, "temperature": 0}   # the fake engines ignore it; plain data crosses
     got = _call(lambda: time_speculation(engines, prompts, params, warmup=warmup, repeats=repeats, clock=clock), (),
                 call)
     if clock.reads == 0:
@@ -1171,3 +1187,19 @@ def print_explain_questions(spec_rows: dict | None, spec_timing: dict | None, ke
     per_launch = r["sequences"] / r["launches"] if r.get("launches") else None
     print(f"6. Your kernel verified {_fmt(per_launch, '.1f')} sequences per launch in {r.get('launches', '?')} "
           "launches. What does fusing the verifier save per step at batch 64 on a GPU, and why does it not show here?")
+
+
+class TimedEngine:
+    """A real engine handed to the learner's harness from the grader's kernel (the engine's own parts are references
+    the sandbox does not have): generate() runs it with the SamplingParams it was made with (the harness's `params`
+    argument, None here, is ignored) and returns outputs whose `outputs[0].token_ids` the harness counts."""
+
+    __sandbox_methods__ = ("generate",)
+    __sandbox_attributes__ = ()
+
+    def __init__(self, engine, params):
+        self.engine, self.params = engine, params
+
+    def generate(self, prompts, params=None, use_tqdm=True):
+        outs = self.engine.generate(prompts, self.params, use_tqdm=False)
+        return [FakeRequestOutput(len(o.outputs[0].token_ids)) for o in outs]
