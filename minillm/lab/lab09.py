@@ -1022,6 +1022,8 @@ class FakeSamplingEngine:
     """What the measurement check hands your harness instead of the engine: generate() moves the FakeClock by the
     next scripted cost of that setting (greedy: temperature 0; filtered: any other) and returns nothing useful."""
 
+    __sandbox_methods__ = ("generate",)   # what the learner's code may call of it when graded (grading/remote.py)
+
     def __init__(self, clock, costs: dict):
         self.clock = clock
         self.costs = {name: list(c) for name, c in costs.items()}
