@@ -30,10 +30,10 @@ from minillm.lab.common import CheckFailed, figure_subtitle
 LAB = "08_serving_cost"
 MASTER = SOURCE_DIR / LAB / f"{LAB}.ipynb"
 EXERCISES = {"parse_sse", "stream_metrics", "goodput", "cost_per_million", "choose_batch_size",
-             "measure_batch_sweep", "answer_best_lever"}
+             "measure_batch_sweep", "answer_best_lever", "measure_head_of_line"}
 AUTOGRADED = {"test_parse_sse": 2, "test_parse_sse_edges": 1, "test_stream_metrics": 2, "test_stream_on_server": 2,
               "test_goodput": 2, "test_cost_per_million": 2, "test_choose_batch_size": 3,
-              "test_measure_batch_sweep": 2, "test_answer_best_lever": 1}
+              "test_measure_batch_sweep": 2, "test_answer_best_lever": 1, "test_measure_head_of_line": 2}
 WRITEUP_POINTS = 4
 HOURLY = 0.08
 
@@ -69,6 +69,37 @@ def solution(experiments) -> dict:
     return run_solution_cells(MASTER, {"lab08": lab08, "sweep": stub_sweep(), "HOURLY": HOURLY, "ladder": ladder})
 
 
+
+_HOL = """import statistics
+import time
+
+
+def measure_head_of_line(servers, clock=time.perf_counter, warmup=1, repeats=3):   # MISTAKE
+    result = {}
+    for name, server in servers.items():
+        samples = []
+        for round_ in range(warmup + repeats):
+            server.send_long()
+            start = clock()
+            server.short()
+            elapsed = clock() - start
+            server.wait_long()
+            if round_ >= warmup:
+                samples.append(elapsed)
+        result[name] = {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+                        "n": len(samples)}
+    result["ratio"] = result["off"]["median"] / result["on"]["median"]
+    return result
+"""
+HOL_KEEPS_WARMUP = _HOL.replace("            if round_ >= warmup:\n                samples.append(elapsed)",
+                                "            samples.append(elapsed)").replace('"n": len(samples)', '"n": repeats')
+HOL_MEAN = _HOL.replace('"median": statistics.median(samples)', '"median": statistics.fmean(samples)')
+HOL_INVERTED = _HOL.replace('result["off"]["median"] / result["on"]["median"]', 'result["on"]["median"] / result["off"]["median"]')
+HOL_TIMES_LONG = _HOL.replace("            server.send_long()\n            start = clock()", "            start = clock()\n            server.send_long()")
+HOL_PERF_COUNTER = _HOL.replace("start = clock()", "start = time.perf_counter()").replace(
+    "elapsed = clock() - start", "elapsed = time.perf_counter() - start")
+
+
 @pytest.fixture(scope="module")
 def experiments() -> dict:
     """The experiments the notebook defines in its own cells (the stream through the server, the cost ladder)."""
@@ -88,7 +119,7 @@ def test_master_has_every_graded_piece_with_hidden_tests():
         cell = meta[gid][0]
         assert cell.cell_type == "code" and "### BEGIN HIDDEN TESTS" in cell.source, f"{gid} has no hidden tests"
         assert graded[gid]["locked"] and not graded[gid]["solution"] and graded[gid]["points"] == points, gid
-    assert sum(AUTOGRADED.values()) == 17
+    assert sum(AUTOGRADED.values()) == 19
     # the write-up: a markdown answer the learner edits, graded by hand, with the rubric inside the solution region
     writeup, m = meta["writeup"]
     assert writeup.cell_type == "markdown" and m["solution"] and m["grade"] and not m["locked"]
@@ -97,7 +128,7 @@ def test_master_has_every_graded_piece_with_hidden_tests():
     assert lines[0] == "### BEGIN SOLUTION" and lines[-1] == "### END SOLUTION"
     assert lines.index("### BEGIN MARK SCHEME") < lines.index("### END MARK SCHEME")
     intro = nb.cells[0].source
-    assert "**Graded (21 points)**" in intro and "17 points checked automatically" in intro
+    assert "**Graded (23 points)**" in intro and "19 points checked automatically" in intro
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell is not writeup:
             if "nbgrader" in cell.metadata:
@@ -564,6 +595,13 @@ MISTAKES = {
         (_SPEEDS.format(per_user=_PER_USER, aggregate='sum(r["output_tokens"] for r in ok) / sum(r["e2el_s"] for r in ok)'),
          "not by the sum of the requests' e2el_s"),
     ],
+    "test_measure_head_of_line": [
+        (HOL_KEEPS_WARMUP, "drop the first `warmup` calls"),
+        (HOL_MEAN, "the mean: one slow outlier"),
+        (HOL_INVERTED, "inverted"),
+        (HOL_TIMES_LONG, "start the clock after send_long()"),
+        (HOL_PERF_COUNTER, "the FakeClock was never read"),
+    ],
     "test_answer_best_lever": [
         ('answer_best_lever = "speculation"\n', "is the cheapest rung"),       # the cheapest rung, not the largest step
         ('answer_best_lever = "quantization"\n', "x prev"),
@@ -614,3 +652,36 @@ def test_measure_check_names_missing_speeds():
         lab08.check_measure_batch_sweep(stub_sweep())
     with pytest.raises(CheckFailed, match="run the sweep cell"):
         lab08.check_measure_batch_sweep(None)
+
+
+# --------------------------------------------------------------------- head-of-line blocking
+def test_measure_head_of_line_solution_and_printouts(solution, capsys):
+    lab08.check_measure_head_of_line(solution["measure_head_of_line"])
+    lab08.check_measure_head_of_line(solution["measure_head_of_line"], warmup=0, repeats=3, seed=2)
+    from minillm.lab.common import FakeClock
+
+    clock = FakeClock()
+    fakes = {"off": lab08.FakeHeadOfLine(clock, [9.0, 4.0, 6.0]), "on": lab08.FakeHeadOfLine(clock, [9.0, 1.0, 3.0])}
+    got = solution["measure_head_of_line"](fakes, clock=clock, warmup=1, repeats=2)
+    assert got["off"]["median"] == pytest.approx(5.0) and got["ratio"] == pytest.approx(2.5)
+    lab08.print_head_of_line(got, 400, 64)
+    out = capsys.readouterr().out
+    assert "2.5x" in out and lab08.REFERENCE_HOL["hardware"] in out
+    fig = lab08.head_of_line_figure(got, "cpu: test")
+    assert list(fig.data[0].y) == [pytest.approx(5.0), pytest.approx(2.0)]
+
+
+def test_head_of_line_on_two_real_servers(default_llm, solution):
+    """The notebook's two servers (chunked prefill off and on, set explicitly) and the solution's harness: the short
+    request waits longer behind the long prompt without chunking (an ordering, with a wide margin: no times)."""
+    from minillm.serve import serve_in_thread
+
+    servers = notebook_functions(MASTER, "head_of_line_servers", lab08=lab08,
+                                 serve_in_thread=serve_in_thread)["head_of_line_servers"](default_llm, 400, 64)
+    try:
+        got = solution["measure_head_of_line"]({n: h for n, (_, h) in servers.items()}, warmup=1, repeats=1)
+    finally:
+        for server, _ in servers.values():
+            server.close()
+    steps = {name: [s.num_tokens for s in hol.engine.engine.stats.steps] for name, (_, hol) in servers.items()}
+    assert got["off"]["median"] > got["on"]["median"], (got, steps)

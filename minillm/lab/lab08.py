@@ -34,6 +34,7 @@ from .common import (
     call_learner,
     control_panel,
     echo_prediction,
+    format_seconds,
     new_figure,
     passed,
 )
@@ -954,3 +955,186 @@ __all__ = ["CheckFailed", "SOURCE_STACK", "SOURCE_HOURLY_USD", "SOURCE_USD_PER_M
            "print_batch_sweep", "batch_figure", "FloorExplorer", "print_ladder", "ladder_figure",
            "greedy", "echo_prediction", "check_parse_sse_edges", "print_sweep_records", "reference_sweep_speeds",
            "check_measure_batch_sweep", "LADDER_LEVERS", "check_answer_best_lever"]
+
+
+# =================================================================== head-of-line blocking: chunked prefill off and on
+# The course's reference run of the notebook's measure_head_of_line (full mode: HOL_LONG_TOKENS = 1000,
+# HOL_CHUNK_TOKENS = 128, warmup 1, repeats 3), recorded on the machine named here (shared with other jobs at the
+# time: the absolute times are slow, the ratio is the number to compare) with
+#   MINILLM_QUICK=0 python: the notebook's cells "measure_head_of_line" and "cell-hol-run" on LLM() (default model)
+# -> off: median 38.1 s (34.2 - 40.4), on: median 5.14 s (4.57 - 7.01) for the short request's TTFT.
+REFERENCE_HOL = {"off_s": 38.09, "on_s": 5.14, "ratio": 7.40, "long_tokens": 1000, "chunk_tokens": 128,
+                 "hardware": "2-core AMD EPYC (AVX2)"}
+HOL_NAMES = ("off", "on")
+
+
+class HeadOfLine:
+    """One server's two requests, over HTTP: ``send_long()`` posts a fresh long prompt (its own token ids each time,
+    so no prefix cache shares it) in a background thread and returns once the engine has admitted it and
+    ``delay_s`` more have passed (inside its prefill); ``short()`` posts the short request (one output token: its
+    latency is its TTFT) and returns when its answer is back; ``wait_long()`` waits for the long one."""
+
+    __sandbox_methods__ = ("send_long", "short", "wait_long")   # what the learner's code may call (grading/remote.py)
+
+    def __init__(self, url: str, engine, long_tokens: int, short_prompt: Sequence[int] = (21, 22, 23, 24),
+                 delay_s: float = 0.2, timeout_s: float = 600.0):
+        if long_tokens < 16:
+            raise ValueError(f"long_tokens={long_tokens}: a long prompt needs at least 16 tokens")
+        self.url, self.engine, self.long_tokens = url, engine, long_tokens
+        self.short_prompt, self.delay_s, self.timeout_s = list(short_prompt), delay_s, timeout_s
+        self.rounds = 0
+        self._long = None
+
+    def _post(self, body: dict) -> dict:
+        import httpx
+
+        response = httpx.post(self.url + "/v1/completions", json=body, timeout=self.timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def send_long(self) -> None:
+        import threading
+
+        if self._long is not None:
+            raise RuntimeError("send_long() twice: wait_long() for the previous long request first")
+        salt = self.rounds = self.rounds + 1
+        ids = [(i * 7919 + salt * 104729) % 40000 + 100 for i in range(self.long_tokens)]
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(out=self._post({"prompt": ids, "max_tokens": 1})),
+                                  daemon=True)
+        thread.start()
+        self._long = (thread, box)
+        scheduler = getattr(getattr(self.engine, "engine", self.engine), "scheduler")
+        deadline = time.perf_counter() + 60
+        while not scheduler.running and thread.is_alive() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        time.sleep(self.delay_s)
+
+    def short(self) -> dict:
+        return self._post({"prompt": self.short_prompt, "max_tokens": 1, "ignore_eos": True})
+
+    def wait_long(self) -> None:
+        if self._long is None:
+            raise RuntimeError("wait_long() without send_long()")
+        thread, box = self._long
+        thread.join(self.timeout_s)
+        self._long = None
+        if "out" not in box:
+            raise RuntimeError("the long request did not come back")
+
+
+class FakeHeadOfLine:
+    """What the check hands your harness instead of a server: short() moves the FakeClock by the next scripted TTFT;
+    send_long() and wait_long() move it too (they are not the short request's latency: keep them outside your
+    timed span)."""
+
+    __sandbox_methods__ = ("send_long", "short", "wait_long")
+
+    def __init__(self, clock, costs: Sequence[float], long_s: float = 7.0):
+        self.clock, self.costs, self.long_s = clock, list(costs), long_s
+        self.shorts = self.longs = self.waits = 0
+        self.pending = False
+
+    def send_long(self) -> None:
+        if self.pending:
+            raise CheckFailed("send_long() twice in a row: wait_long() for the previous long request first")
+        self.pending = True
+        self.longs += 1
+        self.clock.advance(0.2 * self.long_s)
+
+    def short(self) -> dict:
+        if not self.pending:
+            raise CheckFailed("short() with no long request in front of it: call send_long() first in every round")
+        if self.shorts >= len(self.costs):
+            raise CheckFailed(f"short() called {self.shorts + 1} times: warmup + repeats = {len(self.costs)}")
+        self.clock.advance(self.costs[self.shorts])
+        self.shorts += 1
+        return {"choices": [{"text": "x"}]}
+
+    def wait_long(self) -> None:
+        if not self.pending:
+            raise CheckFailed("wait_long() without send_long()")
+        self.pending = False
+        self.waits += 1
+        self.clock.advance(0.8 * self.long_s)
+
+
+def check_measure_head_of_line(measure_head_of_line: Callable, warmup: int = 1, repeats: int = 5, seed: int = 0) -> None:
+    """Your harness on two fake servers and a FakeClock: per server, every round sends the long request, times the
+    short one alone, waits for the long one; warm-up rounds dropped; the median (min, max, n) of the short request's
+    TTFT; the ratio off / on. Real times are never compared."""
+    from .common import FakeClock, scripted_costs, timing_mistake, timing_summary
+
+    base = {"off": 6.0, "on": 0.5}
+    costs = {name: scripted_costs(base[name], warmup, repeats, seed + i) for i, name in enumerate(HOL_NAMES)}
+    clock = FakeClock()
+    servers = {name: FakeHeadOfLine(clock, costs[name]) for name in HOL_NAMES}
+    call = f"measure_head_of_line(two fake servers, clock=FakeClock(), warmup={warmup}, repeats={repeats})"
+    got = call_learner(lambda: measure_head_of_line(servers, clock=clock, warmup=warmup, repeats=repeats), (), call)
+    if clock.reads == 0:
+        raise CheckFailed(f"{call}: the FakeClock was never read: time with the `clock` argument, not "
+                          "time.perf_counter() directly")
+    for name, server in servers.items():
+        if server.shorts != warmup + repeats or server.longs != warmup + repeats or server.waits != warmup + repeats:
+            raise CheckFailed(f"{call}: server {name!r} saw {server.longs} send_long, {server.shorts} short and "
+                              f"{server.waits} wait_long calls; each of warmup + repeats = {warmup + repeats} rounds "
+                              "makes one of each")
+    if not isinstance(got, dict) or any(k not in got for k in (*HOL_NAMES, "ratio")):
+        raise CheckFailed(f"{call} returned {got!r:.120}; expected a dict with 'off', 'on' (each "
+                          "{'median', 'min', 'max', 'n'}) and 'ratio'")
+    for name in HOL_NAMES:
+        want, row = timing_summary(costs[name][warmup:]), got[name]
+        if not isinstance(row, dict) or any(k not in row for k in ("median", "min", "max", "n")):
+            raise CheckFailed(f"{call}[{name!r}] = {row!r:.100}: a dict with median, min, max and n")
+        value = float(row["median"])
+        if not math.isclose(value, want["median"], rel_tol=1e-6):
+            why = timing_mistake(value, costs[name], warmup)
+            long_s = servers[name].long_s
+            if not why and any(math.isclose(value, want["median"] + extra, rel_tol=1e-6)
+                               for extra in (0.2 * long_s, 0.8 * long_s, long_s)):
+                why = "the short request's time plus the long one's: start the clock after send_long(), stop it after short()"
+            raise CheckFailed(f"{call}[{name!r}]['median'] = {value:.4g} s, expected {want['median']:.4g} s"
+                              + (f": that is {why}" if why else ""))
+        for key in ("min", "max"):
+            if not math.isclose(float(row[key]), want[key], rel_tol=1e-6):
+                raise CheckFailed(f"{call}[{name!r}][{key!r}] = {float(row[key]):.4g}, expected {want[key]:.4g}: the "
+                                  f"spread is the {key} of the timed rounds (warm-up dropped)")
+        if int(row["n"]) != repeats:
+            raise CheckFailed(f"{call}[{name!r}]['n'] = {row['n']}: the number of timed rounds, {repeats}")
+    ratio = timing_summary(costs["off"][warmup:])["median"] / timing_summary(costs["on"][warmup:])["median"]
+    if not math.isclose(float(got["ratio"]), ratio, rel_tol=1e-6):
+        hint = ("inverted: off over on (how many times longer the short request waits without chunking)"
+                if math.isclose(float(got["ratio"]), 1 / ratio, rel_tol=1e-6) else "the off median over the on median")
+        raise CheckFailed(f"{call}['ratio'] = {float(got['ratio']):.4g}, expected {ratio:.4g}: {hint}")
+    passed("measure_head_of_line on two scripted servers", 2 * repeats + 1)
+
+
+def print_head_of_line(result: dict, long_tokens: int, chunk_tokens: int) -> None:
+    """Your measurement beside the course's reference run."""
+    from .common import print_beside_reference
+
+    print(f"a {long_tokens}-token prompt in front; chunked prefill on: {chunk_tokens} tokens per step")
+    for name in HOL_NAMES:
+        row = result[name]
+        print(f"  chunked prefill {name:>3}: short request TTFT median {format_seconds(row['median'])}, spread "
+              f"{format_seconds(row['min'])} - {format_seconds(row['max'])} over {row['n']} rounds")
+    print_beside_reference("TTFT off / on", result["ratio"], REFERENCE_HOL["ratio"], REFERENCE_HOL["hardware"], "x")
+
+
+def head_of_line_figure(result: dict, device: str):
+    """The short request's TTFT with chunked prefill off and on: median bars, min-max whiskers."""
+    import plotly.graph_objects as go
+
+    fig = new_figure("A short request behind a long prompt", "chunked prefill", "short request TTFT (s)", device=device)
+    med = [result[n]["median"] for n in HOL_NAMES]
+    fig.add_trace(go.Bar(x=list(HOL_NAMES), y=med, name="yours (median)",
+                         error_y={"type": "data", "symmetric": False,
+                                  "array": [result[n]["max"] - m for n, m in zip(HOL_NAMES, med)],
+                                  "arrayminus": [m - result[n]["min"] for n, m in zip(HOL_NAMES, med)]}))
+    fig.add_trace(go.Bar(x=list(HOL_NAMES), y=[REFERENCE_HOL["off_s"], REFERENCE_HOL["on_s"]],
+                         name=f"reference ({REFERENCE_HOL['hardware']}, {REFERENCE_HOL['long_tokens']} tokens)"))
+    return fig
+
+
+__all__ += ["REFERENCE_HOL", "HeadOfLine", "FakeHeadOfLine", "check_measure_head_of_line", "print_head_of_line",
+            "head_of_line_figure"]

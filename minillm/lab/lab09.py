@@ -1009,10 +1009,11 @@ def print_mask_timing(result: dict) -> None:
 
 # =================================================================== measure: what sampling costs per request
 # The course's reference run of the notebook's measure_sampling (full mode: MEASURE_TOKENS = 32, warmup 1, repeats 5,
-# the story prompt, greedy vs temperature 0.9 + top_k 40 + top_p 0.9 + min_p 0.05), on the machine named here:
-#   MINILLM_QUICK=0 jupyter nbconvert --execute solutions/09_decoding_settings.ipynb (cell "measure_sampling" and the
-#   run below it)
-REFERENCE_SAMPLING = {"greedy_s": 1.21, "filtered_s": 1.25, "ratio": 1.03, "tokens": 32,
+# the story prompt, greedy vs temperature 0.9 + top_k 40 + top_p 0.9 + min_p 0.05), recorded on the machine named
+# here (shared with other jobs at the time: the absolute times are slow, the ratio is the number to compare) with
+#   MINILLM_QUICK=0 python: the notebook's cells "measure_sampling" and "cell-sampling-run" on LLM() (default model)
+# -> greedy median 13.2 s (10.9 - 14.8), filtered median 14.2 s (13.7 - 14.3) per request of 32 tokens.
+REFERENCE_SAMPLING = {"greedy_s": 13.23, "filtered_s": 14.18, "ratio": 1.07, "tokens": 32,
                       "hardware": "2-core AMD EPYC (AVX2)"}
 MEASURE_NAMES = ("greedy", "filtered")
 
@@ -1020,6 +1021,8 @@ MEASURE_NAMES = ("greedy", "filtered")
 class FakeSamplingEngine:
     """What the measurement check hands your harness instead of the engine: generate() moves the FakeClock by the
     next scripted cost of that setting (greedy: temperature 0; filtered: any other) and returns nothing useful."""
+
+    __sandbox_methods__ = ("generate",)   # what the learner's code may call of it when graded (grading/remote.py)
 
     def __init__(self, clock, costs: dict):
         self.clock = clock
