@@ -89,3 +89,11 @@ def test_timed_wraps_an_engine_once_and_keeps_its_tokens():
 def test_summarize_reports_the_attention_time_of_the_median_run():
     rows = summarize({("e", 8): [3.0, 1.0, 2.0]}, {}, [8], {("e", 8): [0.3, 0.1, 0.2]})
     assert [(r.ttft_s, r.attention_s) for r in rows] == [(2.0, 0.2)]
+
+
+def test_settings_pick_minillms_rows_and_refuse_unknown_ones():
+    llm = LLM("random:tiny-llama", max_model_len=128)
+    result = compare_prefill(llm, [16], {"minillm"}, rounds=1, progress=False, settings=["model dtype"])
+    assert [(r.engine, r.num_tokens) for r in result["rows"]] == [("minillm fp32", 16)]
+    with pytest.raises(ValueError, match=r"settings \['fp16'\]: minillm's rows are"):
+        compare_prefill(llm, [16], {"minillm"}, rounds=1, progress=False, settings=["fp16"])

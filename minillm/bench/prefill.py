@@ -1,10 +1,11 @@
 """`minillm bench prefill`: time to first token and prefill tokens/s by prompt length, minillm beside its peers.
 
     minillm bench prefill                                   # 128, 512, 2048, 8192 tokens (up to the context)
-    minillm bench prefill --lengths 1024 4096 --engines minillm transformers --gguf default
+    minillm bench prefill --lengths 1024 4096 --engines minillm --settings fp32
 
-Rows: minillm fp32 / int8 / int4 (one loaded model, `with_levers`), transformers (fp32, the same directory),
-CTranslate2 float32 / int8 and llama.cpp (llama-cpp-python on a GGUF, `pip install -e '.[peers]'`); each is
+Rows: minillm fp32 / int8 / int4 (one loaded model, `with_levers`; its default chunked prefill), transformers
+(fp32, the same directory), CTranslate2 float32 / int8 (`pip install -e '.[peers]'`) and llama.cpp
+(llama-cpp-python, `pip install -e '.[llama]'`, on the GGUF the default model ships as, Q4_1); each is
 one greedy request of one new token on a prompt of N tokens (bench/peer_engines.py runs them), engines
 interleaved length by length, the median over rounds reported. A peer that cannot run here is one line
 saying why. Beside each time: the fraction of the machine's measured fp32 matmul rate it reaches
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 LENGTHS = (128, 512, 2048, 8192)
 SETTINGS = {"model dtype": {}, "int8": {"weight_dtype": "int8"},
             "int4 g128": {"weight_dtype": "int4", "weight_group_size": 128}}
+SETTING_FLAGS = {"fp32": "model dtype", "int8": "int8", "int4": "int4 g128"}   # --settings fp32 int8 int4
 
 
 def prompt_lengths(requested, max_model_len: int) -> list[int]:
@@ -134,8 +136,9 @@ def format_prefill(result: dict) -> str:
 
 
 def compare_prefill(llm, lengths: list[int], engines: set[str], rounds: int = 2, gguf: str | None = None,
-                    progress: bool = True) -> dict:
-    """Time every engine's prefill at every length (engines interleaved); rows, the hardware, the matmul roof."""
+                    progress: bool = True, settings: list[str] | None = None) -> dict:
+    """Time every engine's prefill at every length (engines interleaved); rows, the hardware, the matmul roof.
+    settings: minillm's rows by SETTINGS name (None: all)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -145,7 +148,10 @@ def compare_prefill(llm, lengths: list[int], engines: set[str], rounds: int = 2,
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: need at least 1")
     threads = torch.get_num_threads()
-    settings = SETTINGS if "minillm" in engines else {}
+    unknown = sorted(set(settings or ()) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"settings {unknown}: minillm's rows are {list(SETTINGS)}")
+    settings = {k: v for k, v in SETTINGS.items() if settings is None or k in settings} if "minillm" in engines else {}
     peers, skipped, _ = build_peers(llm, settings, engines, gguf, threads, n_ctx=max(lengths) + 8)
     vocab = llm.engine.model_config.vocab_size
     for peer in peers:   # warm-up: first-call allocations, thread pools
@@ -178,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt lengths in tokens (each at most the context - 1)")
     parser.add_argument("--engines", nargs="+", default=["minillm", "transformers", "ctranslate2", "llama.cpp"],
                         choices=["minillm", "transformers", "ctranslate2", "llama.cpp"], help="only these rows")
+    parser.add_argument("--settings", nargs="+", default=None, choices=list(SETTING_FLAGS),
+                        help="only these of minillm's rows (default: all)")
     parser.add_argument("--gguf", default="default", metavar="PATH",
                         help="the GGUF llama.cpp runs ('default': the one the default model ships as)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the median is reported)")
@@ -205,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minillm bench prefill: {exc}")
         return 2
     print(format_prefill(compare_prefill(llm, lengths, set(args.engines), args.rounds, gguf,
-                                         progress=not args.no_progress)))
+                                         progress=not args.no_progress,
+                                         settings=[SETTING_FLAGS[f] for f in args.settings] if args.settings else None)))
     return 0
 
 
