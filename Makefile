@@ -61,9 +61,11 @@ labs-report: setup  ## per lab: cells the learner writes and only runs, predicti
 bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache
 
-bench-peers: model      ## batch-1 decode, then prefill by prompt length: minillm fp32/int8/int4 vs transformers, CTranslate2 float32/int8 (llama.cpp with GGUF=default)
-	$(BIN)/minillm bench --compare-peers $(if $(GGUF),--gguf $(GGUF)) --json artifacts/peers.json
-	$(BIN)/minillm bench prefill
+bench-peers: model      ## batch-1 decode, then prefill by prompt length: minillm fp32/int8/int4 vs transformers, CTranslate2 float32/int8, llama.cpp (GGUF=default: the default model's)
+	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { echo "llama.cpp: building llama-cpp-python from source (several minutes, once)"; \
+	  $(BIN)/python -m pip install --progress-bar on -e '.[llama]' || echo "llama.cpp: llama-cpp-python did not build here (needs a C++ compiler); its rows are skipped"; }
+	$(BIN)/minillm bench --compare-peers --gguf $(or $(GGUF),default) --json artifacts/peers.json
+	$(BIN)/minillm bench prefill --gguf $(or $(GGUF),default)
 
 bench-batching: model   ## issue 3's comparison: transformers static batches, static vs continuous, contiguous vs paged
 	$(BIN)/minillm bench --workload mixed --num-requests 32 --scale 0.125 --set max_num_seqs=16 --compare-transformers

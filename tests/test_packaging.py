@@ -33,3 +33,10 @@ def test_readme_opens_with_exactly_the_two_commands():
     assert commands == ["make lab", "make test"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert [line for line in ci.splitlines() if line and not line.startswith(("#", "set ", "cd "))] == ["make test"]
+
+
+def test_the_llama_extra_pins_llama_cpp_python_alone():
+    """`make bench-peers` installs .[llama]: one pinned package that builds llama.cpp from source (no torch of its own)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["llama"] == ["llama-cpp-python==0.3.36"]
+    assert "pip install --progress-bar on -e '.[llama]'" in (ROOT / "Makefile").read_text()

@@ -205,3 +205,14 @@ def test_llama_cpp_row_with_a_stand_in_module(tiny_llm, tmp_path, monkeypatch):
     row = {r.engine: r for r in result["rows"]}["llama.cpp Q4_1"]
     assert row.weight_bytes == 1234 and row.tok_s > 0 and row.agree is not None
     assert made == {"model_path": str(gguf), "n_ctx": 3 + 4 + 8, "n_threads": torch.get_num_threads()}
+
+
+def test_llama_cpp_says_in_one_line_how_to_get_it_or_why_it_cannot_build(monkeypatch):
+    from minillm.bench import peer_engines
+
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    assert peer_engines.llama_cpp_missing().startswith("not installed (make bench-peers builds it, or pip install -e "
+                                                       "'.[llama]'")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert peer_engines.llama_cpp_missing() == ("not installed, and no C++ compiler here to build llama-cpp-python "
+                                                "from source")

@@ -69,21 +69,29 @@ def wait_until(condition, timeout_s: float = 60, what: str = "the condition"):
 
 def test_server_levers_default_to_chunked_prefill_per_device(default_llm):
     engine = default_llm.engine
-    assert engine.config.chunked_prefill is False   # LLM()'s own default is unchanged
+    # LLM() chunks by default (as vLLM), with the device's budget
+    assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens) == (True, CPU_CHUNK_TOKENS)
     assert default_max_num_batched_tokens("cpu") == CPU_CHUNK_TOKENS == 512
     assert default_max_num_batched_tokens("cuda") == 2048
-    assert server_levers(engine) == {"chunked_prefill": True, "max_num_batched_tokens": 512,
-                                     "long_prefill_token_threshold": 256}
+    assert default_max_num_batched_tokens("cpu", chunked_prefill=False) == 8192
+    # the server adds a cap per prompt (half the budget); a change of mode takes that mode's default budget
+    assert server_levers(engine) == {"long_prefill_token_threshold": 256}
     assert server_levers(engine, chunked_prefill=None) == {}
-    assert server_levers(engine, chunked_prefill=False) == {"chunked_prefill": False}
-    assert server_levers(engine, max_num_batched_tokens=64) == {"chunked_prefill": True, "max_num_batched_tokens": 64,
+    assert server_levers(engine, chunked_prefill=False) == {"chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert server_levers(engine, max_num_batched_tokens=64) == {"max_num_batched_tokens": 64,
                                                                 "long_prefill_token_threshold": 32}
+    whole = default_llm.with_levers(chunked_prefill=False)
+    assert (whole.engine.config.chunked_prefill, whole.engine.config.max_num_batched_tokens) == (False, 8192)
+    assert server_levers(whole.engine) == {"chunked_prefill": True, "max_num_batched_tokens": 512,
+                                           "long_prefill_token_threshold": 256}
+    del whole
     with serve_in_thread(default_llm) as server:
         assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens,
                 engine.config.long_prefill_token_threshold) == (True, 512, 256)
-        assert engine.scheduler.config.chunked_prefill is True
+        assert engine.scheduler.config.long_prefill_token_threshold == 256
         assert httpx.post(server.base_url + "/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
-    assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens) == (False, 8192)   # given back
+    assert (engine.config.chunked_prefill, engine.config.max_num_batched_tokens,
+            engine.config.long_prefill_token_threshold) == (True, 512, 0)   # given back
     with pytest.raises(ValueError, match="max_num_batched_tokens=0 must be an integer >= 1"):
         serve_in_thread(default_llm, max_num_batched_tokens=0)
     assert engine.owner_thread is None   # a refused lever leaves the engine free

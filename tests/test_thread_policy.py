@@ -91,3 +91,42 @@ def test_cpu_threads_lever_is_checked():
         with pytest.raises(ValueError, match="cpu_threads="):
             EngineConfig(cpu_threads=bad).validate()
     EngineConfig(cpu_threads=1).validate()
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_long_prefill_is_re_decided_between_its_chunks(restore_threads, chunked):
+    """A prompt of 600 tokens on a tiny model, each model pass taking 0.6 s of a fake clock; another process keeps
+    a core busy from the start. With chunked prefill (the default) the policy re-decides between the prompt's
+    chunks and the rest of the prefill runs on one thread; whole-prompt prefill is one step, decided before it."""
+    if len(usable_cpus()) < 2:
+        pytest.skip("one usable CPU: nothing to drop")
+    from minillm import LLM, SamplingParams
+
+    torch.set_num_threads(2)
+    llm = LLM("random:tiny-llama", max_model_len=1024, max_num_batched_tokens=64 if chunked else None,
+              chunked_prefill=None if chunked else False)
+    assert llm.engine.config.chunked_prefill is chunked
+    now = [0.0]
+    proc = FakeProc()
+    policy = llm.engine.thread_policy = ThreadPolicy(max_threads=2, interval_s=1.0, clock=lambda: now[0], sample=proc)
+    runner, passes = llm.engine.runner, []
+    original = runner.run
+
+    def timed_pass(seqs):
+        passes.append((seqs[0].num_cached_tokens, seqs[0].num_scheduled_tokens, torch.get_num_threads()))
+        proc.run(0.6, others=1.0, mine=1.0)
+        now[0] += 0.6
+        return original(seqs)
+
+    runner.run = timed_pass
+    prompt = [(i * 13 + 5) % 500 + 3 for i in range(600)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    prefill = [p for p in passes if p[0] < len(prompt)]
+    if chunked:
+        assert [p[1] for p in prefill] == [64] * 9 + [24], prefill       # ten chunks of at most 64 tokens
+        # decided at the second interval's end (the first update only samples): the chunks after it run on one thread
+        assert [p[2] for p in prefill] == [2, 2, 1, 1, 1, 1, 1, 1, 1, 1], prefill
+        assert policy.changes[0][1:] == (1, pytest.approx(1.0, abs=0.02))
+    else:
+        assert [(p[1], p[2]) for p in prefill] == [(600, 2)], prefill   # one step: no decision inside it

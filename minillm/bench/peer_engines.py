@@ -149,6 +149,17 @@ def _importable(module: str) -> bool:
 
 
 
+def llama_cpp_missing() -> str:
+    """The one line a llama.cpp row says when llama-cpp-python is not installed: how to get it, or why it cannot
+    build here (it compiles llama.cpp from source with the machine's C++ compiler)."""
+    import shutil
+
+    if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+        return "not installed, and no C++ compiler here to build llama-cpp-python from source"
+    return ("not installed (make bench-peers builds it, or pip install -e '.[llama]': llama.cpp compiles from "
+            "source, several minutes)")
+
+
 def build_peers(llm, settings: dict[str, dict], engines: set[str], gguf: str | None, threads: int,
                 n_ctx: int) -> tuple[list, dict[str, str], dict[str, int | None]]:
     """(the peers that run, {row: why it is skipped}, {row: weight bytes}) for the rows asked for."""
@@ -177,7 +188,7 @@ def build_peers(llm, settings: dict[str, dict], engines: set[str], gguf: str | N
             peers.append(CTranslate2Peer(path, quantization, llm.tokenizer, threads))
     if "llama.cpp" in engines:
         if not _importable("llama_cpp"):
-            skipped["llama.cpp"] = "not installed (pip install llama-cpp-python; it builds from source)"
+            skipped["llama.cpp"] = llama_cpp_missing()
         elif gguf is None:
             skipped["llama.cpp"] = "no --gguf (give a GGUF of the same model, or 'default')"
         else:
