@@ -487,6 +487,14 @@ def check_idle_experts_cost_nothing(fn: Callable, num_experts: int = 8, tokens: 
     two = torch.tensor([[1, 5]] * tokens)
     spread = torch.tensor([[(2 * t) % num_experts, (2 * t + 1) % num_experts] for t in range(tokens)])
     call = f"moe_dispatch(x [{tokens}, 8], weights, ids, w13 [{num_experts}, 24, 8], w2 [{num_experts}, 8, 12])"
+    idle = [e for e in range(num_experts) if e not in (1, 5)]
+    poisoned13, poisoned2 = w13.clone(), w2.clone()
+    poisoned13[idle], poisoned2[idle] = float("nan"), float("nan")   # computing an idle expert shows up as NaN
+    got = call_learner(fn, (x, weights, two, poisoned13, poisoned2), call)
+    if isinstance(got, torch.Tensor) and not torch.isfinite(got.float()).all():
+        raise CheckFailed(f"{call} (every token on experts 1 and 5; the 6 others' weights are NaN): your output has NaN, "
+                          "so you computed experts no token chose and masked them out: an expert no token chose must "
+                          "cost nothing (loop over the experts that have tokens)")
     _, ops_two = count_matmuls(lambda *a: call_learner(fn, a, call), x, weights, two, w13, w2)
     _, ops_all = count_matmuls(lambda *a: call_learner(fn, a, call), x, weights, spread, w13, w2)
     if ops_all == 0:
