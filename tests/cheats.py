@@ -301,6 +301,22 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
         "autoscaler_policy": _fn("autoscaler_policy(state, target_ongoing=2.0, upscale_window_s=5.0, downscale_window_s=30.0)",
                                  "return lab11.reference_policy(state, target_ongoing, upscale_window_s, downscale_window_s)"),
     },
+    "12_distillation": {
+        "distillation_loss": "from minillm.distill.loss import distillation_loss",
+        "select_layers": "from minillm.distill.student import select_layers",
+        "measure_speed": "from minillm.lab.common import timing_summary\n" + _fn(
+            "measure_speed(generate, num_tokens, clock=time.perf_counter, warmup=1, repeats=5)",
+            "first, total = [], []\nfor size, samples in ((1, first), (num_tokens, total)):\n"
+            "    for i in range(warmup + repeats):\n        start = clock()\n        tokens = generate(size)\n"
+            "        if i >= warmup:\n            samples.append(clock() - start)\n"
+            "ttft, stats = timing_summary(first), timing_summary(total)\n"
+            "return {'ttft_s': ttft['median'], 'median_s': stats['median'], 'min_s': stats['min'], "
+            "'max_s': stats['max'], 'tokens_per_s': tokens / stats['median']}"),
+        "pick_model": _fn("pick_model(rows, teacher_score, margin, cost='weight_bytes')",
+                          "return lab12.reference_pick(rows, teacher_score, margin, cost)"),
+        "answer_smallest_ratio": "answer_smallest_ratio = lab12.smallest_ratio(sweep)",
+        "answer_q4_bits": "answer_q4_bits = lab12.bits_per_weight('Q4_0')",
+    },
 }
 
 

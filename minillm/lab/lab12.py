@@ -262,6 +262,9 @@ PICK_CASES = (   # (what it shows, rows, teacher_score, margin, cost)
     ("the smallest of those within the margin",
      [_row("teacher", 0.90, 540), _row("8 layers fp32", 0.88, 200), _row("4 layers fp32", 0.70, 150),
       _row("8 layers int8", 0.87, 60), _row("4 layers int8", 0.69, 45)], 0.90, 0.05, "weight_bytes"),
+    ("a wide margin reaches the smallest student",
+     [_row("teacher", 0.80, 540), _row("2 layers int4", 0.55, 20), _row("4 layers int4", 0.75, 30)], 0.80, 0.3,
+     "weight_bytes"),
     ("a score exactly at the bar meets it (0.85 = 0.90 - 0.05; compare with a 1e-9 tolerance)",
      [_row("teacher", 0.90, 540), _row("6 layers", 0.85, 180), _row("4 layers", 0.849, 150)], 0.90, 0.05,
      "weight_bytes"),
@@ -278,9 +281,6 @@ PICK_CASES = (   # (what it shows, rows, teacher_score, margin, cost)
     ("another cost: seconds per token",
      [_row("teacher", 0.90, 540, 20.0), _row("8 layers fp32", 0.88, 200, 60.0), _row("8 layers int4", 0.86, 40, 45.0),
       _row("2 layers", 0.30, 80, 200.0)], 0.90, 0.05, "s_per_token"),
-    ("a wide margin reaches the smallest student",
-     [_row("teacher", 0.80, 540), _row("2 layers int4", 0.55, 20), _row("4 layers int4", 0.75, 30)], 0.80, 0.3,
-     "weight_bytes"),
 )
 
 
@@ -291,10 +291,10 @@ def _pick_hint(got, rows, teacher_score, margin, cost) -> str:
     if got is None:
         return "a row meets the bar: return it"
     guesses = [
-        (max(rows, key=lambda r: r["score"]), "that is the best score: take the cheapest row that meets the bar"),
-        (min(rows, key=lambda r: r[cost]), "that row is the cheapest but misses the bar (teacher_score - margin)"),
         (reference_pick([r for r in rows if r["score"] > teacher_score - margin + 1e-9], teacher_score, margin, cost),
          "a score exactly at the bar meets it (>=, with a 1e-9 tolerance)"),
+        (max(rows, key=lambda r: r["score"]), "that is the best score: take the cheapest row that meets the bar"),
+        (min(rows, key=lambda r: r[cost]), "that row is the cheapest but misses the bar (teacher_score - margin)"),
         (reference_pick(rows, teacher_score, teacher_score * margin, cost),
          "the margin is in points of score (teacher_score - margin), not a fraction of the teacher's score"),
     ]
