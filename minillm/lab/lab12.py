@@ -17,6 +17,7 @@ and the short answers answer_q4_bits (Q4_0's bits per weight) and answer_smalles
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -38,6 +39,34 @@ def bits_per_weight(file_type: str) -> float:
     if file_type not in bits:
         raise ValueError(f"file_type {file_type!r} is not one of {list(bits)}")
     return bits[file_type]
+
+
+# =================================================================== quick mode's teacher
+def tiny_teacher(tokenizer_dir, out_dir, num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
+    """Quick mode's stand-in teacher: a small random Llama with the default model's vocabulary and tokenizer (its
+    answers are noise, but every step of the lab runs on it in seconds). Returns its directory."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..distill.student import TOKENIZER_FILES
+
+    if not 1 <= num_layers <= 64:
+        raise ValueError(f"num_layers={num_layers} is outside 1..64")
+    tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)
+    source = json.loads((tokenizer_dir / "config.json").read_text())
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=source["vocab_size"], hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden_size // 4, max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=source.get("bos_token_id"), eos_token_id=source.get("eos_token_id"),
+                         pad_token_id=source.get("pad_token_id"))
+    LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file() and name != "generation_config.json":
+            shutil.copyfile(tokenizer_dir / name, out_dir / name)
+    return out_dir
 
 
 # =================================================================== A. the distillation loss
@@ -417,7 +446,10 @@ def pareto_figure(rows: Sequence[dict], teacher_score: float, margin: float, pic
 def print_gguf(result: dict) -> None:
     """The export's files and the round trip: each format's bytes per weight, its distance to the source."""
     for row in result["formats"]:
-        line = f"{row['file']}: {row['bytes'] / 1e6:.1f} MB, {8 * row['bytes_per_weight']:.2f} bits per weight; {row['check']}"
+        line = f"{row['file']}: {row['bytes'] / 1e6:.1f} MB"
+        if row["bits_per_weight"] is not None:
+            line += f", {row['bits_per_weight']:.2f} bits per weight (its tensors, norms included)"
+        line += f"; {row['check']}"
         if row["error"] is not None:
             line += (f": relative error {row['error']:.2e} (bound {row['bound']:.0e}) "
                      f"{'✓' if row['error'] <= row['bound'] else '✗'}")
