@@ -352,7 +352,7 @@ REFERENCE_CHEATS: dict[str, dict[str, str]] = {
                              "def fused_mask(logits, top_k, top_p, min_p):\n"
                              "    return lab09.mask_reference(logits, top_k, top_p, min_p)",
         "measure_sampling": "from minillm.lab.common import timing_summary\n" + _fn(
-            "measure_sampling(llm, prompt, settings, clock=None, warmup=1, repeats=5)",
+            "measure_sampling(runs, clock=None, warmup=1, repeats=5)",
             "return {'greedy': timing_summary([1.0] * repeats), 'filtered': timing_summary([1.0] * repeats), 'ratio': 1.0}"),
     },
     "10_many_models": {

@@ -677,7 +677,7 @@ def test_head_of_line_on_two_real_servers(default_llm, solution):
     from minillm.serve import serve_in_thread
 
     servers = notebook_functions(MASTER, "head_of_line_servers", lab08=lab08,
-                                 serve_in_thread=serve_in_thread)["head_of_line_servers"](default_llm, 400, 64)
+                                 serve_in_thread=serve_in_thread)["head_of_line_servers"](default_llm, 256, 64)
     try:
         got = solution["measure_head_of_line"]({n: h for n, (_, h) in servers.items()}, warmup=1, repeats=1)
     finally:

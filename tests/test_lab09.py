@@ -374,15 +374,15 @@ _MEASURE = """import statistics
 import time
 
 
-def measure_sampling(llm, prompt, settings, clock=time.perf_counter, warmup=1, repeats=5):   # MISTAKE
+def measure_sampling(runs, clock=time.perf_counter, warmup=1, repeats=5):   # MISTAKE
     result = {}
-    for name, params in settings.items():
+    for name, request in runs.items():
         for _ in range(warmup):
-            llm.generate(prompt, params)
+            request()
         samples = []
         for _ in range(repeats):
             start = clock()
-            llm.generate(prompt, params)
+            request()
             samples.append(clock() - start)
         result[name] = {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
                         "n": len(samples)}
@@ -391,7 +391,7 @@ def measure_sampling(llm, prompt, settings, clock=time.perf_counter, warmup=1, r
 """
 MEASURE_KEEPS_WARMUP = _MEASURE.replace("# MISTAKE", "# times the warm-up too").replace(
     """        for _ in range(warmup):
-            llm.generate(prompt, params)
+            request()
         samples = []
         for _ in range(repeats):""", """        samples = []
         for _ in range(warmup + repeats):""").replace('"n": len(samples)', '"n": repeats')
@@ -570,9 +570,7 @@ def test_measure_sampling_on_a_fake_engine_and_its_printouts(solution, capsys):
     lab09.check_measure_sampling(solution["measure_sampling"])
     clock = FakeClock()
     costs = {"greedy": [1.0, 0.2, 0.3, 0.25], "filtered": [1.0, 0.4, 0.5, 0.45]}
-    settings = {"greedy": SamplingParams(temperature=0.0), "filtered": SamplingParams(temperature=1.0, top_p=0.9)}
-    got = solution["measure_sampling"](lab09.FakeSamplingEngine(clock, costs), {"prompt_token_ids": [1]}, settings,
-                                       clock=clock, warmup=1, repeats=3)
+    got = solution["measure_sampling"](lab09.FakeSamplingEngine(clock, costs).runs(), clock=clock, warmup=1, repeats=3)
     assert got["greedy"]["median"] == pytest.approx(0.25) and got["filtered"]["median"] == pytest.approx(0.45)
     assert got["ratio"] == pytest.approx(1.8) and got["greedy"]["min"] == pytest.approx(0.2)
     lab09.print_sampling(got, 8)
