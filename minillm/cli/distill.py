@@ -208,7 +208,7 @@ def cmd_sweep(argv: list[str]) -> int:
         result = draft_comparison(teacher, smallest[1], args.task)
         print(f"draft: {smallest[0]} ({smallest[1]})")
         print(format_draft_table(result))
-        out["draft"] = [{k: v for k, v in r.items()} for r in result["rows"]]
+        out["draft"] = result["rows"]
     if args.llama_cpp:
         from ..distill.ondevice import format_llama_cpp, llama_cpp_side_by_side
 

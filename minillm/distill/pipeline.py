@@ -38,7 +38,7 @@ class DistillRecipe:
     num_heldout: int = 48
     steps: int = 60
     batch_size: int = 8
-    lr: float = 3e-4
+    lr: float = 1e-3
     temperature: float = 2.0
     alpha: float = 0.5                  # 1: KL only, 0: cross-entropy on the teacher's tokens only
     seed: int = 0

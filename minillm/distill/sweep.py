@@ -230,5 +230,4 @@ def sweep_figure(points: list[SweepPoint], front: list[SweepPoint], pick, margin
 
 def sweep_rows(points: list[SweepPoint]) -> list[dict]:
     """The points as plain dicts (for --json)."""
-    return [{**{k: v for k, v in dataclasses.asdict(p).items()}, "name": p.name, "resident_bytes": p.resident_bytes}
-            for p in points]
+    return [{**dataclasses.asdict(p), "name": p.name, "resident_bytes": p.resident_bytes} for p in points]
