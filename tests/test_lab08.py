@@ -672,8 +672,9 @@ def test_measure_head_of_line_solution_and_printouts(solution, capsys):
 
 
 def test_head_of_line_on_two_real_servers(default_llm, solution):
-    """The notebook's two servers (chunked prefill off and on, set explicitly) and the solution's harness: the short
-    request waits longer behind the long prompt without chunking (an ordering, with a wide margin: no times)."""
+    """The notebook's two servers (chunked prefill off and on, set explicitly) and the solution's harness on them:
+    both give their rows, and the engines' steps show the lever (the whole long prompt in one step when off, no step
+    over the chunk when on). Which latency is lower is the learner's measurement, not asserted here."""
     from minillm.serve import serve_in_thread
 
     servers = notebook_functions(MASTER, "head_of_line_servers", lab08=lab08,
@@ -684,4 +685,7 @@ def test_head_of_line_on_two_real_servers(default_llm, solution):
         for server, _ in servers.values():
             server.close()
     steps = {name: [s.num_tokens for s in hol.engine.engine.stats.steps] for name, (_, hol) in servers.items()}
-    assert got["off"]["median"] > got["on"]["median"], (got, steps)
+    assert all(got[name]["n"] == 1 and got[name]["min"] <= got[name]["median"] <= got[name]["max"]
+               for name in ("off", "on")), got
+    assert got["ratio"] == pytest.approx(got["off"]["median"] / got["on"]["median"])
+    assert max(steps["off"]) >= 256 and max(steps["on"]) <= 64, steps
