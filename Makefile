@@ -66,6 +66,7 @@ bench-peers: model      ## batch-1 decode, then prefill by prompt length: minill
 	  $(BIN)/python -m pip install --progress-bar on -e '.[llama]' || echo "llama.cpp: llama-cpp-python did not build here (needs a C++ compiler); its rows are skipped"; }
 	$(BIN)/minillm bench --compare-peers --gguf $(or $(GGUF),default) --json artifacts/peers.json
 	$(BIN)/minillm bench prefill --gguf $(or $(GGUF),default)
+	$(BIN)/minillm distill llama-cpp $(or $(STUDENT),default) --type q8_0   # a model you exported, on both engines
 
 bench-batching: model   ## issue 3's comparison: transformers static batches, static vs continuous, contiguous vs paged
 	$(BIN)/minillm bench --workload mixed --num-requests 32 --scale 0.125 --set max_num_seqs=16 --compare-transformers
