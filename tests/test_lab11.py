@@ -484,7 +484,8 @@ _VLLM = '''def vllm_serve_args(config):
             "--max-num-seqs", str(config.max_num_seqs), "--block-size", str(config.block_size),
             "--tensor-parallel-size", str(config.tensor_parallel_size),
             "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
-            "--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill"]
+            "--enable-chunked-prefill" if (config.kv_cache if config.chunked_prefill is None else config.chunked_prefill)
+            else "--no-enable-chunked-prefill"]
     if config.max_model_len is not None:
         args += ["--max-model-len", str(config.max_model_len)]
     if config.kv_dtype == "fp8":
@@ -571,6 +572,9 @@ MISTAKES = {
         ("# the model as --model\n" + _VLLM.replace("args = [config.model or VLLM_DEFAULT_MODEL,",
                                                      'args = ["--model", config.model or VLLM_DEFAULT_MODEL,'),
          "--model is minillm's spelling"),
+        ("# chunked_prefill=None (the default) taken as off\n" + _VLLM.replace(
+            "(config.kv_cache if config.chunked_prefill is None else config.chunked_prefill)", "config.chunked_prefill"),
+         "chunked_prefill is False, expected True"),
         ("# fp8 KV as e5m2\n" + _VLLM.replace('args += ["--kv-cache-dtype", "fp8"]', 'args += ["--kv-cache-dtype", "fp8_e5m2"]'),
          "minillm's map of vLLM's flags refuses it"),
     ],

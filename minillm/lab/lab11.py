@@ -1015,6 +1015,12 @@ def _vllm_refusals() -> list[tuple]:
             (EngineConfig(weight_dtype="int8"), "weight_dtype"), (EngineConfig(paged=False), "paged")]
 
 
+def _lever(config, name: str):
+    """A lever's value as the engine will run it: chunked_prefill=None (the default) is on wherever kv_cache is."""
+    value = getattr(config, name)
+    return config.kv_cache if name == "chunked_prefill" and value is None else value
+
+
 def check_vllm_args(fn: Callable) -> None:
     """vllm_serve_args(config) on stated configs, read back by minillm's own map of vLLM's flags (`minillm serve`
     accepts vLLM's spellings: serve/vllm_flags.py): the same levers must come back; prefix caching and chunked prefill
@@ -1044,7 +1050,8 @@ def check_vllm_args(fn: Callable) -> None:
             said = [a for a in got if a in (on, off)]
             if len(said) != 1:
                 raise CheckFailed(f"{call}: say {name} explicitly, once ({on} or {off}; you gave {said or 'neither'}): "
-                                  f"vLLM 0.11 turns it on by default, minillm's LLM() leaves it off")
+                                  "the command must not depend on either engine's defaults (vLLM turns prefix caching "
+                                  "on by default, minillm's LLM() leaves it off)")
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
@@ -1055,9 +1062,9 @@ def check_vllm_args(fn: Callable) -> None:
         except ValueError as exc:
             raise CheckFailed(f"{call} = {list(got)}: minillm's map of vLLM's flags refuses it: {exc}") from None
         for name in VLLM_MAPPED:
-            if getattr(back, name) != getattr(config, name):
+            if _lever(back, name) != _lever(config, name):
                 raise CheckFailed(f"{call} = {list(got)}: read back by minillm's map of vLLM's flags, {name} is "
-                                  f"{getattr(back, name)!r}, expected {getattr(config, name)!r}")
+                                  f"{_lever(back, name)!r}, expected {_lever(config, name)!r}")
         count += 1
     for config, lever in _vllm_refusals():
         call = f"vllm_serve_args(EngineConfig({lever}={getattr(config, lever)!r}))"
