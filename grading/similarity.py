@@ -145,7 +145,11 @@ class Match:
 
 
 def _is_stub(source: str) -> bool:
-    return "raise NotImplementedError()" in source and len(normalize(source)) < MIN_TOKENS
+    """A cell the student left as released: the stub's raise is still there, either in a short cell or under
+    nbgrader's "YOUR CODE HERE" (a kernel's stub keeps its given setup lines, so it is not short)."""
+    if "raise NotImplementedError()" not in source:
+        return False
+    return "# YOUR CODE HERE" in source or len(normalize(source)) < MIN_TOKENS
 
 
 def compare(cells: dict[str, dict[str, str]], references_by_cell: dict[str, list[tuple[str, str]]],

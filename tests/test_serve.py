@@ -641,7 +641,7 @@ def test_cli_every_engine_field_is_reachable():
     parser = build_parser()
     for f in dataclasses_fields():
         kind = str(f.type)
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):   # an on/off flag (None: the engine's default, when neither is given)
             for argv, value in (([flag_name(f.name)], True), (["--no-" + f.name.replace("_", "-")], False)):
                 assert engine_kwargs(parser.parse_args(argv)) == {f.name: value}, (f.name, argv)
             continue

@@ -986,7 +986,7 @@ def reference_vllm_args(config) -> list[str]:
     args = [config.model or VLLM_DEFAULT_MODEL, "--max-num-seqs", str(config.max_num_seqs), "--block-size",
             str(config.block_size), "--tensor-parallel-size", str(config.tensor_parallel_size),
             "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
-            "--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill"]
+            "--enable-chunked-prefill" if _lever(config, "chunked_prefill") else "--no-enable-chunked-prefill"]
     if config.max_model_len is not None:
         args += ["--max-model-len", str(config.max_model_len)]
     if config.kv_dtype == "fp8":
