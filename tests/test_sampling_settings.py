@@ -124,6 +124,16 @@ def test_a_mixed_batch_filters_each_row_as_alone():
         torch.testing.assert_close(batched[row], filter_logits(logits[row], t, k, p, m))
 
 
+def test_a_top_p_of_1_keeps_the_tail_beside_a_row_that_filters():
+    # one dominant logit: in fp32 the running sum reaches exactly 1.0 after it, so a threshold of 1.0 applied to
+    # every row would drop this row's whole tail although its top_p = 1 means "off"
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = 30.0
+    batched = filter_batch(logits, torch.ones(2), torch.tensor([-1, -1]), torch.tensor([1.0, 0.5]), torch.zeros(2))
+    assert bool(batched[0].isfinite().all()), "the top_p = 1 row lost tokens"
+    assert int(batched[1].isfinite().sum()) == 1
+
+
 def test_seeded_sampling_with_penalties_repeats_batched_or_alone():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(9))
     params = [SamplingParams(temperature=0.9, repetition_penalty=1.4, seed=1),

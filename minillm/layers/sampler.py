@@ -146,7 +146,8 @@ def filter_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         if bool(use_p.any()):
             probs = sorted_logits.masked_fill(drop, NEG_INF).softmax(-1)
             mass_before = probs.cumsum(-1) - probs
-            drop |= mass_before >= top_p.unsqueeze(1)
+            # only the rows with top_p < 1: a row with top_p = 1 keeps the tail whose running sum rounds to 1.0
+            drop |= (mass_before >= top_p.unsqueeze(1)) & use_p.unsqueeze(1)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
     return logits
 
