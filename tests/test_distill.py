@@ -267,6 +267,40 @@ def test_distilled_student_beats_its_baselines_quickly(two_layer_teacher_dir, tm
     assert (result.path / "model.safetensors").is_file()
 
 
+def test_a_loss_and_a_layer_choice_of_your_own_plug_into_the_same_loop(tiny_teacher_dir, tmp_path):
+    """distill(loss_fn=, layer_picker=) is lab 12's seam: the built-in loss passed as loss_fn trains the same student
+    step for step; the picker decides the layers; a loss without a gradient and a bad picker are refused."""
+    from minillm.distill.loss import distillation_loss
+    from minillm.distill.pipeline import DistillRecipe, distill, prepare
+
+    recipe = DistillRecipe(task="intent", teacher=str(tiny_teacher_dir), num_layers=2, num_train=4, num_heldout=2,
+                           steps=3, batch_size=2, max_answer_tokens=4)
+    data = prepare(recipe, progress=False)
+    built_in = distill(recipe, tmp_path / "a", progress=False, generate=False, data=data)
+    calls = []
+
+    def mine(s, t, labels, temperature, alpha):
+        calls.append((tuple(s.shape), temperature, alpha))
+        return distillation_loss(s, t, labels, temperature, alpha)
+
+    plugged = distill(recipe, tmp_path / "b", progress=False, generate=False, data=data, loss_fn=mine,
+                      layer_picker=lambda n, k: [n - 2, n - 1])
+    assert plugged.keep_layers == [2, 3] and built_in.keep_layers == [0, 3]
+    assert len(calls) == 3 and all(c[1:] == (2.0, 0.5) for c in calls)
+    assert all(h["kl"] is None for h in plugged.histories["distilled"])
+    same = distill(recipe, tmp_path / "c", progress=False, generate=False, data=data, loss_fn=distillation_loss)
+    assert [h["loss"] for h in same.histories["distilled"]] == pytest.approx(
+        [h["loss"] for h in built_in.histories["distilled"]], rel=1e-5)
+    with pytest.raises(ValueError, match="carries no gradient"):
+        distill(recipe, tmp_path / "d", progress=False, generate=False, data=data,
+                loss_fn=lambda s, t, labels, temperature, alpha: torch.tensor(1.0))
+    with pytest.raises(ValueError, match="expected a scalar tensor"):
+        distill(recipe, tmp_path / "e", progress=False, generate=False, data=data,
+                loss_fn=lambda s, t, labels, temperature, alpha: F.cross_entropy(s, labels, reduction="none"))
+    with pytest.raises(ValueError, match=r"layer_picker\(4, 2\) returned \[3, 1\]; expected 2 distinct"):
+        distill(recipe, tmp_path / "f", progress=False, generate=False, data=data, layer_picker=lambda n, k: [3, 1])
+
+
 # ------------------------------------------------------------------------------------------ the command
 @pytest.mark.parametrize("argv, words", [
     (["--layers", "0"], "--layers 0 is outside 1..1000"),

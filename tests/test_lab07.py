@@ -323,6 +323,7 @@ KERNEL_LINE = {  # a wrong kernel: the solution with one line changed (old, new)
     "no_length_mask": [("valid = cols < n", "valid = cols < K"), ("cols, n), axis=0)", "cols, K), axis=0)")],
     "wrong_stride": [("target_ptr + seq * (K + 1) + cols", "target_ptr + seq * K + cols")],
     "sentinel_k": [("cols, n), axis=0)", "cols, K), axis=0)")],
+    "sentinel_zero": [("cols, n), axis=0)", "cols, 0), axis=0)")],
     "always_zero": [("tl.store(out_ptr + seq, first_miss)", "tl.store(out_ptr + seq, first_miss * 0)")],
 }
 
@@ -604,6 +605,7 @@ plug_run = run_plugged(llm, greedy_verify, ngram_propose, """ + _ENGINE_PROMPTS 
     "test_accept_lengths_edges": [
         (kernel_mistake("sentinel_k"), "num_proposed=[0, 0, 0]"),
         (kernel_mistake("no_length_mask"), "num_proposed=[0, 0, 0]"),
+        (kernel_mistake("sentinel_zero"), "the sentinel of the min"),
     ],
     "test_engine_kernel": [
         (kernel_mistake("always_zero", _RERUN_KERNEL), "no proposed token was accepted"),

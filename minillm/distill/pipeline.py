@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..llm import LLM
 from .evaluate import format_report, generate_answers, score_answers
@@ -126,23 +127,40 @@ def prepare(recipe: DistillRecipe, progress: bool = True) -> TeacherData:
     return TeacherData(teacher_dir, teacher, tokenizer, pad_id, train, heldout, items, eval_items, row, seconds)
 
 
+def picked_layers(layer_picker: Callable | None, num_layers: int, num_keep: int, strategy: str = "spread") -> list[int]:
+    """The layers a student keeps: `select_layers`, or layer_picker(num_layers, num_keep) checked (ascending,
+    distinct, num_keep of them, each in 0..num_layers - 1)."""
+    if layer_picker is None:
+        return select_layers(num_layers, num_keep, strategy)
+    keep = layer_picker(num_layers, num_keep)
+    if (not isinstance(keep, (list, tuple)) or len(keep) != num_keep or not all(isinstance(i, int) for i in keep)
+            or list(keep) != sorted(set(keep)) or not all(0 <= i < num_layers for i in keep)):
+        raise ValueError(f"layer_picker({num_layers}, {num_keep}) returned {keep!r}; expected {num_keep} distinct "
+                         f"layer indices in 0..{num_layers - 1}, ascending")
+    return list(keep)
+
+
 def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, progress: bool = True,
-            generate: bool = True, data: TeacherData | None = None) -> DistillResult:
+            generate: bool = True, data: TeacherData | None = None, loss_fn: Callable | None = None,
+            layer_picker: Callable | None = None) -> DistillResult:
     """Distil a student into `out_dir`; compare=True also trains the labels-only student and scores the pruned one.
     generate=False scores students by top-1 agreement only (no held-out answers generated: quicker).
-    data: the teacher's data of an earlier `prepare` (same task and messages), to distil several students from it."""
+    data: the teacher's data of an earlier `prepare` (same task and messages), to distil several students from it.
+    loss_fn / layer_picker: your own loss (see `train_student`) and layer choice ``(num_layers, num_keep) -> [i]``
+    in place of the built-in ones (lab 12 plugs its exercises in here)."""
     recipe.check()
     data = data if data is not None else prepare(recipe, progress)
     seconds = dict(data.seconds)
     teacher, tokenizer, pad_id, heldout = data.teacher, data.tokenizer, data.pad_id, data.heldout
-    keep = select_layers(teacher.config.num_hidden_layers, recipe.num_layers, recipe.layer_strategy)
+    keep = picked_layers(layer_picker, teacher.config.num_hidden_layers, recipe.num_layers, recipe.layer_strategy)
     rows = {"teacher": dict(data.teacher_row)}
 
     def fit(name: str, train_items, alpha: float) -> tuple:
         student = build_student(teacher, keep, recipe.intermediate_size)
         start = time.perf_counter()
         history = train_student(student, train_items, recipe.steps, recipe.batch_size, recipe.lr, recipe.temperature,
-                                alpha, recipe.seed, pad_id=pad_id, progress=progress, desc=name) if train_items else []
+                                alpha, recipe.seed, pad_id=pad_id, progress=progress, desc=name,
+                                loss_fn=loss_fn) if train_items else []
         seconds[f"train {name}"] = time.perf_counter() - start
         return student, history
 
@@ -175,10 +193,12 @@ def distill(recipe: DistillRecipe, out_dir: str | Path, compare: bool = False, p
 
 
 def distill_depths(recipe: DistillRecipe, depths: list[int], out_root: str | Path, progress: bool = True,
-                   data: TeacherData | None = None) -> dict[int, DistillResult]:
+                   data: TeacherData | None = None, loss_fn: Callable | None = None,
+                   layer_picker: Callable | None = None) -> dict[int, DistillResult]:
     """One distilled student per depth (layers kept), all from one run of the teacher: `<out_root>/<task>-<depth>`."""
     if not depths or len(set(depths)) != len(depths):
         raise ValueError(f"depths={depths} must be distinct layer counts (at least one)")
     data = data if data is not None else prepare(recipe, progress)
     return {depth: distill(dataclasses.replace(recipe, num_layers=depth), Path(out_root) / f"{recipe.task}-{depth}",
-                           progress=progress, data=data) for depth in depths}
+                           progress=progress, data=data, loss_fn=loss_fn, layer_picker=layer_picker)
+            for depth in depths}

@@ -1,6 +1,7 @@
 """The training loop: batches of TrainingItems through the student, the distillation loss, AdamW, a loss history.
 
     history = train_student(student, items, steps=60, batch_size=8, lr=3e-4, temperature=2.0, alpha=0.5, seed=0)
+    history = train_student(student, items, loss_fn=my_loss)     # a loss of your own (lab 12's), same loop
     plot_loss_curves({"distilled": history, "labels only": other})   a plotly figure of loss per step
 
 Only the answer positions reach the head (the prompt's positions predict nothing the student is asked to
@@ -12,6 +13,7 @@ teacher's is already right. Items without teacher logits (labels-only training) 
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import torch
 
@@ -46,8 +48,13 @@ def answer_logits(model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tens
 
 def train_student(student, items: list[TrainingItem], steps: int = 60, batch_size: int = 8, lr: float = 3e-4,
                   temperature: float = 2.0, alpha: float = 0.5, seed: int = 0, train_embeddings: bool = False,
-                  pad_id: int = 0, progress: bool = True, desc: str = "distill") -> list[dict]:
-    """Train in place; returns [{"step", "loss", "kl", "ce"}] per step. alpha=1: KL only; alpha=0: labels only."""
+                  pad_id: int = 0, progress: bool = True, desc: str = "distill",
+                  loss_fn: Callable | None = None) -> list[dict]:
+    """Train in place; returns [{"step", "loss", "kl", "ce"}] per step. alpha=1: KL only; alpha=0: labels only.
+
+    loss_fn: a loss of your own in place of `distillation_loss_parts`, called as
+    ``loss_fn(student_logits [N, vocab], teacher_logits [N, vocab], labels [N], temperature, alpha)`` on the batch's
+    N answer positions and returning a scalar tensor; its steps record "kl" and "ce" as None."""
     from tqdm.auto import tqdm
 
     if not items:
@@ -77,18 +84,36 @@ def train_student(student, items: list[TrainingItem], steps: int = 60, batch_siz
         batch, order = [items[i] for i in order[:batch_size]], order[batch_size:]
         ids, mask, rows, cols, labels, teacher = _batch(batch, pad_id)
         logits = answer_logits(student, ids, mask, rows, cols)
-        parts = distillation_loss_parts(logits, teacher if teacher is not None else logits.detach(), labels,
-                                        temperature, alpha)
+        target = teacher if teacher is not None else logits.detach()
+        if loss_fn is None:
+            parts = distillation_loss_parts(logits, target, labels, temperature, alpha)
+            loss, kl, ce = parts.total, parts.kl.item(), parts.ce.item()
+        else:
+            loss, kl, ce = _own_loss(loss_fn, logits, target, labels, temperature, alpha, step), None, None
         optimizer.zero_grad(set_to_none=True)
-        parts.total.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        history.append({"step": step, "loss": parts.total.item(), "kl": parts.kl.item(), "ce": parts.ce.item()})
+        history.append({"step": step, "loss": loss.item(), "kl": kl, "ce": ce})
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
     student.eval()
     student.model.embed_tokens.weight.requires_grad_(True)
     return history
+
+
+def _own_loss(loss_fn: Callable, logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
+              temperature: float, alpha: float, step: int) -> torch.Tensor:
+    loss = loss_fn(logits, teacher, labels, temperature, alpha)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"loss_fn returned {getattr(loss, 'shape', type(loss).__name__)} at step {step}; expected a "
+                         f"scalar tensor (the mean over the {len(labels)} answer positions)")
+    if not loss.requires_grad:
+        raise ValueError(f"loss_fn's loss at step {step} carries no gradient: compute it from the student's logits "
+                         f"with torch operations (no .item(), no .detach(), no numpy)")
+    if not bool(torch.isfinite(loss)):
+        raise ValueError(f"loss_fn returned {loss.item()} at step {step}; a loss must be finite")
+    return loss
 
 
 @torch.no_grad()

@@ -909,6 +909,9 @@ def _diagnose_accept(proposals, target, lengths, got, want) -> str:
     shifted = flat_target[rows.clamp_max(flat_target.numel() - 1)].reshape(proposals.shape)
     guesses.append((((proposals == shifted) & valid).int().cumprod(1).sum(1),
                     "wrong stride: a row of target_argmax has K + 1 entries, not K"))
+    no_miss = torch.where(want.long() == lengths.long(), torch.zeros_like(want.long()), want.long())
+    guesses.append((no_miss, "a sequence whose guesses all agree has no miss: its count is num_proposed[b] (the "
+                             "sentinel of the min), not 0"))
     for value, why in guesses:
         if torch.equal(got.long(), value.long()) and not torch.equal(value.long(), want.long()):
             return why

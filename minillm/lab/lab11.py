@@ -696,7 +696,7 @@ def print_pays(rows: Sequence[dict]) -> None:
 # =================================================================== 7. the autoscaler's policy
 def reference_policy(state, target_ongoing: float = 2.0, upscale_window_s: float = 5.0,
                      downscale_window_s: float = 30.0, rounding: Callable = math.ceil, edge_inside: bool = False) -> int:
-    """Exercise 6's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
+    """Exercise 7's rule: up to ceil(least load of the last upscale_window_s / target) when that is above the target
     replicas; down to ceil(largest load of the last downscale_window_s / target) when that is below; clamped.
     A sample exactly window_s old is outside the window (edge_inside=True: the usual mistake, t >= now - window)."""
     def over(window_s):
@@ -728,7 +728,7 @@ def fleet_state(now_s: float, loads: Sequence[int], running: int, starting: int 
 
 
 def _policy_cases() -> list[tuple]:
-    """(state, kwargs, what): the stated cases of exercise 6 (1 s ticks, 40 s of history)."""
+    """(state, kwargs, what): the stated cases of exercise 7 (1 s ticks, 40 s of history)."""
     flat = [4] * 40
     return [
         (fleet_state(100.0, flat, running=2), {}, "a steady load of 4 on 2 replicas: keep 2"),
@@ -786,7 +786,7 @@ def _policy_hint(state, kwargs, got: int) -> str:
 
 
 def check_autoscaler(fn: Callable) -> None:
-    """autoscaler_policy against the rule of exercise 6 on the stated states."""
+    """autoscaler_policy against the rule of exercise 7 on the stated states."""
     cases = _policy_cases()
     for state, kwargs, what in cases:
         extra = "".join(f", {k}={v}" for k, v in kwargs.items())
