@@ -62,8 +62,8 @@ bench: model
 	$(BIN)/minillm bench --compare-transformers --compare-kv-cache
 
 bench-peers: model      ## batch-1 decode, then prefill by prompt length: minillm fp32/int8/int4 vs transformers, CTranslate2 float32/int8, llama.cpp (GGUF=default: the default model's)
-	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { echo "llama.cpp: building llama-cpp-python from source (several minutes, once)"; \
-	  $(BIN)/python -m pip install --progress-bar on -e '.[llama]' || echo "llama.cpp: llama-cpp-python did not build here (needs a C++ compiler); its rows are skipped"; }
+	@$(BIN)/python -c 'import llama_cpp' 2>/dev/null || { echo "llama.cpp: building llama-cpp-python from source (about 20 minutes on 2 cores, once; no multimodal part)"; \
+	  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON $$CMAKE_ARGS" $(BIN)/python -m pip install --progress-bar on -e '.[llama]' || echo "llama.cpp: llama-cpp-python did not build here (needs a C++ compiler); its rows are skipped"; }
 	$(BIN)/minillm bench --compare-peers --gguf $(or $(GGUF),default) --json artifacts/peers.json
 	$(BIN)/minillm bench prefill --gguf $(or $(GGUF),default)
 	$(BIN)/minillm distill llama-cpp $(or $(STUDENT),default) --type q8_0   # a model you exported, on both engines

@@ -211,8 +211,8 @@ def test_llama_cpp_says_in_one_line_how_to_get_it_or_why_it_cannot_build(monkeyp
     from minillm.bench import peer_engines
 
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
-    assert peer_engines.llama_cpp_missing().startswith("not installed (make bench-peers builds it, or pip install -e "
-                                                       "'.[llama]'")
+    assert peer_engines.llama_cpp_missing().startswith("not installed (make bench-peers builds it, or "
+                                                       "CMAKE_ARGS=-DLLAVA_BUILD=OFF pip install -e '.[llama]'")
     monkeypatch.setattr("shutil.which", lambda name: None)
     assert peer_engines.llama_cpp_missing() == ("not installed, and no C++ compiler here to build llama-cpp-python "
                                                 "from source")

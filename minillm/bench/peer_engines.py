@@ -156,8 +156,8 @@ def llama_cpp_missing() -> str:
 
     if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
         return "not installed, and no C++ compiler here to build llama-cpp-python from source"
-    return ("not installed (make bench-peers builds it, or pip install -e '.[llama]': llama.cpp compiles from "
-            "source, several minutes)")
+    return ("not installed (make bench-peers builds it, or CMAKE_ARGS=-DLLAVA_BUILD=OFF pip install -e '.[llama]': "
+            "llama.cpp compiles from source, about 20 minutes on 2 cores)")
 
 
 def build_peers(llm, settings: dict[str, dict], engines: set[str], gguf: str | None, threads: int,
