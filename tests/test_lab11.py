@@ -395,6 +395,20 @@ def test_choose_fleet_on_the_simulated_window(solution, experiments, fleet_names
     assert again == experiments["fleet_window"](choice["warm_replicas"], choice["max_num_seqs"])   # deterministic
 
 
+def test_choose_fleet_none_is_right_only_where_no_setting_meets_the_target(solution, capsys):
+    """A slow machine's profile can miss the target everywhere: then None passes (the lab still grades), and a None
+    where some setting meets it fails with that setting named."""
+    slow = lab11._stub_run({(w, b): (5.0 + w + b, 0.1 * w) for w in (1, 2) for b in (4, 8)})
+    assert solution["choose_fleet"](slow, 1.0, (1, 2), (4, 8)) is None
+    lab11.check_choose_fleet(solution["choose_fleet"], slow, 1.0, (1, 2), (4, 8), None)
+    assert "None is right" in capsys.readouterr().out
+    lab11.print_choice(None, 1.0, 0.10)
+    assert "on this machine" in capsys.readouterr().out
+    fast = lab11._stub_run({(w, b): (0.5 * w, 0.1 * b) for w in (1, 2) for b in (4, 8)})
+    with pytest.raises(lab11.CheckFailed, match=r"but \(1 warm, batch 4\) keeps the spike p99 at 0.50 s"):
+        lab11.check_choose_fleet(solution["choose_fleet"], fast, 1.0, (1, 2), (4, 8), None)
+
+
 def test_example_profile_is_valid_and_printed(capsys):
     profile = lab11.example_profile(60.0)
     assert profile.startup_s == 60.0 and profile.max_measured_batch == 32

@@ -933,7 +933,14 @@ def check_choose_fleet(fn: Callable, run: Callable | None, target_p99_s: float, 
     if run is None:
         raise CheckFailed("fleet_window is None: run the cells of section 9 first")
     if not rows:
-        raise CheckFailed("choice is None or has no rows: run the cell above (it needs choose_fleet)")
+        every = [{"warm_replicas": w, "max_num_seqs": b, **run(w, b)} for w in warm_options for b in batch_options]
+        best = reference_choice(every, target_p99_s)
+        if best is not None:
+            raise CheckFailed(f"choice is None or has no rows, but ({best['warm_replicas']} warm, batch "
+                              f"{best['max_num_seqs']}) keeps the spike p99 at {best['spike_ttft_p99_s']:.2f} s <= "
+                              f"{target_p99_s} s: run the cell above (it needs choose_fleet)")
+        passed("choose_fleet (no setting meets the target on this machine: None is right)", len(cases) + len(every))
+        return
     pairs = {(r.get("warm_replicas"), r.get("max_num_seqs")) for r in rows}
     want_pairs = {(w, b) for w in warm_options for b in batch_options}
     if pairs != want_pairs:
@@ -950,7 +957,8 @@ def check_choose_fleet(fn: Callable, run: Callable | None, target_p99_s: float, 
 
 def print_choice(choice: dict | None, target_p99_s: float, hourly_usd: float) -> None:
     if choice is None:
-        print(f"no option keeps the spike's p99 TTFT under {target_p99_s} s")
+        print(f"no option keeps the spike's p99 TTFT under {target_p99_s} s on this machine (its measured profile): "
+              "a faster replica, more warm replicas or a looser target would")
         return
     print(f"{'warm':>5} {'batch':>6} {'spike p99':>10} {'$/Mtok':>8}   (target p99 {target_p99_s} s; "
           f"a replica at {hourly_usd:.2f} $/h)")
