@@ -183,8 +183,17 @@ def test_llama_cpp_row_with_a_stand_in_module(tiny_llm, tmp_path, monkeypatch):
         def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
             made.update(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads)
 
+        fresh = False
+
+        def reset(self):
+            self.fresh = True
+
         def generate(self, tokens, top_k, temp, **kw):   # endless, like llama-cpp-python's: the caller stops it
             assert top_k == 1 and temp == 0.0
+            # llama-cpp-python keeps the prefix a prompt shares with the last call's tokens, even with reset=True:
+            # without reset() first a repeated prompt is never prefilled again and its TTFT reads ~0
+            assert self.fresh, "reset() before every run"
+            self.fresh = False
             t = tokens[-1]
             while True:
                 t = (t * 7 + 1) % 500

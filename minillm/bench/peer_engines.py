@@ -132,6 +132,9 @@ class LlamaCppPeer:
 
     def run(self, ids: list[int], n: int) -> Run:
         times, tokens = [], []
+        # generate(reset=True) still keeps the longest prefix shared with the last call's tokens: a repeated prompt
+        # would skip its prefill. Forget them, so every run reads the whole prompt as the other engines do.
+        self.llama.reset()
         t0 = time.perf_counter()
         for token in self.llama.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                          reset=True):
