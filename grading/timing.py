@@ -127,8 +127,12 @@ def machine() -> str:
     return f"{device_name('cpu')}, {os.cpu_count()} cores"
 
 
-def measure_full(lab: str, solutions_dir: Path | None = None, timeout_s: int = 7200) -> float:
-    """Run the lab's solution notebook top to bottom in full mode in a scratch folder; seconds it took."""
+FULL_RUNS = REPO_ROOT / "artifacts" / "full-runs"
+
+
+def measure_full(lab: str, solutions_dir: Path | None = None, timeout_s: int = 7200, keep: Path | None = FULL_RUNS) -> float:
+    """Run the lab's solution notebook top to bottom in full mode in a scratch folder; seconds it took. The run,
+    outputs included, is kept as `keep`/<lab>.ipynb (its printed numbers are the labs' reference numbers)."""
     import tempfile
 
     import nbformat
@@ -142,7 +146,11 @@ def measure_full(lab: str, solutions_dir: Path | None = None, timeout_s: int = 7
             client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": scratch}})
             start = time.perf_counter()
             client.execute()
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+        if keep is not None:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, Path(keep) / f"{lab}.ipynb")
+        return seconds
     finally:
         if saved is not None:
             os.environ["MINILLM_QUICK"] = saved
