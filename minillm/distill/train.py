@@ -78,27 +78,29 @@ def train_student(student, items: list[TrainingItem], steps: int = 60, batch_siz
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.1, 1 - s / steps))
     history, order = [], []
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress)
-    for step in bar:
-        if len(order) < batch_size:
-            order += order_rng.sample(range(len(items)), len(items))
-        batch, order = [items[i] for i in order[:batch_size]], order[batch_size:]
-        ids, mask, rows, cols, labels, teacher = _batch(batch, pad_id)
-        logits = answer_logits(student, ids, mask, rows, cols)
-        target = teacher if teacher is not None else logits.detach()
-        if loss_fn is None:
-            parts = distillation_loss_parts(logits, target, labels, temperature, alpha)
-            loss, kl, ce = parts.total, parts.kl.item(), parts.ce.item()
-        else:
-            loss, kl, ce = _own_loss(loss_fn, logits, target, labels, temperature, alpha, step), None, None
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        history.append({"step": step, "loss": loss.item(), "kl": kl, "ce": ce})
-        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
-    student.eval()
-    student.model.embed_tokens.weight.requires_grad_(True)
+    try:
+        for step in bar:
+            if len(order) < batch_size:
+                order += order_rng.sample(range(len(items)), len(items))
+            batch, order = [items[i] for i in order[:batch_size]], order[batch_size:]
+            ids, mask, rows, cols, labels, teacher = _batch(batch, pad_id)
+            logits = answer_logits(student, ids, mask, rows, cols)
+            target = teacher if teacher is not None else logits.detach()
+            if loss_fn is None:
+                parts = distillation_loss_parts(logits, target, labels, temperature, alpha)
+                loss, kl, ce = parts.total, parts.kl.item(), parts.ce.item()
+            else:
+                loss, kl, ce = _own_loss(loss_fn, logits, target, labels, temperature, alpha, step), None, None
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            history.append({"step": step, "loss": loss.item(), "kl": kl, "ce": ce})
+            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+    finally:   # a refused loss leaves the student as it found it: eval mode, embedding trainable
+        student.eval()
+        student.model.embed_tokens.weight.requires_grad_(True)
     return history
 
 
