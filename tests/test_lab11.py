@@ -409,6 +409,25 @@ def test_choose_fleet_none_is_right_only_where_no_setting_meets_the_target(solut
         lab11.check_choose_fleet(solution["choose_fleet"], fast, 1.0, (1, 2), (4, 8), None)
 
 
+def test_a_slower_replica_gets_lighter_traffic_and_a_reachable_target():
+    """Full mode measures the learner's replica: where it is slower than the example profile, the day's arrivals
+    are thinned by as much and the spike's target is 3x its own prefill of the longest prompt (at least 1 s)."""
+    from minillm.fleet.replica_profile import ReplicaProfile
+
+    example = lab11.example_profile()
+    assert lab11.slower_than_example(example) == 1.0 and lab11.spike_target_s(example) == 1.0   # quick mode: as before
+    prefill_x2 = ReplicaProfile(decode_points=list(example.decode_points),
+                                prefill_points=[(n, 2 * s) for n, s in example.prefill_points], startup_s=5.0)
+    assert lab11.slower_than_example(prefill_x2) == pytest.approx(2.0)
+    assert lab11.spike_target_s(prefill_x2) == pytest.approx(round(3 * 2 * example.prefill_s(96), 1))
+    decode_x3 = ReplicaProfile(decode_points=[(b, 3 * s) for b, s in example.decode_points],
+                               prefill_points=list(example.prefill_points), startup_s=5.0)
+    assert lab11.slower_than_example(decode_x3) == pytest.approx(3.0) and lab11.spike_target_s(decode_x3) == 1.0
+    faster = ReplicaProfile(decode_points=[(b, s / 10) for b, s in example.decode_points],
+                            prefill_points=[(n, s / 10) for n, s in example.prefill_points], startup_s=5.0)
+    assert lab11.slower_than_example(faster) == 1.0    # never heavier than the example's day
+
+
 def test_example_profile_is_valid_and_printed(capsys):
     profile = lab11.example_profile(60.0)
     assert profile.startup_s == 60.0 and profile.max_measured_batch == 32

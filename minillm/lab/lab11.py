@@ -819,6 +819,24 @@ def example_profile(startup_s: float = 5.0):
                           conditions=dict(EXAMPLE_PROFILE["conditions"]))
 
 
+LONGEST_PROMPT = 96   # the day's prompts are 16-96 tokens
+
+
+def slower_than_example(profile) -> float:
+    """How many times slower this replica serves the day's requests than the example profile's (at least 1): the
+    larger of its prefill of the longest prompt and its decode time per token at batch 16, each over the example's."""
+    example = example_profile()
+    prefill = profile.prefill_s(LONGEST_PROMPT) / example.prefill_s(LONGEST_PROMPT)
+    decode = example.tokens_per_s(16) / profile.tokens_per_s(16)
+    return max(1.0, prefill, decode)
+
+
+def spike_target_s(profile) -> float:
+    """The spike's p99 TTFT target: 1 s, or 3x this replica's own prefill of the longest prompt where that is more
+    (no fleet gets a request's first token sooner than its replica can prefill it)."""
+    return max(1.0, round(3 * profile.prefill_s(LONGEST_PROMPT), 1))
+
+
 def print_profile(profile, label: str) -> None:
     print(f"replica profile ({label}):")
     print("  decode step: " + ", ".join(f"batch {b}: {s * 1e3:.0f} ms ({b / s:.0f} tok/s)" for b, s in profile.decode_points))
