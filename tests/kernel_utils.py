@@ -24,6 +24,32 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def assert_compiles_for_gpus(path, kernel: str, signature: dict, constexprs: dict, ccs=(80, 90)) -> None:
+    """Compile `kernel` of the module file `path` ahead of time for each CUDA capability in `ccs`, without a GPU and
+    outside the interpreter: what the interpreter forgives (types, shapes, a Python int where a tensor belongs)
+    fails here. Each learner kernel's test calls it on the solution (marked slow)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import importlib.util
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        spec = importlib.util.spec_from_file_location("aot_module", {str(path)!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for cc in {tuple(ccs)!r}:
+            triton.compile(ASTSource(fn=module.{kernel}, signature={signature!r}, constexprs={constexprs!r}),
+                           target=GPUTarget("cuda", cc, 32))
+        print("compiled")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def max_error(got: torch.Tensor, want: torch.Tensor, tolerance: dict = TOLERANCE) -> tuple[float, float]:
     """(max abs error, the error allowed for want's dtype and magnitude)."""
     err = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0

@@ -580,3 +580,17 @@ def test_measure_sampling_on_a_fake_engine_and_its_printouts(solution, capsys):
     assert [round(y, 6) for y in fig.data[0].y] == [round(0.25 / 8 * 1e3, 6), round(0.45 / 8 * 1e3, 6)]
     lab09.print_your_numbers(None, None, None, None, got, None, DEVICE)
     assert "ratio 1.800" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
+    """The learner's kernel at the default model's vocabulary (49,152 lanes rounded to 65,536), compiled ahead of
+    time for the GPUs without one (the module header's interpreter switch left out)."""
+    from kernel_utils import assert_compiles_for_gpus
+
+    header = MODULE_HEADER.replace('    os.environ.setdefault("TRITON_INTERPRET", "1")', "    pass")
+    path = tmp_path / "lab09_aot.py"
+    path.write_text(solution_source(MASTER, header, LAUNCHER))
+    assert_compiles_for_gpus(path, "fused_mask_kernel",
+                             {"out_ptr": "*fp32", "logits_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
+                              "min_p_ptr": "*fp32", "V": "i32", "BLOCK_V": "constexpr"}, {"BLOCK_V": 65536})

@@ -666,3 +666,16 @@ def graded_namespace(tiny_llm, experiments, tp_result, fleet_namespace, solution
                          ids=[f"{gid}-{i}" for gid, cases in MISTAKES.items() for i in range(len(cases))])
 def test_graded_cell_fails_on_a_plausible_mistake(graded_namespace, grade_id, mistake, names_the_case):
     assert_check_fails(MASTER, grade_id, graded_namespace, mistake, names_the_case)
+
+
+@pytest.mark.slow
+def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
+    """The learner's row-parallel kernel, compiled ahead of time for the GPUs without one."""
+    from kernel_utils import assert_compiles_for_gpus
+
+    path = tmp_path / "lab11_aot.py"
+    path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
+    assert_compiles_for_gpus(path, "row_shard_matmul_kernel",
+                             {"y_ptr": "*fp32", "x_ptr": "*fp32", "w_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                             {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32})
