@@ -24,10 +24,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def assert_compiles_for_gpus(path, kernel: str, signature: dict, constexprs: dict, ccs=(80, 90)) -> None:
-    """Compile `kernel` of the module file `path` ahead of time for each CUDA capability in `ccs`, without a GPU and
+def assert_compiles_for_gpus(path, jobs, ccs=(80, 90)) -> None:
+    """Compile kernels of the module file `path` ahead of time for each CUDA capability in `ccs`, without a GPU and
     outside the interpreter: what the interpreter forgives (types, shapes, a Python int where a tensor belongs)
-    fails here. Each learner kernel's test calls it on the solution (marked slow)."""
+    fails here. jobs: [(kernel name, signature, constexprs)], all compiled in one fresh process. Each learner
+    kernel's test calls it on the solution."""
     import subprocess
     import sys
     import textwrap
@@ -40,9 +41,10 @@ def assert_compiles_for_gpus(path, kernel: str, signature: dict, constexprs: dic
         spec = importlib.util.spec_from_file_location("aot_module", {str(path)!r})
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        for cc in {tuple(ccs)!r}:
-            triton.compile(ASTSource(fn=module.{kernel}, signature={signature!r}, constexprs={constexprs!r}),
-                           target=GPUTarget("cuda", cc, 32))
+        for name, signature, constexprs in {list(jobs)!r}:
+            for cc in {tuple(ccs)!r}:
+                triton.compile(ASTSource(fn=getattr(module, name), signature=signature, constexprs=constexprs),
+                               target=GPUTarget("cuda", cc, 32))
         print("compiled")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

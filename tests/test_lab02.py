@@ -3,14 +3,10 @@ widgets update on slider changes, and the solution plugged into the engine gives
 
 from __future__ import annotations
 
-from kernel_utils import DEVICE  # noqa: F401 - first: picks the interpreter before triton is imported
+from kernel_utils import DEVICE, assert_compiles_for_gpus  # noqa: F401 - first: picks the interpreter before triton is imported
 
 import math
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from types import SimpleNamespace
 
 import nbformat
@@ -716,26 +712,12 @@ def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
     """What the interpreter forgives (types, shapes, an int64 slot in the offsets) fails here, without a GPU."""
     path = tmp_path / "lab02_aot.py"
     path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
-    script = textwrap.dedent(f"""
-        import importlib.util
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import triton
-        spec = importlib.util.spec_from_file_location("lab02_aot", {str(path)!r})
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for dtype in ("fp32", "bf16", "fp16"):
-            sig = {{"k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "k_new_ptr": "*" + dtype,
-                   "v_new_ptr": "*" + dtype, "slots_ptr": "*i64", "num_kv_heads": "i32", "num_slots": "i32",
-                   "head_dim": "i32", "BLOCK_D": "constexpr"}}
-            for cc in (80, 90):
-                triton.compile(ASTSource(fn=module.store_kv_kernel, signature=sig, constexprs={{"BLOCK_D": 128}}),
-                               target=GPUTarget("cuda", cc, 32))
-        print("compiled")
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    jobs = [("store_kv_kernel",
+             {"k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "k_new_ptr": "*" + dtype,
+              "v_new_ptr": "*" + dtype, "slots_ptr": "*i64", "num_kv_heads": "i32", "num_slots": "i32",
+              "head_dim": "i32", "BLOCK_D": "constexpr"},
+             {"BLOCK_D": 128}) for dtype in ("fp32", "bf16", "fp16")]
+    assert_compiles_for_gpus(path, jobs)
 
 
 def test_engine_runs_the_learner_kernel_with_its_own_tokens(llm, solution, experiments, capsys):

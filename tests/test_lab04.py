@@ -5,12 +5,10 @@ engine's own tokens, the waste measurement shows paging's gain, and the budget s
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 import time
 
-from kernel_utils import DEVICE  # first: picks the interpreter before triton is imported
+from kernel_utils import DEVICE, assert_compiles_for_gpus  # first: picks the interpreter before triton is imported
 
 import nbformat
 import pytest
@@ -127,28 +125,13 @@ def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
     """What the interpreter forgives (types of loop-carried values, shapes) fails here, without a GPU."""
     path = tmp_path / "lab04_aot.py"
     path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
-    script = textwrap.dedent(f"""
-        import importlib.util
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        import triton
-        spec = importlib.util.spec_from_file_location("lab04_aot", {str(path)!r})
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for dtype in ("fp32", "bf16", "fp16"):
-            sig = {{"out_ptr": "*" + dtype, "q_ptr": "*" + dtype, "k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype,
-                   "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32", "num_heads": "i32",
-                   "num_slots": "i32", "max_blocks": "i32", "GROUP": "constexpr", "HEAD_DIM": "constexpr",
-                   "BLOCK_SIZE": "constexpr"}}
-            for cc in (80, 90):
-                triton.compile(ASTSource(fn=module.paged_decode_kernel, signature=sig,
-                                         constexprs={{"GROUP": 3, "HEAD_DIM": 64, "BLOCK_SIZE": 16}}),
-                               target=GPUTarget("cuda", cc, 32))
-        print("compiled")
-    """)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    jobs = [("paged_decode_kernel",
+             {"out_ptr": "*" + dtype, "q_ptr": "*" + dtype, "k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype,
+              "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32", "num_heads": "i32",
+              "num_slots": "i32", "max_blocks": "i32", "GROUP": "constexpr", "HEAD_DIM": "constexpr",
+              "BLOCK_SIZE": "constexpr"},
+             {"GROUP": 3, "HEAD_DIM": 64, "BLOCK_SIZE": 16}) for dtype in ("fp32", "bf16", "fp16")]
+    assert_compiles_for_gpus(path, jobs)
 
 
 # --------------------------------------------------------------------- the checks teach

@@ -591,6 +591,7 @@ def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
     header = MODULE_HEADER.replace('    os.environ.setdefault("TRITON_INTERPRET", "1")', "    pass")
     path = tmp_path / "lab09_aot.py"
     path.write_text(solution_source(MASTER, header, LAUNCHER))
-    assert_compiles_for_gpus(path, "fused_mask_kernel",
-                             {"out_ptr": "*fp32", "logits_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32",
-                              "min_p_ptr": "*fp32", "V": "i32", "BLOCK_V": "constexpr"}, {"BLOCK_V": 65536})
+    assert_compiles_for_gpus(path, [("fused_mask_kernel",
+                                     {"out_ptr": "*fp32", "logits_ptr": "*fp32", "top_k_ptr": "*i32",
+                                      "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "V": "i32", "BLOCK_V": "constexpr"},
+                                     {"BLOCK_V": 65536})])

@@ -675,7 +675,7 @@ def test_solution_kernel_compiles_for_sm80_and_sm90(tmp_path):
 
     path = tmp_path / "lab11_aot.py"
     path.write_text(solution_source(MASTER, MODULE_HEADER, LAUNCHER))
-    assert_compiles_for_gpus(path, "row_shard_matmul_kernel",
-                             {"y_ptr": "*fp32", "x_ptr": "*fp32", "w_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-                             {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32})
+    assert_compiles_for_gpus(path, [("row_shard_matmul_kernel",
+                                     {"y_ptr": "*fp32", "x_ptr": "*fp32", "w_ptr": "*fp32", "M": "i32", "N": "i32",
+                                      "K": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                                     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32})])
