@@ -1,7 +1,7 @@
 """Autograde every submission in a folder, write the grades, the logs and the feedback (instructors).
 
-    python grading/autograde.py SUBMISSIONS_DIR [--out grades.csv] [--feedback DIR] [--jobs N] [--similarity]
-                                [--keep COURSE_DIR] [--full] [--unsafe-no-sandbox]
+    python grading/autograde.py SUBMISSIONS_DIR [--out grades.csv] [--feedback DIR] [--jobs N] [--resume]
+                                [--similarity] [--keep COURSE_DIR] [--full] [--unsafe-no-sandbox]
     python grading/autograde.py --check-sandbox # can this machine make the sandbox? what does it enforce?
     python grading/autograde.py --measure       # time each lab's solution in quick mode -> grading/quick_times.json
 
@@ -9,8 +9,11 @@ SUBMISSIONS_DIR holds ``<student_id>/<NN_topic>/<NN_topic>.ipynb`` (nbgrader's s
 has this layout; see grading/README.md). Only the students' solution cells are run, each notebook's
 in a sandbox (bubblewrap: no course, gradebook or repository in sight, no network, limited, killed
 whole); tests and hidden tests come from the instructor masters in grading/source and run outside it.
-Every notebook gets a row, the log of its grading lands in ``<out>.logs/<student>/<lab>.log``, and the
-exit status is the number of notebooks that could not be graded (0: all graded; 2: no sandbox).
+First a preflight grades each lab's own solution and untouched student copy in the sandbox: unless they
+score full marks and 0, nothing is graded and the cause is printed in one line. Then every notebook gets
+a row, written to the CSV as it is done (``--resume`` grades only the notebooks without one), the log of
+its grading lands in ``<out>.logs/<student>/<lab>.log``, and the exit status is the number of notebooks
+with status "error" (0: all graded; 2 when no sandbox can be made or the preflight fails).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="run the labs in full mode, not MINILLM_QUICK=1")
     parser.add_argument("--cell-timeout", type=int, metavar="SECONDS",
                         help="per-cell limit (default: 5x the lab's slowest solution cell, grading/quick_times.json)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="grade N notebooks at once, each in its own sandbox with its share of the cores (default 1)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="grade N notebooks at once, each in its own sandbox with its share of the cores "
+                             f"(default: what the cores and memory allow, {grader.default_jobs()} here)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already in --out (an interrupted run's) and grade only the others")
     parser.add_argument("--similarity", action="store_true",
                         help="flag solution cells close to the lab's references, the published solution or another "
                              "student's (grading/similarity.py) in the reason column")
@@ -80,24 +86,34 @@ def main(argv: list[str] | None = None) -> int:
               "(expected <student_id>/<NN_topic>/<NN_topic>.ipynb)", file=sys.stderr)
         return 1
     count = sum(len(by_lab) for by_lab in submissions.values())
-    print(f"autograding {count} notebooks from {len(submissions)} students ...", flush=True)
+    jobs = args.jobs or grader.default_jobs()
+    print(f"autograding {count} notebooks from {len(submissions)} students, {jobs} at a time; "
+          "first the preflight: each lab's solution and untouched copy ...", flush=True)
     log_dir = args.out.with_name(args.out.stem + ".logs")
     try:
         rows = grader.autograde(submissions, source_dir=args.source, course_dir=args.keep, quick=not args.full,
                                 cell_timeout_s=args.cell_timeout, feedback_dir=args.feedback, log_dir=log_dir,
-                                progress=True, jobs=args.jobs, unsafe_no_sandbox=args.unsafe_no_sandbox,
-                                similarity=args.similarity)
+                                progress=True, jobs=jobs, unsafe_no_sandbox=args.unsafe_no_sandbox,
+                                similarity=args.similarity, out_csv=args.out, resume=args.resume)
     except sandbox.SandboxUnavailable as error:
         print(f"autograde: {error}", file=sys.stderr)
         return 2
-    grader.write_csv(rows, args.out)
+    except grader.PreflightFailed as error:
+        print(f"autograde: preflight failed, nothing graded: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autograde: interrupted; the rows done are in {args.out}: rerun with --resume to grade the rest",
+              file=sys.stderr)
+        return 130
     print(grader.format_table(rows))
-    failed = sum(1 for row in rows if row["status"] == "failed")
+    print(grader.summary(rows))
+    errors = sum(1 for row in rows if row["status"] == "error")
     print(f"wrote {args.out} ({len(rows)} rows), logs in {log_dir}/"
           + (f", feedback in {args.feedback}/" if args.feedback else ""))
-    if failed:
-        print(f"{failed} of {len(rows)} notebooks could not be graded (see the reason column)", file=sys.stderr)
-    return min(failed, 100)
+    if errors:
+        print(f"{errors} of {len(rows)} notebooks could not be graded (status error; see the reason column)",
+              file=sys.stderr)
+    return min(errors, 100)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import ast
 import concurrent.futures
 import copy
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -49,7 +50,7 @@ import nbformat
 from grading import references, sandbox
 from grading.build import (COURSE_ID, GRADING_DIR, HIDDEN_BEGIN, HIDDEN_END, REPO_ROOT, SOURCE_DIR,  # noqa: F401
                            discover_labs, dumps, find_submissions, generate_assignments, hidden_line_numbers, make_course,
-                           read_master, without_model_answers)
+                           read_master, render, without_model_answers)
 from grading.execute import EXECUTED_ENV, START_SOURCE
 
 STUDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]*")
@@ -316,6 +317,90 @@ def read_submission(path: Path) -> nbformat.NotebookNode:
     return nb
 
 
+def _kind(value) -> str:
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _quote(text: str, limit: int = 40) -> str:
+    """A student's string (a grade_id) as the grader names it: printable, at most ``limit`` characters."""
+    clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))
+    return repr(clean if len(clean) <= limit else clean[:limit] + "...")
+
+
+def _check_cell(number: int, cell) -> dict | None:
+    """A cell's nbgrader metadata, after checking its shape; SubmissionError names what is malformed."""
+    where = f"cell {number}"
+    if not isinstance(cell, dict):
+        raise SubmissionError(f"{where}: is {_kind(cell)}, expected a cell (a JSON object)")
+    if cell.get("cell_type") not in ("code", "markdown", "raw"):
+        raise SubmissionError(f"{where}: cell_type is {_kind(cell.get('cell_type'))}, expected code, markdown or raw")
+    source = cell.get("source", "")
+    if not (isinstance(source, str) or isinstance(source, list) and all(isinstance(s, str) for s in source)):
+        raise SubmissionError(f"{where}: source is {_kind(source)}, expected a string or a list of strings")
+    metadata = cell.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise SubmissionError(f"{where}: metadata is {_kind(metadata)}, expected an object")
+    meta = metadata.get("nbgrader")
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise SubmissionError(f"{where}: nbgrader metadata is {_kind(meta)}, expected an object")
+    if "grade_id" in meta and not isinstance(meta["grade_id"], str):
+        raise SubmissionError(f"{where}: grade_id is {_kind(meta['grade_id'])}, expected a string")
+    for key in ("grade", "solution", "locked"):
+        if key in meta and not isinstance(meta[key], bool):
+            raise SubmissionError(f"{where}: nbgrader {key} is {_kind(meta[key])}, expected true or false")
+    points = meta.get("points", 0)
+    if isinstance(points, bool) or not isinstance(points, (int, float)) or not math.isfinite(points):
+        raise SubmissionError(f"{where}: nbgrader points is {_kind(points)}, expected a number")
+    return meta
+
+
+GRADED_KEYS = ("grade", "solution", "locked")
+
+
+def check_cells(submission, lab: LabCourse) -> list[str]:
+    """The submission's cells against the lab's: SubmissionError for malformed cells (the row is an error),
+    and a finding in words for each unknown, duplicated, retyped, re-flagged or reordered graded cell (the
+    lab's cells and metadata are used; deleted, missing and changed cells are named by :func:`graded_copy`).
+    Cells are numbered from 1, in the submission's order."""
+    cells = submission.get("cells") if isinstance(submission, dict) else None
+    if not isinstance(cells, list):
+        raise SubmissionError("not a Jupyter notebook: no list of cells")
+    ours = {}
+    for cell in lab.release.cells:
+        meta = _nbgrader(cell)
+        if meta.get("grade_id") and meta.get("grade_id") != SANDBOX_CELL_ID:
+            ours[meta["grade_id"]] = (cell.cell_type, meta)
+    findings, seen, order = [], {}, []
+    for number, cell in enumerate(cells, start=1):
+        meta = _check_cell(number, cell)
+        grade_id = (meta or {}).get("grade_id")
+        if not grade_id:
+            continue
+        if grade_id not in ours:
+            findings.append(f"cell {number}: grade_id {_quote(grade_id)} is not a cell of this lab (not run)")
+            continue
+        if grade_id in seen:
+            findings.append(f"cell {number}: {grade_id} appears again (cell {seen[grade_id]} is the one graded)")
+            continue
+        seen[grade_id] = number
+        order.append(grade_id)
+        cell_type, expected = ours[grade_id]
+        if cell.get("cell_type") != cell_type:
+            findings.append(f"cell {number}: {grade_id} is a {cell.get('cell_type')} cell, the lab's is {cell_type}")
+        elif (any(bool(meta.get(k)) != bool(expected.get(k)) for k in GRADED_KEYS)
+              or float(meta.get("points", 0) or 0) != float(expected.get("points", 0) or 0)):
+            findings.append(f"cell {number}: the nbgrader metadata of {grade_id} was edited (the lab's is used)")
+    lab_order = [grade_id for grade_id in ours if grade_id in seen]
+    if order != lab_order:
+        first = next(i for i, (a, b) in enumerate(zip(order, lab_order)) if a != b)
+        findings.append(f"graded cells reordered: {order[first]} comes before {lab_order[first]} "
+                        "(the lab's order is used)")
+    return findings
+
+
 @dataclass
 class GradedCopy:
     notebook: nbformat.NotebookNode
@@ -461,55 +546,103 @@ def _zero(gradebook, lab: str, student: str, zeroed: Mapping[str, str]) -> None:
     gradebook.db.commit()
 
 
-def _last_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line or "[ERROR]" in line:
-            return line[-300:]
-    return lines[-1][-300:] if lines else "no output"
+EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Died|Timeout))\b")
+LOG_TAIL_BYTES = 200_000      # of each sandbox log, into the notebook's log
+PREFLIGHT = "minillm-preflight-"  # the preflight's two students per lab (no real student id may start so)
 
 
-def _sandbox_events(path: Path) -> list[dict]:
-    """The graded kernel's record of its sandbox (grading.remote): restarts, timeouts, deaths, refusals."""
+def _exception_name(text: str) -> str:
+    """The last exception class named at the start of a line of the grader's output (never its message,
+    which may quote a cell's source)."""
+    for line in reversed(text.splitlines()):
+        match = EXCEPTION_LINE.match(line)
+        if match:
+            return match.group(1)[:80]
+    return "no exception named"
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    """The last ``limit`` bytes of a file, read without loading the rest (a sandbox may write gigabytes)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - limit))
+            data = handle.read(limit)
+    except OSError:
+        return ""
+    return ("[... earlier output cut]\n" if size > limit else "") + data.decode("utf-8", errors="replace")
+
+
+def _sandbox_events(path: Path, limit: int = 4 << 20) -> list[dict]:
+    """The graded kernel's record of its sandbox (grading.remote): restarts, timeouts, deaths, refusals."""
     events = []
-    for line in lines:
+    for line in _read_tail(path, limit).splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 
-def _reason(flags: list[str], execute_report: dict, events: list[dict], extra: list[str]) -> str:
-    parts = []
-    for name in execute_report.get("deaths", []):
-        parts.append(f"the grader's kernel died in cell {name}")
-    for cell in execute_report.get("cells", []):
-        if cell["status"] == "timed out":
-            parts.append(f"cell {cell['name']} timed out")
-    for event in events:
-        kind, cell = event.get("event"), event.get("cell")
-        if kind == "timeout":
-            parts.append(f"cell {cell} timed out in the sandbox")
-        elif kind == "died":
-            parts.append(f"the sandbox died in cell {cell}")
-        elif kind == "refused":
-            parts.append(f"refused in {cell}: {event.get('what')}")
-        elif kind == "reference":
-            parts.append(f"refused in {cell}: the reference {event.get('what')} (unavailable in the sandbox)")
-    parts.extend(flags)
-    parts.extend(extra)
-    return "; ".join(dict.fromkeys(parts))
+def _event_part(event: dict, cells: set[str], references: set[str]) -> str | None:
+    """One event in the grader's own words. The cell is one of the lab's (else "a cell"); text the sandbox
+    sent (a refused value's description, a reference's name) is never copied: a reference is named only
+    when it is one the lab declares."""
+    kind, cell = event.get("event"), str(event.get("cell"))
+    cell = cell if cell in cells else "a cell"
+    if kind == "timeout":
+        return f"cell {cell} timed out in the sandbox"
+    if kind == "died":
+        return f"the sandbox died in cell {cell}"
+    if kind == "refused":
+        what = str(event.get("what", ""))
+        if what.startswith("the kernel cell"):
+            return f"refused in {cell}: the kernel is not one the grader can run"
+        return f"refused in {cell}: a value that is not plain data"
+    if kind == "reference":
+        what = str(event.get("what", ""))
+        if what in references:
+            return f"refused in {cell}: the reference {what} (unavailable in the sandbox)"
+        return f"refused in {cell}: a reference of the lab (unavailable in the sandbox)"
+    return None
 
 
-def _failed_row(student: str, lab: str, course: LabCourse, reason: str, seconds: float = 0.0, log: str = "") -> dict:
-    return {"student": student, "lab": lab, "status": "failed", "reason": reason, "score": 0.0,
-            "max_score": course.max_score, "manual_max_score": 0.0, "failures": {}, "errors": {}, "flags": [],
-            "notes": [], "zeroed": {}, "seconds": seconds, "kernel_s": 0.0, "slowest_cell_s": 0.0, "log": log}
+def _cell_names(course: LabCourse) -> set[str]:
+    names = {"start"}
+    for index, cell in enumerate(course.release.cells):
+        names.add(_nbgrader(cell).get("grade_id") or f"#{index}")
+    return names
+
+
+def _reason(flags: list[str], execute_report: dict, events: list[dict], extra: list[str], course: LabCourse,
+            failed_tests: Mapping[str, str] = {}) -> tuple[str, str]:
+    """(the whole reason, its general part): what happened to the notebook, in the grader's words, then one
+    line per failed test (its name and the first line of what a student may read of its message)."""
+    cells, references = _cell_names(course), references_named(course)
+    parts = [f"the grader's kernel died in cell {name}" for name in execute_report.get("deaths", [])]
+    parts += [f"cell {cell['name']} timed out" for cell in execute_report.get("cells", []) if cell["status"] == "timed out"]
+    parts += [part for part in (_event_part(event, cells, references) for event in events) if part]
+    general = "; ".join(dict.fromkeys([*parts, *flags, *extra]))
+    lines = [f"{name}: {message}"[:300] for name, message in failed_tests.items()]
+    return "\n".join(filter(None, [general, *lines])), general
+
+
+def references_named(course: LabCourse) -> set[str]:
+    names = {name for refs in course.references.values() for name in refs}
+    if course.library is not None:
+        names |= set(course.library.stubbed)
+    return names
+
+
+def _error_row(student: str, lab: str, course: LabCourse, reason: str, seconds: float = 0.0, log: str = "") -> dict:
+    """A notebook the grader could not grade: status "error", no score (never a zero), the cause in words."""
+    return {"student": student, "lab": lab, "status": "error", "reason": reason, "reason_general": reason,
+            "score": None, "max_score": course.max_score, "manual_max_score": 0.0, "failures": {}, "errors": {},
+            "flags": [], "notes": [], "zeroed": {}, "seconds": seconds, "kernel_s": 0.0, "slowest_cell_s": 0.0,
+            "log": log}
 
 
 @dataclass
@@ -524,6 +657,8 @@ class _Job:
     folder: Path                 # reports/<student>/<lab>/: plan, spec, reports, the sandbox's log
     log: Path
     copy: "GradedCopy"
+    scratch: Path | None = None  # the sandbox's own folder, removed when the notebook is done
+    tag: str = ""                # its sandboxes' cgroups: minillm-grading-<tag>-*
     seconds: float = 0.0
     returncode: int | None = None
     output: str = ""
@@ -537,6 +672,25 @@ def _threads_per_job(jobs: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         cores = min(cores, int(os.environ["OMP_NUM_THREADS"])) if jobs == 1 else cores
     return max(1, cores // max(1, jobs))
+
+
+JOB_MEMORY_BYTES = 4 << 30  # a graded notebook's sandbox and kernel: the default model, a lab's engines
+
+
+def default_jobs() -> int:
+    """Notebooks at once: one per core, as many as memory holds at JOB_MEMORY_BYTES each."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 8 << 30
+    return max(1, min(cores, int(memory * 0.6) // JOB_MEMORY_BYTES))
+
+
+SANDBOX_PYTHON: str | None = None  # the interpreter run inside the sandbox (default: the grader's own)
 
 
 def _sandbox_spec(job: _Job, course: LabCourse, scratch: Path, quick: bool, timeout_s: int, threads: int,
@@ -553,12 +707,12 @@ def _sandbox_spec(job: _Job, course: LabCourse, scratch: Path, quick: bool, time
         "scratch": str(scratch), "runner_dir": str(library.runner_dir), "package_binds": library.package_binds,
         "bans": library.bans, "env": env, "limits": vars(limits), "cache_root": str(cache_root()),
         "log": str(job.folder / "sandbox.log"), "report": str(job.folder / "sandbox.jsonl"),
-        "cell_timeout_s": timeout_s, "call_timeout_s": timeout_s, "unsafe": unsafe, "python": PYTHON,
+        "cell_timeout_s": timeout_s, "call_timeout_s": timeout_s, "unsafe": unsafe, "python": SANDBOX_PYTHON or PYTHON,
         "run_id": run_id,
     }
 
 
-def _run_job(job: _Job, env: dict, timeout_s: int, progress) -> _Job:
+def _run_job(job: _Job, env: dict, timeout_s: int, running: dict | None = None) -> _Job:
     """Run one graded copy in its own process (grading.execute): the grader's kernel and its sandbox."""
     kernel_timeout = 3 * timeout_s + 60  # a test may call the learner's code many times, each within timeout_s
     code_cells = sum(1 for c in job.copy.notebook.cells if c.cell_type == "code")
@@ -566,25 +720,32 @@ def _run_job(job: _Job, env: dict, timeout_s: int, progress) -> _Job:
     command = [PYTHON, "-m", "grading.execute", str(job.graded), str(job.executed), "--plan", str(job.folder / "plan.json"),
                "--report", str(job.folder / "execute.json"), "--timeout", str(kernel_timeout), "--cwd", str(job.folder / "kernel")]
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=wall_limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        output = (output or "") + f"\nkilled after {wall_limit} s"
-    job.seconds, job.returncode, job.output = time.perf_counter() - start, process.returncode, output or ""
-    if progress is not None:
-        progress(job)
+    with open(job.folder / "execute.log", "wb") as out:  # on disk, read back with a limit
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        if running is not None:
+            running[id(job)] = process
+        try:
+            process.wait(timeout=wall_limit)
+            killed = ""
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            killed = f"\nkilled after {wall_limit} s"
+        finally:
+            if running is not None:
+                running.pop(id(job), None)
+    job.seconds, job.returncode = time.perf_counter() - start, process.returncode
+    job.output = _read_tail(job.folder / "execute.log", LOG_TAIL_BYTES) + killed
     return job
 
 
 def _sweep_sandboxes(run_id: str) -> list[int]:
-    """Kill every process of every sandbox this run started, and remove their cgroups: nothing a
-    submission started outlives its grading. Returns the pids that had to be killed."""
+    """Kill every process of every sandbox this run (or job: its tag) started, and remove their cgroups:
+    nothing a submission started outlives its grading. Returns the pids that had to be killed."""
     killed = []
-    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/cpu"),
+                 Path("/sys/fs/cgroup")):
         if not root.is_dir():
             continue
         for path in root.rglob(f"minillm-grading-{run_id}-*") if root.name == "cgroup" else root.glob(f"minillm-grading-{run_id}-*"):
@@ -594,12 +755,13 @@ def _sweep_sandboxes(run_id: str) -> list[int]:
     return killed
 
 
-def _nbgrader_autograde(course_root: Path, lab: str, env: dict, log_path: Path) -> None:
-    """nbgrader autograde for every student of ``lab``, the outputs replayed from the runs (no kernel)."""
-    command = [PYTHON, "-m", "nbgrader", "autograde", lab, "--force", "--create"]  # ReplayOutputs: nbgrader_config.py
-    env = {**env, EXECUTED_ENV: str(course_root / "executed" / lab)}
+def _nbgrader_autograde(course_root: Path, lab: str, student: str, env: dict, log_path: Path) -> None:
+    """nbgrader autograde for one student of ``lab``, the outputs replayed from the run (no kernel)."""
+    command = [PYTHON, "-m", "nbgrader", "autograde", lab, "--student", student, "--force", "--create"]
+    env = {**env, EXECUTED_ENV: str(course_root / "executed" / lab)}  # ReplayOutputs: nbgrader_config.py
     done = subprocess.run(command, cwd=course_root, env=env, capture_output=True, text=True, timeout=3600)
-    log_path.write_text(f"# {' '.join(command)}\n{done.stdout}\n{done.stderr}", encoding="utf-8")
+    log_path.write_text(f"# {' '.join(command)}\n{done.stdout[-LOG_TAIL_BYTES:]}\n{done.stderr[-LOG_TAIL_BYTES:]}",
+                        encoding="utf-8")
 
 
 def _scores(gradebook, lab: str, student: str, zeroed: Mapping[str, str]) -> tuple[float, float, float, list[str]]:
@@ -626,37 +788,68 @@ def _scores(gradebook, lab: str, student: str, zeroed: Mapping[str, str]) -> tup
     return score, float(submission.max_score), manual_max, notes
 
 
-def _student_section(log: str, student: str) -> str:
-    """The lines of one lab's ``nbgrader autograde`` log about one student (it grades them in turn)."""
-    lines, keep = [], False
-    for line in log.splitlines():
-        if "Creating/updating student with ID" in line:
-            keep = f"'{student}'" in line
-        if keep:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
+def _start_failure(job: _Job) -> str | None:
+    """Why the notebook's sandbox did not start, in words, or None. Its first start happens before any of the
+    student's code runs, so its log then holds bubblewrap's own words only."""
+    try:
+        executed = nbformat.read(job.executed, as_version=4)
+    except (OSError, ValueError):
+        return None
+    start = next((c for c in executed.cells if _nbgrader(c).get("grade_id") == SANDBOX_CELL_ID), None)
+    error = next((o for o in (start.get("outputs", []) if start is not None else []) if o.get("output_type") == "error"), None)
+    if error is None:
+        return None
+    log = _read_tail(job.folder / "sandbox.log", 4096)
+    bwrap = [line.strip() for line in log.splitlines() if line.startswith("bwrap:")]
+    if any("execvp" in line for line in bwrap):
+        return f"sandbox: cannot execute the kernel's python inside the sandbox ({bwrap[-1][:200]})"
+    if bwrap:
+        return f"sandbox: bubblewrap failed ({bwrap[-1][:200]})"
+    return f"sandbox: it did not start ({str(error.get('ename'))[:80]})"
 
 
-def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
-    lab, student = job.lab, job.student
-    header = [f"# {student} / {lab}: graded in {job.seconds:.1f} s", *[f"# flag: {f}" for f in job.copy.flags],
+def _machinery_failure(job: _Job, execute_report: dict, events: list[dict], autograded: Path) -> str | None:
+    """Why the grader itself failed on this notebook (its kernel, its sandbox's start, nbgrader), or None."""
+    if job.returncode != 0:
+        return (f"the grader's run of the notebook failed ({_exception_name(job.output)}, exit {job.returncode}); "
+                "see the log")
+    started = _start_failure(job)
+    if started:
+        return started
+    for event in events:
+        if event.get("event") == "start_failed":
+            return "sandbox: it could not be started again after a restart; see the log"
+    if execute_report.get("deaths"):
+        return f"the grader's kernel died in cell {execute_report['deaths'][0]}; see the log"
+    if not autograded.is_file():
+        return "nbgrader autograde wrote no notebook; see the log"
+    return None
+
+
+def _write_log(job: _Job, nbgrader_log: Path) -> None:
+    header = [f"# {job.student} / {job.lab}: graded in {job.seconds:.1f} s", *[f"# flag: {f}" for f in job.copy.flags],
               *[f"# note: {n}" for n in job.copy.notes]]
-    sandbox_log = job.folder / "sandbox.log"
-    sandbox_text = sandbox_log.read_text(encoding="utf-8", errors="replace")[-200_000:] if sandbox_log.is_file() else ""
-    nbgrader_log = course_root / "logs" / f"{lab}.nbgrader.log"
-    nbgrader_text = _student_section(nbgrader_log.read_text(encoding="utf-8"), student) if nbgrader_log.is_file() else ""
+    sandbox_text = _read_tail(job.folder / "sandbox.log", LOG_TAIL_BYTES)
+    nbgrader_text = _read_tail(nbgrader_log, LOG_TAIL_BYTES)
     job.log.parent.mkdir(parents=True, exist_ok=True)
     job.log.write_text("\n".join(header) + f"\n{job.output}\n# the sandbox's own output:\n{sandbox_text}\n"
                        f"# nbgrader autograde:\n{nbgrader_text}", encoding="utf-8")
+
+
+def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
+    from grading import feedback
+
+    lab, student = job.lab, job.student
+    _write_log(job, job.folder / "nbgrader.log")
     try:
-        execute_report = json.loads((job.folder / "execute.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
+        execute_report = json.loads(_read_tail(job.folder / "execute.json", 4 << 20))
+    except json.JSONDecodeError:
         execute_report = {}
     events = _sandbox_events(job.folder / "sandbox.jsonl")
     autograded = course_root / "autograded" / student / lab / f"{lab}.ipynb"
-    if job.returncode != 0 or not autograded.is_file():
-        why = _last_error_line(job.output) if job.returncode != 0 else "nbgrader autograde wrote no notebook"
-        row = _failed_row(student, lab, course, f"could not be graded: {why}", job.seconds, str(job.log))
+    broken = _machinery_failure(job, execute_report, events, autograded)
+    if broken:
+        row = _error_row(student, lab, course, broken, job.seconds, str(job.log))
         row["flags"] = job.copy.flags
         return row
     zeroed = dict(job.copy.zeroed)
@@ -669,10 +862,12 @@ def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
     failures, errors = _errors(autograded)
     for grade_id, why in zeroed.items():
         failures.setdefault(grade_id, f"0 points: {why}")
+    readable = feedback.failure_messages(autograded, course, zeroed)
+    reason, general = _reason(job.copy.flags, execute_report, events, [*job.copy.notes, *notes], course,
+                              {name: readable.get(name, "failed") for name in failures})
     cells = execute_report.get("cells", [])
     return {
-        "student": student, "lab": lab, "status": "graded",
-        "reason": _reason(job.copy.flags, execute_report, events, notes),
+        "student": student, "lab": lab, "status": "graded", "reason": reason, "reason_general": general,
         "score": score, "max_score": max_score, "manual_max_score": manual,
         "failures": failures, "errors": errors, "flags": job.copy.flags, "notes": job.copy.notes, "zeroed": zeroed,
         "events": events, "seconds": job.seconds, "kernel_s": sum(c["seconds"] for c in cells),
@@ -688,7 +883,192 @@ def _check_request(submissions: Mapping[str, Mapping[str, Path]], known_labs: li
     for student in submissions:
         if not STUDENT_ID.fullmatch(student):
             raise ValueError(f"student id {student!r} must match {STUDENT_ID.pattern} (it becomes a folder name)")
+        if student.startswith(PREFLIGHT):
+            raise ValueError(f"student id {student!r}: ids starting {PREFLIGHT!r} are the grader's preflight")
     return labs
+
+
+class PreflightFailed(RuntimeError):
+    """The lab's own solution or untouched copy did not grade as it must: nothing was graded (one line why)."""
+
+
+@dataclass
+class _Run:
+    """What every notebook of one grading run shares."""
+
+    course_root: Path
+    outside: Path                     # the sandboxes' libraries and scratch folders (outside the course)
+    courses: dict[str, LabCourse]
+    logs: Path
+    env: dict[str, str]
+    threads: int
+    quick: bool
+    cell_timeout_s: int | None
+    unsafe: bool
+    limits: sandbox.Limits
+    run_id: str
+    feedback_dir: Path | None = None
+    times: dict = field(default_factory=dict)
+    gradebook: threading.Lock = field(default_factory=threading.Lock)  # nbgrader's sqlite: one writer
+    running: dict = field(default_factory=dict)                        # id(job) -> its process
+    counter: list = field(default_factory=lambda: [0])
+    counter_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def timeout_for(self, lab: str) -> int:
+        if self.cell_timeout_s is not None:
+            return self.cell_timeout_s
+        return cell_timeout_for(lab, self.times) if self.quick else DEFAULT_CELL_TIMEOUT_S
+
+
+def _prepare_job(run: _Run, student: str, lab: str, path: Path, log: Path) -> _Job:
+    """The graded copy of one submission and its folders; SubmissionError when the file cannot be graded."""
+    course = run.courses[lab]
+    if not path.is_file():
+        raise SubmissionError(f"no notebook at {path}")
+    submission = read_submission(path)
+    findings = check_cells(submission, course)
+    graded = graded_copy(submission, course)
+    graded.flags[:0] = findings
+    target = run.course_root / "submitted" / student / lab / f"{lab}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(graded.notebook, target)
+    timestamp = path.parent / "timestamp.txt"  # nbgrader's submission time (late penalties, feedback)
+    if timestamp.is_file():
+        shutil.copyfile(timestamp, target.parent / "timestamp.txt")
+    folder = run.course_root / "reports" / student / lab
+    (folder / "kernel").mkdir(parents=True, exist_ok=True)
+    with run.counter_lock:
+        run.counter[0] += 1
+        number = run.counter[0]
+    tag = f"{run.run_id}-{number}"
+    scratch = run.outside / "scratch" / f"{student}-{lab}-{number}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    nbformat.write(submission, scratch / f"{lab}.ipynb")  # the sandbox's copy of its notebook
+    executed = run.course_root / "executed" / lab / student / f"{lab}.ipynb"
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    job = _Job(student, lab, path, target, executed, folder, log, graded, scratch, tag)
+    (folder / "plan.json").write_text(json.dumps(course.plan), encoding="utf-8")
+    spec = _sandbox_spec(job, course, scratch, run.quick, run.timeout_for(lab), run.threads, run.unsafe, run.limits, tag)
+    (folder / "sandbox.json").write_text(json.dumps(spec), encoding="utf-8")
+    return job
+
+
+def _grade(run: _Run, student: str, lab: str, path: Path) -> dict:
+    """One notebook, start to row: whatever it does, it gets its row (``graded``, or ``error`` with the
+    cause), its sandboxes are gone and its scratch folder removed before this returns."""
+    course = run.courses[lab]
+    log = run.logs / student / f"{lab}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    job = None
+    try:
+        job = _prepare_job(run, student, lab, Path(path), log)
+        env = {**run.env, "MINILLM_SANDBOX_SPEC_PATH": str(job.folder / "sandbox.json"), "MINILLM_GRADING_RUN": job.tag}
+        _run_job(job, env, run.timeout_for(lab), run.running)
+        killed = _sweep_sandboxes(job.tag)
+        if killed:
+            job.copy.notes.append(f"{len(killed)} leftover sandbox processes were killed")
+        with run.gradebook:
+            _nbgrader_autograde(run.course_root, lab, student, env, job.folder / "nbgrader.log")
+            row = _row(job, course, run.course_root)
+            row["submitted_dir"] = str(Path(path).parent)
+            if run.feedback_dir is not None:
+                from grading import feedback
+
+                feedback.write(row, run.course_root, course, run.feedback_dir)
+        return row
+    except SubmissionError as error:
+        log.write_text(f"{path}: {error}\n", encoding="utf-8")
+        row = _error_row(student, lab, course, str(error), time.perf_counter() - started, str(log))
+    except Exception as error:  # noqa: BLE001 - the grader's own failure is this row's, not the class's
+        import traceback
+
+        with open(log, "a", encoding="utf-8") as handle:
+            handle.write("# the grader failed on this notebook:\n" + traceback.format_exc())
+        row = _error_row(student, lab, course, f"the grader failed on this notebook ({type(error).__name__}); see the log",
+                         time.perf_counter() - started, str(log))
+    finally:
+        if job is not None and job.scratch is not None:
+            shutil.rmtree(job.scratch, ignore_errors=True)
+    row["submitted_dir"] = str(Path(path).parent)
+    if run.feedback_dir is not None:
+        from grading import feedback
+
+        feedback.write(row, run.course_root, course, run.feedback_dir)
+    return row
+
+
+def _make_run(course_root: Path, tmp: Path, labs: list[str], source_dir: Path, log_dir: Path | None, quick: bool,
+              cell_timeout_s: int | None, jobs: int, unsafe: bool, limits: sandbox.Limits, feedback_dir) -> _Run:
+    if course_root.exists() and any(course_root.iterdir()):
+        raise FileExistsError(f"course folder {course_root} is not empty; give a new folder")
+    outside = tmp / "sandboxes"  # outside the course folder: what the sandboxes see
+    courses = prepare_course(course_root, labs, source_dir, library_dir=outside / "libraries")
+    (course_root / "logs").mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    threads = _threads_per_job(jobs)
+    env = {**_kernel_env(quick), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "MINILLM_GRADING_RUN": run_id}
+    return _Run(course_root, outside, courses, Path(log_dir) if log_dir is not None else course_root / "logs", env,
+                threads, quick, cell_timeout_s, unsafe, limits, run_id, Path(feedback_dir) if feedback_dir else None,
+                quick_times())
+
+
+def _grade_all(run: _Run, todo: list[tuple[str, str, Path]], jobs: int, done, bar=None) -> list[dict]:
+    """Grade ``todo`` ``jobs`` at a time; ``done(row)`` as each ends. An interruption kills the running
+    notebooks' processes and sandboxes, and keeps every row already done."""
+    rows: list[dict] = []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    futures = [pool.submit(_grade, run, student, lab, path) for student, lab, path in todo]
+    try:
+        for future in concurrent.futures.as_completed(futures):
+            row = future.result()
+            rows.append(row)
+            done(row)
+            if bar is not None:
+                bar.update(1)
+                bar.write(f"{row['student']} / {row['lab']}: {_score_text(row)} in {row['seconds']:.0f} s")
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        for process in list(run.running.values()):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _sweep_sandboxes(run.run_id)
+    return rows
+
+
+def _preflight(run: _Run, labs: list[str], source_dir: Path, jobs: int) -> None:
+    """Grade each lab's own solution and its untouched student copy in the sandbox: full marks and 0, or
+    PreflightFailed with the cause in one line (the sandbox cannot start, a check fails on this machine)."""
+    rendered = render(source_dir, labs)
+    folder = run.outside / "preflight"
+    todo = []
+    for lab in labs:
+        for who, kind in (("solution", "solutions"), ("untouched", "labs")):
+            path = folder / who / lab / f"{lab}.ipynb"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(rendered[f"{kind}/{lab}.ipynb"], encoding="utf-8")
+            todo.append((PREFLIGHT + who, lab, path))
+    preflight_run = dataclasses.replace(run, logs=run.logs / "preflight", feedback_dir=None)
+    rows = _grade_all(preflight_run, todo, jobs, lambda row: None)
+    for row in sorted(rows, key=lambda r: (r["lab"], r["student"])):
+        who, lab = row["student"][len(PREFLIGHT):], row["lab"]
+        if row["status"] != "graded":
+            raise PreflightFailed(f"{row['reason']} (the preflight grading of {lab}'s {who} copy; log: {row['log']})")
+        first = row["reason"].splitlines()[-1] if row["reason"] else ""
+        full = row["max_score"] - row["manual_max_score"]
+        if who == "solution" and (row["score"] != full or row["failures"]):
+            raise PreflightFailed(f"{lab}'s own solution scored {row['score']:g} of {full:g} in the sandbox "
+                                  f"({first}; log: {row['log']})")
+        if who == "untouched" and row["score"] != 0:
+            raise PreflightFailed(f"{lab}'s untouched student copy scored {row['score']:g}, not 0 "
+                                  f"(log: {row['log']})")
 
 
 def autograde(
@@ -701,32 +1081,36 @@ def autograde(
     feedback_dir: Path | None = None,
     log_dir: Path | None = None,
     progress: bool = False,
-    jobs: int = 1,
+    jobs: int | None = None,
     unsafe_no_sandbox: bool = False,
     similarity: bool = False,
     limits: sandbox.Limits | None = None,
+    out_csv: Path | None = None,
+    resume: bool = False,
+    preflight: bool = True,
 ) -> list[dict]:
-    """Autograde ``{student: {lab: notebook_path}}``; return one row per (student, lab), sorted
-    by student then lab, whatever the notebooks do:
+    """Autograde ``{student: {lab: notebook_path}}``; return one row per (student, lab), sorted by student
+    then lab, whatever the notebooks do:
 
-    ``status`` ("graded", or "failed" when the file cannot be graded: missing, not JSON, not a
-    notebook, its run failed), ``reason`` (why a row failed, and for a graded one what happened:
-    timeouts and deaths, values refused, references reached, changed or deleted cells, ignored
-    manual scores, similarity flags; "" when clean), ``score``, ``max_score``, ``manual_max_score``
-    (the part of ``max_score`` graded by hand, not in ``score`` yet), ``failures`` (graded test cells
-    that earned nothing: ``"ErrorName: message"``), ``errors`` (every code cell that raised), ``flags``,
-    ``zeroed``, ``seconds`` (wall time of this notebook's run), ``kernel_s`` and ``slowest_cell_s``
-    (its cells), ``log``.
+    ``status`` ("graded", or "error" when the notebook could not be graded: no file, not JSON, not a
+    notebook, malformed cells, or the grader's own machinery failed on it; its ``score`` is then None,
+    never a zero), ``reason`` (what happened, in the grader's words: timeouts and deaths, values refused,
+    references reached, changed, deleted, unknown, duplicated or reordered cells, ignored manual scores,
+    similarity flags; then one line per failed test with the first line of what a student may read of
+    its message; "" when clean), ``score``, ``max_score``, ``manual_max_score`` (graded by hand, not in
+    ``score`` yet), ``failures`` (graded test cells that earned nothing: ``"ErrorName: message"``, for the
+    instructor), ``errors``, ``flags``, ``zeroed``, ``seconds``, ``kernel_s``, ``slowest_cell_s``, ``log``.
 
-    ``course_dir``: build the nbgrader course there and keep it (graded copies, executed and
-    autograded notebooks, gradebook) instead of in a temporary folder. ``quick``: MINILLM_QUICK=1.
-    ``cell_timeout_s``: per-cell limit (default: measured per lab, grading/quick_times.json).
-    ``feedback_dir``: write ``<student>/<lab>/<lab>.html`` feedback there (no hidden test text).
-    ``log_dir``: keep each notebook's log there as ``<student>/<lab>.log``. ``jobs``: notebooks run
-    at once, each with its share of the cores. ``unsafe_no_sandbox``: run the submissions without the
-    sandbox (SandboxUnavailable otherwise, where none can be made). ``similarity``: flag solution cells
-    close to the lab's references or to another student's (grading.similarity). ``limits``: the
-    sandbox's CPU, memory, file and process limits (default: grading.sandbox.default_limits).
+    ``preflight``: first grade each lab's own solution and untouched student copy in the sandbox; unless
+    they score full marks and 0, raise PreflightFailed before any row is written. ``out_csv``: write each
+    row there as it is done (a crash keeps the rows done); ``resume``: keep the rows already in ``out_csv``
+    and grade only the others. ``jobs``: notebooks at once (default :func:`default_jobs`), each with its
+    share of the cores. ``course_dir``: build the nbgrader course there and keep it. ``quick``:
+    MINILLM_QUICK=1. ``cell_timeout_s``: per-cell limit (default: measured per lab). ``feedback_dir``:
+    ``<student>/<lab>/<lab>.html`` pages there (no hidden test). ``log_dir``: each notebook's log as
+    ``<student>/<lab>.log``. ``unsafe_no_sandbox``: run the submissions without the sandbox.
+    ``similarity``: flag solution cells close to the references or another student's. ``limits``: the
+    sandbox's limits (default: grading.sandbox.default_limits).
     """
     submissions = {student: {lab: Path(p) for lab, p in by_lab.items()} for student, by_lab in submissions.items()}
     labs = _check_request(submissions, discover_labs(source_dir))
@@ -734,107 +1118,41 @@ def autograde(
         return []
     if not unsafe_no_sandbox:
         sandbox.require()
-    jobs = max(1, int(jobs))
-    limits = limits or sandbox.default_limits(jobs)
-    times = quick_times()
-    run_id = uuid.uuid4().hex[:12]
+    jobs = default_jobs() if jobs is None else max(1, int(jobs))
+    kept = read_csv(out_csv) if resume and out_csv is not None and Path(out_csv).is_file() else {}
+    todo = [(student, lab, submissions[student][lab]) for student in sorted(submissions)
+            for lab in sorted(submissions[student]) if (student, lab) not in kept]
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
         course_root = Path(course_dir) if course_dir is not None else Path(tmp) / "course"
-        if course_root.exists() and any(course_root.iterdir()):
-            raise FileExistsError(f"course folder {course_root} is not empty; give a new folder")
-        # Outside the course folder: what the sandboxes see (their libraries, their scratch folders).
-        outside = Path(tmp) / "sandboxes"
-        courses = prepare_course(course_root, labs, source_dir, library_dir=outside / "libraries")
-        logs = Path(log_dir) if log_dir is not None else course_root / "logs"
-        (course_root / "logs").mkdir(parents=True, exist_ok=True)
-        env = _kernel_env(quick)
-        threads = _threads_per_job(jobs)
-        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "MINILLM_GRADING_RUN": run_id})
-        rows: dict[tuple[str, str], dict] = {}
-        pending: list[_Job] = []
-        for student in sorted(submissions):
-            for lab in sorted(submissions[student]):
-                path, course = submissions[student][lab], courses[lab]
-                log = logs / student / f"{lab}.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                if not path.is_file():
-                    log.write_text(f"no notebook at {path}\n", encoding="utf-8")
-                    rows[(student, lab)] = _failed_row(student, lab, course, f"no notebook at {path}", log=str(log))
-                    continue
-                try:
-                    submission = read_submission(path)
-                    graded = graded_copy(submission, course)
-                except (SubmissionError, OSError) as error:
-                    log.write_text(f"{path}: {error}\n", encoding="utf-8")
-                    rows[(student, lab)] = _failed_row(student, lab, course, str(error), log=str(log))
-                    continue
-                target = course_root / "submitted" / student / lab / f"{lab}.ipynb"
-                target.parent.mkdir(parents=True, exist_ok=True)
-                nbformat.write(graded.notebook, target)
-                timestamp = path.parent / "timestamp.txt"  # nbgrader's submission time (late penalties, feedback)
-                if timestamp.is_file():
-                    shutil.copyfile(timestamp, target.parent / "timestamp.txt")
-                folder = course_root / "reports" / student / lab
-                (folder / "kernel").mkdir(parents=True, exist_ok=True)
-                scratch = outside / "scratch" / f"{student}-{lab}"
-                scratch.mkdir(parents=True, exist_ok=True)
-                nbformat.write(submission, scratch / f"{lab}.ipynb")  # the sandbox's copy of its notebook
-                executed = course_root / "executed" / lab / student / f"{lab}.ipynb"
-                executed.parent.mkdir(parents=True, exist_ok=True)
-                job = _Job(student, lab, path, target, executed, folder, log, graded)
-                timeout_s = cell_timeout_s if cell_timeout_s is not None else (
-                    cell_timeout_for(lab, times) if quick else DEFAULT_CELL_TIMEOUT_S)
-                (folder / "plan.json").write_text(json.dumps(course.plan), encoding="utf-8")
-                spec = _sandbox_spec(job, course, scratch, quick, timeout_s, threads, unsafe_no_sandbox, limits, run_id)
-                (folder / "sandbox.json").write_text(json.dumps(spec), encoding="utf-8")
-                pending.append(job)
-        progress_bar = None
-        lock = threading.Lock()
-        if progress and pending:
+        run = _make_run(course_root, Path(tmp), labs, source_dir, log_dir, quick, cell_timeout_s, jobs,
+                        unsafe_no_sandbox, limits or sandbox.default_limits(jobs), feedback_dir)
+        if preflight and todo:
+            _preflight(run, sorted({lab for _, lab, _ in todo}), source_dir, jobs)
+        writer = CsvWriter(out_csv, list(kept.values())) if out_csv is not None else None
+        bar = None
+        if progress and todo:
             from tqdm.auto import tqdm
 
-            progress_bar = tqdm(total=len(pending), desc="autograde", unit="notebook")
-
-        def report(job: _Job) -> None:
-            with lock:
-                if progress_bar is not None:
-                    progress_bar.update(1)
-                    progress_bar.write(f"{job.student} / {job.lab}: ran in {job.seconds:.0f} s")
-
-        def run(job: _Job) -> _Job:
-            timeout_s = json.loads((job.folder / "sandbox.json").read_text(encoding="utf-8"))["cell_timeout_s"]
-            job_env = {**env, "MINILLM_SANDBOX_SPEC_PATH": str(job.folder / "sandbox.json")}
-            return _run_job(job, job_env, int(timeout_s), report)
-
+            print(estimate(todo, jobs, run.times), flush=True)
+            bar = tqdm(total=len(todo), desc="autograde", unit="notebook")
         try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-                list(pool.map(run, pending))
+            rows = _grade_all(run, todo, jobs, writer.add if writer else (lambda row: None), bar)
         finally:
-            if progress_bar is not None:
-                progress_bar.close()
-            # Every sandbox is gone before anything is scored: whatever a submission started (a detached
-            # process of its own) is killed with its cgroup here.
-            killed = _sweep_sandboxes(run_id)
-        for job in pending:
-            if killed:
-                job.copy.notes.append(f"{len(killed)} leftover sandbox processes of this run were killed")
-        for lab in labs:
-            if any(job.lab == lab for job in pending):
-                _nbgrader_autograde(course_root, lab, env, course_root / "logs" / f"{lab}.nbgrader.log")
-        for job in pending:
-            rows[(job.student, job.lab)] = _row(job, courses[job.lab], course_root)
-        ordered = [rows[key] for key in sorted(rows)]
-        for row in ordered:
-            row["submitted_dir"] = str(submissions[row["student"]][row["lab"]].parent)
+            if bar is not None:
+                bar.close()
         if similarity:
             from grading import similarity as similarity_mod
 
-            similarity_mod.flag_rows(ordered, {lab: courses[lab] for lab in labs}, course_root)
-        if feedback_dir is not None:
-            from grading import feedback
+            similarity_mod.flag_rows(rows, run.courses, course_root)
+            if feedback_dir is not None:
+                from grading import feedback
 
-            for row in ordered:
-                feedback.write(row, course_root, courses[row["lab"]], Path(feedback_dir))
+                for row in rows:
+                    if row.get("similarity"):
+                        feedback.write(row, course_root, run.courses[row["lab"]], Path(feedback_dir))
+        ordered = sorted([*kept.values(), *rows], key=lambda r: (r["student"], r["lab"]))
+        if writer is not None:
+            writer.finish(ordered)
         return ordered
 
 
@@ -843,32 +1161,121 @@ def autograde(
 CSV_FIELDS = ["student", "lab", "status", "score", "max_score", "manual_max_score", "seconds", "reason"]
 
 
+def _csv_line(row: dict) -> dict:
+    score = row.get("score")
+    return {**row, "score": "" if score is None else f"{score:g}", "seconds": f"{row.get('seconds', 0.0):.1f}"}
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
-    """One line per (student, lab): student, lab, status, score, max_score, manual_max_score, seconds, reason."""
-    with open(path, "w", newline="", encoding="utf-8") as handle:
+    """One line per (student, lab): student, lab, status, score (empty for an error), max_score,
+    manual_max_score, seconds, reason (several lines: one per failed test). Written whole, then moved in
+    place: a reader never sees half a file."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "seconds": f"{row.get('seconds', 0.0):.1f}"})
+            writer.writerow(_csv_line(row))
+    os.replace(partial, path)
+
+
+def read_csv(path: Path) -> dict[tuple[str, str], dict]:
+    """The complete rows of a grades CSV (an interrupted run's last line may be cut), by (student, lab)."""
+    rows = {}
+    with open(path, newline="", encoding="utf-8") as handle:
+        for line in csv.DictReader(handle):
+            if line.get("status") not in ("graded", "error") or line.get("seconds") in (None, ""):
+                continue
+            try:
+                row = {**line, "score": float(line["score"]) if line["score"] else None,
+                       "max_score": float(line["max_score"]), "manual_max_score": float(line["manual_max_score"] or 0),
+                       "seconds": float(line["seconds"])}
+            except (TypeError, ValueError):
+                continue
+            row.update(failures={}, errors={}, flags=[], notes=[], zeroed={}, resumed=True,
+                       reason_general=row["reason"].split("\n")[0])
+            rows[(row["student"], row["lab"])] = row
+    return rows
+
+
+class CsvWriter:
+    """The grades CSV as a run goes: the rows kept from before, then each row as it is done (flushed)."""
+
+    def __init__(self, path: Path, kept: list[dict]):
+        self.path, self.lock = Path(path), threading.Lock()
+        write_csv(sorted(kept, key=lambda r: (r["student"], r["lab"])), self.path)
+        self.handle = open(self.path, "a", newline="", encoding="utf-8")
+        self.writer = csv.DictWriter(self.handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+
+    def add(self, row: dict) -> None:
+        with self.lock:
+            self.writer.writerow(_csv_line(row))
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+
+    def finish(self, rows: list[dict]) -> None:
+        with self.lock:
+            self.handle.close()
+            write_csv(rows, self.path)
+
+
+def _score_text(row: dict) -> str:
+    if row["status"] != "graded":
+        return "ERROR"
+    return f"{row['score']:g} / {row['max_score']:g}" + (
+        f" ({row['manual_max_score']:g} by hand)" if row.get("manual_max_score") else "")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def estimate(todo: list[tuple], jobs: int, times: Mapping[str, dict]) -> str:
+    """The run's expected wall time from each lab's measured solution (grading/quick_times.json)."""
+    known = [times[lab]["quick_s"] for _, lab, _ in todo if lab in times]
+    per = sum(known) / len(known) if known else 60.0
+    total = per * len(todo) / jobs
+    return (f"estimate: {len(todo)} notebooks at about {per:.0f} s each (their labs' solutions, "
+            f"grading/quick_times.json), {jobs} at a time: about {_duration(total)}")
 
 
 def format_table(rows: list[dict], times: Mapping[str, dict] | None = None) -> str:
     """A plain-text table: score, the failing graded cells, the time against the lab's measured
-    quick-mode run, and the reason."""
+    quick-mode run, and the first line of the reason."""
     times = quick_times() if times is None else times
     header = ("student", "lab", "score", "time", "failed cells", "reason")
     lines = []
     for row in rows:
-        score = f"{row['score']:g} / {row['max_score']:g}" + (
-            f" ({row['manual_max_score']:g} by hand)" if row.get("manual_max_score") else "")
-        if row["status"] == "failed":
-            score = "FAILED"
         reference = times.get(row["lab"], {}).get("quick_s")
         took = f"{row.get('seconds', 0.0):.0f} s" + (f" (solution {reference:.0f} s)" if reference else "")
-        lines.append((row["student"], row["lab"], score, took, ", ".join(sorted(row["failures"])) or "-",
-                      row.get("reason") or "-"))
+        general = row.get("reason_general", row.get("reason", "")) or "-"
+        lines.append((row["student"], row["lab"], _score_text(row), took, ", ".join(sorted(row["failures"])) or "-",
+                      general.split("\n")[0]))
     widths = [max(len(str(item)) for item in column) for column in zip(header, *lines)]
     return "\n".join("  ".join(str(item).ljust(width) for item, width in zip(line, widths)).rstrip() for line in [header, *lines])
+
+
+def summary(rows: list[dict], top: int = 5) -> str:
+    """Counts by status, the slowest notebooks, the tests that failed most often."""
+    from collections import Counter
+
+    statuses = Counter(row["status"] for row in rows)
+    timed = [row for row in rows if not row.get("resumed")]
+    lines = [f"{len(rows)} notebooks: " + ", ".join(f"{count} {status}" for status, count in sorted(statuses.items()))]
+    if timed:
+        seconds = sorted(row["seconds"] for row in timed)
+        lines.append(f"time per notebook: median {seconds[len(seconds) // 2]:.0f} s, longest {seconds[-1]:.0f} s "
+                     f"({len(timed)} graded in this run)")
+        slowest = sorted(timed, key=lambda r: -r["seconds"])[:top]
+        lines.append("slowest: " + ", ".join(f"{r['student']} / {r['lab']} {r['seconds']:.0f} s" for r in slowest))
+    failing = Counter(f"{row['lab']}:{name}" for row in rows for name in row.get("failures", {}))
+    if failing:
+        lines.append("most failed tests: " + ", ".join(f"{name} ({count})" for name, count in failing.most_common(top)))
+    errors = [row for row in rows if row["status"] == "error"]
+    for row in errors[:top]:
+        lines.append(f"error: {row['student']} / {row['lab']}: {row['reason'].splitlines()[0] if row['reason'] else ''}")
+    return "\n".join(lines)
 
 
 def measure_quick_times(labs: list[str] | None = None, source_dir: Path = SOURCE_DIR,
@@ -879,7 +1286,7 @@ def measure_quick_times(labs: list[str] | None = None, source_dir: Path = SOURCE
     labs = discover_labs(source_dir) if labs is None else labs
     solutions_dir = REPO_ROOT / "solutions" if solutions_dir is None else Path(solutions_dir)
     rows = autograde({"solution": {lab: solutions_dir / f"{lab}.ipynb" for lab in labs}}, source_dir=source_dir,
-                     cell_timeout_s=DEFAULT_CELL_TIMEOUT_S, progress=True)
+                     cell_timeout_s=DEFAULT_CELL_TIMEOUT_S, progress=True, jobs=1, preflight=False)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     measured = {}
     for row in rows:

@@ -183,7 +183,8 @@ PROBE_MASTER_CELLS = [
     ),
     (
         "code",
-        'assert os.environ.get("MINILLM_QUICK") == "1", "quick mode did not reach the kernel"',
+        'assert os.environ.get("MINILLM_QUICK") == "1", "quick mode did not reach the kernel"\n'
+        'assert double(2) == 4, "double(2) in quick mode"',
         {"grade_id": "quick_mode", "grade": True, "solution": False, "locked": True, "points": 1},
     ),
 ]
@@ -191,7 +192,7 @@ PROBE_MASTER_CELLS = [
 
 def write_probe_master(source_dir: Path) -> Path:
     """Write the probe lab's master to source_dir/99_probe/99_probe.ipynb (a folder of masters like grading/source);
-    returns its path. Solved: 4/4 points; untouched student copy: 1/4 (only the quick-mode cell passes)."""
+    returns its path. Solved: 4/4 points; untouched student copy: 0/4 (every test calls double)."""
     cells = []
     for index, (_cell_type, source, nbgrader) in enumerate(PROBE_MASTER_CELLS):
         metadata = {"nbgrader": {**nbgrader, "schema_version": 3}} if nbgrader else {}

@@ -122,7 +122,7 @@ def test_release_fetch_submit_collect_grade_and_return_feedback(tmp_path):
     feedback_dir = course / "feedback"
     rows = grader.autograde(found, source_dir=source_dir, quick=True, feedback_dir=feedback_dir)
     scores = {row["student"]: (row["score"], row["max_score"]) for row in rows}
-    assert scores == {"ada": (4.0, 4.0), "grace": (1.0, 4.0)}, rows
+    assert scores == {"ada": (4.0, 4.0), "grace": (0.0, 4.0)}, rows
 
     # --- return feedback. release_feedback reads, beside each feedback/<student>/<lab>/<lab>.html, the
     # submission's timestamp.txt (logged) and submission_secret.txt (the exchange names the file

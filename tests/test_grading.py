@@ -131,37 +131,44 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
     rows = probe_batch["rows"]
     assert set(rows) == {"solved", "untouched", "looping", "exits", "crashes", "tampers", "cheats", "visible_only",
                          "corrupt", "missing", *CHEATERS}
-    scores = {name: (row["status"], float(row["score"]), float(row["max_score"])) for name, row in rows.items()}
+    scores = {name: (row["status"], float(row["score"]) if row["score"] else None, float(row["max_score"]))
+              for name, row in rows.items()}
     assert scores == {
         "solved": ("graded", 4.0, 4.0),
-        "untouched": ("graded", 1.0, 4.0),   # only the quick-mode probe, which needs no work
-        "looping": ("graded", 1.0, 4.0),
-        "exits": ("graded", 1.0, 4.0),
-        "crashes": ("graded", 1.0, 4.0),
+        "untouched": ("graded", 0.0, 4.0),   # every test calls the exercise
+        "looping": ("graded", 0.0, 4.0),
+        "exits": ("graded", 0.0, 4.0),
+        "crashes": ("graded", 0.0, 4.0),
         "tampers": ("graded", 1.0, 4.0),     # solved, but its two tests were deleted / emptied
-        "cheats": ("graded", 1.0, 4.0),
+        "cheats": ("graded", 0.0, 4.0),
         "visible_only": ("graded", 2.0, 4.0),
         "screened_cheats": ("graded", 2.0, 4.0),
         "evasions": ("graded", 2.0, 4.0),
         "ipython_hooks": ("graded", 2.0, 4.0),
         "reaches_the_course": ("graded", 2.0, 4.0),
         "outlives": ("graded", 2.0, 4.0),
-        "spoofs_provenance": ("graded", 1.0, 4.0),
-        "detects_grading": ("graded", 1.0, 4.0),
-        "corrupt": ("failed", 0.0, 4.0),
-        "missing": ("failed", 0.0, 4.0),
+        "spoofs_provenance": ("graded", 0.0, 4.0),
+        "detects_grading": ("graded", 0.0, 4.0),
+        "corrupt": ("error", None, 4.0),     # no score: an error is never a zero
+        "missing": ("error", None, 4.0),
     }, scores
     reasons = {name: row["reason"] for name, row in rows.items()}
-    assert reasons["solved"] == "" and reasons["untouched"] == ""
+    general = {name: reason.split("\n")[0] for name, reason in reasons.items()}
+    assert reasons["solved"] == ""
+    assert reasons["untouched"].splitlines() == [
+        "visible: NotImplementedError", "hidden: NotImplementedError", "quick_mode: NotImplementedError"], reasons["untouched"]
     assert re.fullmatch(r"invalid notebook JSON at byte \d+ \(line \d+, column \d+\): .+", reasons["corrupt"]), reasons["corrupt"]
     assert reasons["missing"].startswith("no notebook at ")
-    assert "cell visible timed out" in reasons["looping"] and "cell hidden timed out" in reasons["looping"]
-    assert reasons["exits"] == "the sandbox died in cell double"
-    assert reasons["crashes"] == "the sandbox died in cell double"
-    assert "locked cell visible was changed" in reasons["tampers"] and "locked cell hidden was deleted" in reasons["tampers"]
-    assert reasons["visible_only"] == ""
-    assert "refused in visible: double returned something that is not plain data" in reasons["spoofs_provenance"] \
-        or "not plain data" in reasons["spoofs_provenance"], reasons["spoofs_provenance"]
+    assert "cell visible timed out" in general["looping"] and "cell hidden timed out" in general["looping"]
+    assert general["exits"] == "the sandbox died in cell double"
+    assert general["crashes"] == "the sandbox died in cell double"
+    assert "locked cell visible was changed" in general["tampers"] and "locked cell hidden was deleted" in general["tampers"]
+    # one line per failed test after the notes: its name and the first line of what a student may read
+    assert reasons["visible_only"] == "hidden: a hidden test failed (AssertionError)", reasons["visible_only"]
+    assert "refused in visible: a value that is not plain data" in general["spoofs_provenance"], reasons["spoofs_provenance"]
+    for name, reason in reasons.items():
+        assert all(len(line) <= 300 for line in reason.splitlines()), (name, reason)
+        assert "def double(x)" not in reason and "return 2 * x" not in reason, (name, reason)  # never the source
     assert probe_batch["status"] == 2, "the exit status counts the notebooks that could not be graded"
     with open(probe_batch["out"], encoding="utf-8") as handle:
         assert handle.readline().strip() == ",".join(grader.CSV_FIELDS)
@@ -191,7 +198,7 @@ def test_scores_come_only_from_the_autograded_cells(probe_batch):
         grade.manual_score = 2.0
         gradebook.db.commit()
         score, max_score, manual_max, notes = grader._scores(gradebook, PROBE_LAB, "untouched", {})
-    assert (score, max_score, manual_max) == (1.0, 4.0, 0.0)
+    assert (score, max_score, manual_max) == (0.0, 4.0, 0.0)
     assert notes == ["ignored a manual score on hidden that did not come from the formgrader"]
 
 
@@ -205,6 +212,8 @@ def test_the_batch_keeps_each_log_and_writes_feedback_without_hidden_tests(probe
         assert HIDDEN_PROBE_LINE not in page and "HIDDEN TESTS" not in page and "-6" not in page, student
         if row["status"] == "graded":
             assert f"{float(row['score']):g} / {float(row['max_score']):g}" in page
+        else:
+            assert "Not graded" in page and "Score" not in page, student
     nbgrader_log = (logs / "solved" / f"{PROBE_LAB}.log").read_text(encoding="utf-8")
     assert "AutogradeApp" in nbgrader_log and "checksum" not in nbgrader_log, "an untouched test cell logged a checksum change"
     crashed = (root / "feedback" / "crashes" / PROBE_LAB / f"{PROBE_LAB}.html").read_text(encoding="utf-8")
@@ -236,7 +245,7 @@ def lab00_batch(tmp_path_factory):
         "crash_first": notebook(count_tokens=SEGFAULT + solved["count_tokens"]),
     }
     paths = {name: {LAB: _write(root / "submitted", name, LAB, text)} for name, text in texts.items()}
-    rows = grader.autograde(paths, feedback_dir=root / "feedback")
+    rows = grader.autograde(paths, feedback_dir=root / "feedback", preflight=False)  # the probe batch runs it
     return {row["student"]: row for row in rows}
 
 
@@ -251,7 +260,8 @@ def test_a_kernel_death_costs_only_its_exercise(lab00_batch):
     later exercises still earn their points."""
     row = lab00_batch["crash_first"]
     assert (row["status"], row["score"], row["max_score"]) == ("graded", 7.0, 9.0), row
-    assert row["reason"] == "the sandbox died in cell count_tokens"
+    assert row["reason"].splitlines()[0] == "the sandbox died in cell count_tokens", row["reason"]
+    assert sorted(line.split(":")[0] for line in row["reason"].splitlines()[1:]) == sorted(row["failures"])
     assert set(row["failures"]) == {"test_count_tokens", "test_count_tokens_engine"}
 
 
@@ -262,7 +272,7 @@ def test_a_looping_exercise_costs_only_its_tests(tmp_path):
     nb = nbformat.read(REPO_ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
     _set_solution(nb, "tokens_per_second", "def tokens_per_second(num_tokens, seconds):\n    while True:\n        pass")
     path = _write(tmp_path, "loops", LAB, nbformat.writes(nb))
-    (row,) = grader.autograde({"loops": {LAB: path}})
+    (row,) = grader.autograde({"loops": {LAB: path}}, preflight=False)
     assert (row["status"], row["score"], row["max_score"]) == ("graded", 5.0, 9.0), row
     assert set(row["failures"]) == {"test_tokens_per_second", "test_tokens_per_second_more", "test_measure_rates"}
     # a plain cell that calls it later times out too (it is named by position)
