@@ -863,6 +863,8 @@ def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
     for grade_id, why in zeroed.items():
         failures.setdefault(grade_id, f"0 points: {why}")
     readable = feedback.failure_messages(autograded, course, zeroed)
+    with open(job.log, "a", encoding="utf-8") as handle:  # the instructor's log keeps the messages whole
+        handle.write("".join(f"# failed: {name}: {message[:2000]}\n" for name, message in failures.items()))
     reason, general = _reason(job.copy.flags, execute_report, events, [*job.copy.notes, *notes], course,
                               {name: readable.get(name, "failed") for name in failures})
     cells = execute_report.get("cells", [])
@@ -1056,19 +1058,20 @@ def _preflight(run: _Run, labs: list[str], source_dir: Path, jobs: int) -> None:
             path.write_text(rendered[f"{kind}/{lab}.ipynb"], encoding="utf-8")
             todo.append((PREFLIGHT + who, lab, path))
     preflight_run = dataclasses.replace(run, logs=run.logs / "preflight", feedback_dir=None)
-    rows = _grade_all(preflight_run, todo, jobs, lambda row: None)
-    for row in sorted(rows, key=lambda r: (r["lab"], r["student"])):
+    problems = []
+    for row in sorted(_grade_all(preflight_run, todo, jobs, lambda row: None), key=lambda r: (r["lab"], r["student"])):
         who, lab = row["student"][len(PREFLIGHT):], row["lab"]
-        if row["status"] != "graded":
-            raise PreflightFailed(f"{row['reason']} (the preflight grading of {lab}'s {who} copy; log: {row['log']})")
         first = row["reason"].splitlines()[-1] if row["reason"] else ""
         full = row["max_score"] - row["manual_max_score"]
-        if who == "solution" and (row["score"] != full or row["failures"]):
-            raise PreflightFailed(f"{lab}'s own solution scored {row['score']:g} of {full:g} in the sandbox "
-                                  f"({first}; log: {row['log']})")
-        if who == "untouched" and row["score"] != 0:
-            raise PreflightFailed(f"{lab}'s untouched student copy scored {row['score']:g}, not 0 "
-                                  f"(log: {row['log']})")
+        if row["status"] != "graded":
+            problems.append(f"{row['reason']} (grading {lab}'s {who} copy; log: {row['log']})")
+        elif who == "solution" and (row["score"] != full or row["failures"]):
+            problems.append(f"{lab}'s own solution scored {row['score']:g} of {full:g} in the sandbox ({first}; "
+                            f"log: {row['log']})")
+        elif who == "untouched" and row["score"] != 0:
+            problems.append(f"{lab}'s untouched student copy scored {row['score']:g}, not 0 (log: {row['log']})")
+    if problems:
+        raise PreflightFailed("; ".join(dict.fromkeys(problems)))
 
 
 def autograde(
