@@ -633,7 +633,7 @@ def _reason(flags: list[str], execute_report: dict, events: list[dict], extra: l
 def references_named(course: LabCourse) -> set[str]:
     names = {name for refs in course.references.values() for name in refs}
     if course.library is not None:
-        names |= set(course.library.stubbed)
+        names |= set(course.library.stubbed) | set(course.library.bans)
     return names
 
 
