@@ -137,6 +137,10 @@ def test_the_preflight_stops_a_sandbox_that_cannot_start_before_any_row(probe, t
     assert not out.exists(), "a broken setup wrote grades"
     line = next(l for l in err.splitlines() if l.startswith("autograde: preflight failed"))
     assert "sandbox: cannot execute the kernel's python inside the sandbox" in line, err
+    # without the preflight (a sandbox that breaks mid-run), the notebook is an error row, never a graded 0
+    (row,) = grader.autograde(submitted, source_dir=probe["source"], jobs=1, preflight=False)
+    assert (row["status"], row["score"]) == ("error", None), row
+    assert row["reason"].startswith("sandbox: cannot execute the kernel's python inside the sandbox (bwrap: execvp"), row
 
 
 def _master(source: Path, lab: str, grade_id: str, cell_source: str) -> None:
