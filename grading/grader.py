@@ -551,7 +551,8 @@ def _sandbox_spec(job: _Job, course: LabCourse, scratch: Path, quick: bool, time
             env[name] = os.environ[name]
     return {
         "scratch": str(scratch), "runner_dir": str(library.runner_dir), "package_binds": library.package_binds,
-        "bans": library.bans, "env": env, "limits": vars(limits), "cache_root": str(cache_root()),
+        "bans": library.bans, "env": env, "limits": {**vars(limits), "cpus": limits.cpus or float(threads)},  # its threads' cores
+        "cache_root": str(cache_root()),
         "log": str(job.folder / "sandbox.log"), "report": str(job.folder / "sandbox.jsonl"),
         "cell_timeout_s": timeout_s, "call_timeout_s": timeout_s, "unsafe": unsafe, "python": PYTHON,
         "run_id": run_id,
@@ -584,7 +585,7 @@ def _sweep_sandboxes(run_id: str) -> list[int]:
     """Kill every process of every sandbox this run started, and remove their cgroups: nothing a
     submission started outlives its grading. Returns the pids that had to be killed."""
     killed = []
-    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
         if not root.is_dir():
             continue
         for path in root.rglob(f"minillm-grading-{run_id}-*") if root.name == "cgroup" else root.glob(f"minillm-grading-{run_id}-*"):
