@@ -70,7 +70,7 @@ class Limits:
     """What one sandbox may use. Every field crosses to the graded kernel as JSON (grader -> remote)."""
 
     cpu_s: int = 7200                 # CPU seconds per process (RLIMIT_CPU)
-    memory_bytes: int = 16 << 30      # the tree's memory (cgroup: this plus its tmpfs), else each process's address space x 4
+    memory_bytes: int = 16 << 30      # the tree's memory (cgroup: this plus its tmpfs); without a cgroup, address space only
     file_bytes: int = 4 << 30         # largest file a process may write (RLIMIT_FSIZE)
     processes: int = 256              # processes and threads of the tree (cgroup pids.max), else RLIMIT_NPROC above the user's own
     disk_bytes: int = 2 << 30         # the work dir, HOME and /tmp together (one tmpfs); /dev/shm gets a quarter of it more

@@ -454,10 +454,11 @@ def _check_class(class_notebooks, alone, hostile: list[str], jobs: int) -> None:
         assert _kept(rows[name]) == _kept(alone[name]), name
 
 
-def test_a_disk_filler_and_a_memory_eater_change_no_other_row(class_notebooks, alone):
+def test_a_disk_filler_a_memory_eater_and_a_spinner_change_no_other_row(class_notebooks, alone):
     """Graded two at a time between two good notebooks: each gets 0 on its tests with the reason, the others'
-    rows are those they get alone (the findings of issue 52: a full disk zeroed the next student)."""
-    _check_class(class_notebooks, alone, ["b_fills_disk", "d_eats_memory"], jobs=2)
+    rows are those they get alone (issue 52: a full disk zeroed the next student; a spinning neighbour could push
+    a cell past its timeout). The fork bomb is in the slow test below, and alone in the one above."""
+    _check_class(class_notebooks, alone, ["b_fills_disk", "d_eats_memory", "e_spins"], jobs=2)
 
 
 @pytest.mark.slow  # every hostile notebook (two of them run into the cell timeout twice): 1-3 minutes each
