@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -244,8 +245,6 @@ def test_a_sandbox_spinning_32_processes_keeps_to_its_cores_and_its_neighbour_ke
 
 
 def _frame_file(path: Path, head: bytes, blobs: list[bytes] = (), total: int | None = None) -> Path:
-    import struct
-
     total = 4 + len(head) + sum(len(b) for b in blobs) if total is None else total
     with open(path, "wb") as handle:
         handle.write(struct.pack(">QI", total, len(head)) + head)
@@ -298,8 +297,6 @@ def test_a_huge_header_or_frame_is_refused_before_it_is_read(tmp_path):
     claimed = wire.MAX_HEADER_BYTES + 1
     header_only = _frame_file(tmp_path / "header", b"{}", total=4 + claimed)
     with open(header_only, "r+b") as handle:  # a header length past the limit, and nothing of it sent
-        import struct
-
         handle.write(struct.pack(">QI", 4 + claimed, claimed))
     fd = os.open(header_only, os.O_RDONLY)
     with pytest.raises(wire.NotData, match=f"header of {claimed:,} bytes is over the channel's limit of "
