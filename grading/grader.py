@@ -561,23 +561,10 @@ def _exception_name(text: str) -> str:
     return "no exception named"
 
 
-def _read_tail(path: Path, limit: int) -> str:
-    """The last ``limit`` bytes of a file, read without loading the rest (a sandbox may write gigabytes)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - limit))
-            data = handle.read(limit)
-    except OSError:
-        return ""
-    return ("[... earlier output cut]\n" if size > limit else "") + data.decode("utf-8", errors="replace")
-
-
 def _sandbox_events(path: Path, limit: int = 4 << 20) -> list[dict]:
     """The graded kernel's record of its sandbox (grading.remote): restarts, timeouts, deaths, refusals."""
     events = []
-    for line in _read_tail(path, limit).splitlines():
+    for line in sandbox.read_tail(path, limit).splitlines():
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
@@ -593,10 +580,12 @@ def _event_part(event: dict, cells: set[str], references: set[str]) -> str | Non
     when it is one the lab declares."""
     kind, cell = event.get("event"), str(event.get("cell"))
     cell = cell if cell in cells else "a cell"
+    limits = event.get("limits")  # the limits its cgroup counted (the grader's reading of the kernel's counters)
+    hit = f" ({'; '.join(str(limit)[:120] for limit in limits[:3])})" if isinstance(limits, list) and limits else ""
     if kind == "timeout":
-        return f"cell {cell} timed out in the sandbox"
+        return f"cell {cell} timed out in the sandbox{hit}"
     if kind == "died":
-        return f"the sandbox died in cell {cell}"
+        return f"the sandbox died in cell {cell}{hit}"
     if kind == "refused":
         what = str(event.get("what", ""))
         if what.startswith("the kernel cell"):
@@ -705,7 +694,8 @@ def _sandbox_spec(job: _Job, course: LabCourse, scratch: Path, quick: bool, time
             env[name] = os.environ[name]
     return {
         "scratch": str(scratch), "runner_dir": str(library.runner_dir), "package_binds": library.package_binds,
-        "bans": library.bans, "env": env, "limits": vars(limits), "cache_root": str(cache_root()),
+        "bans": library.bans, "env": env, "limits": {**vars(limits), "cpus": limits.cpus or float(threads)},  # its threads' cores
+        "cache_root": str(cache_root()),
         "log": str(job.folder / "sandbox.log"), "report": str(job.folder / "sandbox.jsonl"),
         "cell_timeout_s": timeout_s, "call_timeout_s": timeout_s, "unsafe": unsafe, "python": SANDBOX_PYTHON or PYTHON,
         "run_id": run_id,
@@ -736,7 +726,7 @@ def _run_job(job: _Job, env: dict, timeout_s: int, running: dict | None = None) 
             if running is not None:
                 running.pop(id(job), None)
     job.seconds, job.returncode = time.perf_counter() - start, process.returncode
-    job.output = _read_tail(job.folder / "execute.log", LOG_TAIL_BYTES) + killed
+    job.output = sandbox.read_tail(job.folder / "execute.log", LOG_TAIL_BYTES) + killed
     return job
 
 
@@ -799,7 +789,7 @@ def _start_failure(job: _Job) -> str | None:
     error = next((o for o in (start.get("outputs", []) if start is not None else []) if o.get("output_type") == "error"), None)
     if error is None:
         return None
-    log = _read_tail(job.folder / "sandbox.log", 4096)
+    log = sandbox.read_tail(job.folder / "sandbox.log", 4096)
     bwrap = [line.strip() for line in log.splitlines() if line.startswith("bwrap:")]
     if any("execvp" in line for line in bwrap):
         return f"sandbox: cannot execute the kernel's python inside the sandbox ({bwrap[-1][:200]})"
@@ -829,8 +819,8 @@ def _machinery_failure(job: _Job, execute_report: dict, events: list[dict], auto
 def _write_log(job: _Job, nbgrader_log: Path) -> None:
     header = [f"# {job.student} / {job.lab}: graded in {job.seconds:.1f} s", *[f"# flag: {f}" for f in job.copy.flags],
               *[f"# note: {n}" for n in job.copy.notes]]
-    sandbox_text = _read_tail(job.folder / "sandbox.log", LOG_TAIL_BYTES)
-    nbgrader_text = _read_tail(nbgrader_log, LOG_TAIL_BYTES)
+    sandbox_text = sandbox.read_tail(job.folder / "sandbox.log", LOG_TAIL_BYTES)
+    nbgrader_text = sandbox.read_tail(nbgrader_log, LOG_TAIL_BYTES)
     job.log.parent.mkdir(parents=True, exist_ok=True)
     job.log.write_text("\n".join(header) + f"\n{job.output}\n# the sandbox's own output:\n{sandbox_text}\n"
                        f"# nbgrader autograde:\n{nbgrader_text}", encoding="utf-8")
@@ -842,7 +832,7 @@ def _row(job: _Job, course: LabCourse, course_root: Path) -> dict:
     lab, student = job.lab, job.student
     _write_log(job, job.folder / "nbgrader.log")
     try:
-        execute_report = json.loads(_read_tail(job.folder / "execute.json", 4 << 20))
+        execute_report = json.loads(sandbox.read_tail(job.folder / "execute.json", 4 << 20))
     except json.JSONDecodeError:
         execute_report = {}
     events = _sandbox_events(job.folder / "sandbox.jsonl")

@@ -37,6 +37,11 @@ from grading import sandbox as sandbox_mod
 from grading import wire
 
 SPEC_ENV = "MINILLM_SANDBOX_SPEC_PATH"
+# What the grader keeps of the sandbox's text, whatever it sends (its runner cuts its own to the same sizes).
+MAX_TEXT = 200_000        # characters of one cell's output, all streams and displays together
+MAX_OUTPUTS = 100         # outputs of one cell
+MAX_ERROR_TEXT = 20_000   # characters of an error's message, and of its traceback
+MAX_REFERENCES = 50       # references one reply may name
 MAX_DEATHS = 2     # a sandbox that dies (a crash, os._exit) this often more is given up: the rest is not run
 MAX_TIMEOUTS = 10  # one stopped for running too long is restarted more often (the notebook's wall limit still holds)
 
@@ -334,7 +339,7 @@ class Session:
         self._callback_ids.clear()
         header, _ = self._read(deadline=time.monotonic() + float(spec.get("start_timeout_s", 120)))
         if header.get("op") != "ready":
-            raise SandboxError(f"the sandbox did not start: {header}")
+            raise SandboxError(f"the sandbox did not start: {_cut(repr(header), 300)}")
 
     def close(self) -> None:
         self.pending = None
@@ -381,12 +386,12 @@ class Session:
                 raise TimeoutError
             ready, _, _ = select.select([self.fd_in], [], [], min(left, 1.0))
             if ready:
-                return wire.read_frame(self.fd_in)
+                return wire.read_frame(self.fd_in, deadline)
             if self.process is not None and not self.process.alive():
                 # let a last frame through, then report the death
                 ready, _, _ = select.select([self.fd_in], [], [], 0.1)
                 if ready:
-                    return wire.read_frame(self.fd_in)
+                    return wire.read_frame(self.fd_in, deadline)
                 raise wire.ChannelClosed(f"the sandbox exited (status {self.process.popen.returncode})")
 
     def _request(self, header: dict, blobs: list[bytes], timeout_s: float, replay: bool = False):
@@ -410,8 +415,9 @@ class Session:
                     self._answer_callback(reply, reply_blobs)
                     continue
                 if header is not None:  # the learner's code ran (a locked cell's run in the background does not count)
-                    for used in reply.get("references", []) or []:
-                        _log_event({"event": "reference", "what": str(used)[:300]})
+                    used = reply.get("references", []) or []
+                    for name in used[:MAX_REFERENCES] if isinstance(used, list) else []:
+                        _log_event({"event": "reference", "what": str(name)[:300]})
                 return reply, reply_blobs
         except TimeoutError:
             why = f"took longer than {timeout_s:.0f} s"
@@ -423,10 +429,13 @@ class Session:
             if not replay:
                 self._restart("the grader interrupted the call", failed)
             raise
+        timed_out = why.startswith("took")
+        hit = self.process.limits_hit() if self.process is not None else []  # its cgroup's counters, before it goes
+        if hit:
+            why += f" ({'; '.join(hit)})"
         if replay:
             raise SandboxError(why)
-        timed_out = why.startswith("took")
-        _log_event({"event": "timeout" if timed_out else "died", "why": why})
+        _log_event({"event": "timeout" if timed_out else "died", "why": why, "limits": hit})
         self._restart(why, failed, timed_out)
         raise SandboxError(f"{why}; the sandbox was restarted and the cells before this one replayed")
 
@@ -476,7 +485,7 @@ class Session:
         self.history.append((name, {"op": "run", "source": source}, []))
         error = reply.get("error")
         if error:
-            _log_event({"event": "sandbox_error", "what": f"{error.get('ename')}: {str(error.get('evalue'))[:300]}"})
+            _log_event({"event": "sandbox_error", "what": _error_text(error).split("\n")[0][:300]})
 
     def _answer_callback(self, header: dict, blobs: list[bytes]) -> None:
         target = self.callbacks.get(int(header.get("target", -1)))
@@ -506,7 +515,7 @@ class Session:
             encoded, out_blobs = self.encoder.encode(result)
             wire.write_frame(self.fd_out, {"op": "return", "value": encoded}, out_blobs)
         except Exception as error:  # noqa: BLE001 - the learner's code sees that the callback raised
-            wire.write_frame(self.fd_out, {"op": "raise", "ename": type(error).__name__, "evalue": str(error)[:2000]})
+            wire.write_frame(self.fd_out, {"op": "raise", "ename": type(error).__name__, "evalue": _cut(str(error), 2000)})
 
     # ---- encoding ----
     def _encode_other(self, value):
@@ -563,8 +572,8 @@ class Session:
     def get(self, names: list[str]) -> dict:
         reply, blobs = self._request({"op": "get", "names": names}, [], self.call_timeout_s)
         if reply.get("op") != "values":
-            raise SandboxError(f"the sandbox answered {reply.get('op')!r} to a request for values: "
-                               f"{reply.get('ename')}: {reply.get('evalue')}")
+            raise SandboxError(f"the sandbox answered {_cut(repr(reply.get('op')), 80)} to a request for values: "
+                               f"{_cut(str(reply.get('ename')), 200)}: {_cut(str(reply.get('evalue')), MAX_ERROR_TEXT)}")
         values = self.decoder.decode(reply.get("value"), blobs)
         if not isinstance(values, dict):
             raise SandboxError("the sandbox answered a request for values with something else")
@@ -611,7 +620,7 @@ class Session:
         reply, reply_blobs = self._request(header, blobs + more, self.call_timeout_s)
         stdout = reply.get("stdout")
         if stdout:
-            sys.stdout.write(stdout)
+            sys.stdout.write(_cut(str(stdout), MAX_TEXT, keep="end"))
         result = self._result(reply, reply_blobs, name)
         for change in reply.get("mutated", []) or []:
             _copy_back(args, kwargs, change.get("path", []), self.decoder.decode(change.get("value"), reply_blobs), name)
@@ -624,7 +633,7 @@ class Session:
         if op == "return":
             return self.decoder.decode(reply.get("value"), blobs)
         if op == "raise":
-            ename, evalue = str(reply.get("ename", "Error")), str(reply.get("evalue", ""))
+            ename, evalue = _cut(str(reply.get("ename", "Error")), 200), _cut(str(reply.get("evalue", "")), MAX_ERROR_TEXT)
             if ename == "NotData":
                 _log_event({"event": "refused", "what": f"{name}: {evalue}"})
                 raise wire.NotData(f"{name} returned something that is not plain data: {evalue}")
@@ -634,7 +643,7 @@ class Session:
             if kind is not None:
                 raise kind(evalue)
             raise LearnerError(f"{ename}: {evalue}")
-        raise SandboxError(f"the sandbox answered {op!r} to a call of {name}")
+        raise SandboxError(f"the sandbox answered {_cut(repr(op), 80)} to a call of {name}")
 
 
 def _argument(args, kwargs, path: list):
@@ -701,17 +710,43 @@ def _session() -> Session:
     return _SESSION
 
 
+def _cut(text: str, limit: int, keep: str = "start") -> str:
+    """``text`` cut to ``limit`` characters, saying so (``keep``: "start" or "end", the part kept)."""
+    if len(text) <= limit:
+        return text
+    note = f"[... {len(text) - limit:,} characters cut by the grader ...]"
+    return (text[:limit] + note) if keep == "start" else (note + text[-limit:])
+
+
+def _error_text(error) -> str:
+    """A learner cell's error as the cell shows it, cut to the grader's limits."""
+    if not isinstance(error, dict):
+        return "Error: malformed error"
+    return (f"{_cut(str(error.get('ename')), 200)}: {_cut(str(error.get('evalue')), MAX_ERROR_TEXT)}\n\n"
+            f"{_cut(str(error.get('traceback', '')), MAX_ERROR_TEXT, keep='end')}")
+
+
 def _show(outputs: list[dict]) -> None:
+    """A cell's outputs from the sandbox, shown here: at most MAX_OUTPUTS of them and MAX_TEXT characters in all,
+    whatever the sandbox sent."""
     from IPython.display import display
 
-    for output in outputs:
+    budget = MAX_TEXT
+    for output in (outputs[:MAX_OUTPUTS] if isinstance(outputs, list) else []):
+        if not isinstance(output, dict) or budget <= 0:
+            continue
         if output.get("output_type") == "stream":
             stream = sys.stderr if output.get("name") == "stderr" else sys.stdout
-            stream.write(str(output.get("text", "")))
+            text = _cut(str(output.get("text", "")), budget, keep="end")
+            budget -= len(text)
+            stream.write(text)
             stream.flush()
         elif output.get("output_type") == "display_data":
-            data = {str(k): str(v) for k, v in (output.get("data") or {}).items()}
-            if data:
+            items = output.get("data") if isinstance(output.get("data"), dict) else {}
+            data = {str(k)[:100]: str(v) for k, v in list(items.items())[:10]}
+            size = sum(len(v) for v in data.values())
+            if data and size <= budget:
+                budget -= size
                 display(data, raw=True)
 
 
@@ -761,7 +796,7 @@ def _bind_kernels(namespace: dict, grade_id: str, source: str, kernel_names: lis
     if reply.get("error"):
         error = reply["error"]
         for name in kernel_names:
-            namespace[name] = Refused(name, f"the kernel cell does not run: {error.get('ename')}: {error.get('evalue')}")
+            namespace[name] = Refused(name, f"the kernel cell does not run: {_error_text(error).split(chr(10))[0]}")
         return
     tree = ast.parse(source)
     for name in kernel_names:
@@ -784,7 +819,7 @@ def learner_cell(namespace: dict, grade_id: str, source: str, names: list[str], 
         _bind_kernels(namespace, grade_id, source, list(kernel_names))
     error = reply.get("error")
     if error:
-        raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
+        raise LearnerCellError(_error_text(error))
 
 
 def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show: bool) -> None:
@@ -807,7 +842,7 @@ def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show
     _show(reply.get("outputs", []))
     _bind(namespace, names, name)
     if error:
-        raise LearnerCellError(f"{error.get('ename')}: {error.get('evalue')}\n\n{error.get('traceback', '')}")
+        raise LearnerCellError(_error_text(error))
 
 
 def push_after(namespace: dict, cell: str, names: list[str]) -> None:

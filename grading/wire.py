@@ -13,7 +13,10 @@ handed to the side's ``handle`` hook (the grader makes callbacks of its own call
 handles of the learner's functions, classes and objects) or refused with :class:`NotData`.
 
 A frame: 8 bytes of total length, 4 of header length, the header (UTF-8 JSON with ``"blobs"``, the
-byte length of each tensor), then the tensors' bytes in order.
+byte length of each tensor), then the tensors' bytes in order. A frame is bounded on both sides, before
+anything of it is parsed: ``MAX_FRAME_BYTES`` in all, ``MAX_HEADER_BYTES`` of JSON, ``MAX_VALUES`` JSON
+values (counted by their brackets and separators outside strings), so that what one side sends costs the
+other at most a small, fixed amount of memory; the bytes of a tensor become the tensor without a copy.
 """
 
 from __future__ import annotations
@@ -23,10 +26,17 @@ import importlib
 import json
 import math
 import os
+import re
+import select
 import struct
 import sys
+import time
 
-MAX_FRAME_BYTES = 1 << 31      # one message; a larger one is refused (the KV pool of a test engine is far smaller)
+# One message; a larger one is refused. The largest tensors the labs pass are far smaller (the default model's
+# embedding table in fp32 is 113 MB; a test engine's KV pool a few MB).
+MAX_FRAME_BYTES = 1 << 30
+MAX_HEADER_BYTES = 64 << 20    # the JSON part of one message (a cell's outputs are cut to 200,000 characters each)
+MAX_VALUES = 1_000_000         # JSON values one message may decode into (each costs the reader 30-100 bytes)
 MAX_DEPTH = 64                 # nesting of lists / dicts
 
 # Dataclasses rebuilt by field on the receiving side: pure data whose constructors only validate.
@@ -171,7 +181,12 @@ class Decoder:
         self.devices = devices  # move tensors back to their device (both sides on one machine)
 
     def decode(self, data, blobs: list[bytes]):
-        return self._dec(data, blobs, 0)
+        """The value ``data`` (decoded JSON) stands for. A tensor or array takes its bytes from ``blobs`` without a
+        copy where they are a bytearray (as :func:`read_frame` gives them): such bytes serve one value only."""
+        try:
+            return self._dec(data, blobs, 0)
+        except RecursionError:
+            raise NotData(f"nested deeper than {MAX_DEPTH} levels") from None
 
     def _dec(self, data, blobs, depth):
         if depth > MAX_DEPTH:
@@ -200,7 +215,7 @@ class Decoder:
         if "$dict" in data:
             return {self._dec(k, blobs, depth + 1): self._dec(v, blobs, depth + 1) for k, v in data["$dict"]}
         if "$bytes" in data:
-            return _blob(blobs, data["$bytes"])
+            return bytes(_blob(blobs, data["$bytes"]))
         if "$slice" in data:
             return slice(*(self._dec(part, blobs, depth) for part in data["$slice"]))
         if "$ellipsis" in data:
@@ -225,7 +240,8 @@ class Decoder:
             dtype = numpy.dtype(str(data["dtype"]))
             if dtype.hasobject:
                 raise NotData("a numpy array of Python objects is not plain data")
-            return numpy.frombuffer(_blob(blobs, data["$ndarray"]), dtype=dtype).reshape(data["shape"]).copy()
+            shape = _shape(data["shape"], dtype.itemsize, blobs, data["$ndarray"])
+            return numpy.frombuffer(_take(blobs, data["$ndarray"]), dtype=dtype).reshape(shape)
         if "$namedtuple" in data:
             cls = _data_class(str(data["$namedtuple"]))
             return cls(*(self._dec(item, blobs, depth + 1) for item in data["fields"]))
@@ -241,14 +257,14 @@ class Decoder:
         import torch
 
         dtype = _dtype(data["dtype"])
-        shape = [int(n) for n in data["shape"]]
-        raw = _blob(blobs, data["$tensor"])
+        shape = _shape(data["shape"], torch.empty((), dtype=dtype).element_size(), blobs, data["$tensor"])
+        raw = _take(blobs, data["$tensor"])
         if not raw:
             tensor = torch.empty(shape, dtype=dtype)
         elif dtype in (torch.bfloat16, torch.float16) or str(dtype).startswith("torch.float8"):
-            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+            tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
         else:
-            tensor = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+            tensor = torch.frombuffer(raw, dtype=dtype).reshape(shape)
         device = str(data.get("device", "cpu"))
         if self.devices and device != "cpu":
             tensor = tensor.to(device)
@@ -274,39 +290,109 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
+_TAKEN = object()  # a blob a tensor or array now owns
+
+
 def _blob(blobs: list[bytes], index) -> bytes:
-    if not isinstance(index, int) or not 0 <= index < len(blobs):
+    if type(index) is not int or not 0 <= index < len(blobs):
         raise NotData(f"a value refers to missing bytes #{index}")
+    if blobs[index] is _TAKEN:
+        raise NotData(f"two values refer to the same bytes #{index}")
     return blobs[index]
 
 
+def _take(blobs: list, index) -> bytearray:
+    """The blob as a writable buffer for one tensor or array: a bytearray the message brought is taken (no copy),
+    other bytes are copied."""
+    raw = _blob(blobs, index)
+    if type(raw) is bytearray and isinstance(blobs, list):
+        blobs[index] = _TAKEN
+        return raw
+    return bytearray(raw)
+
+
+def _shape(shape, itemsize: int, blobs: list, index) -> list[int]:
+    """A tensor's shape, checked against its bytes: a shape never makes the reader allocate more than it received."""
+    if not isinstance(shape, list) or len(shape) > MAX_DEPTH or not all(type(n) is int and n >= 0 for n in shape):
+        raise NotData(f"malformed tensor shape {str(shape)[:80]}")
+    numel = math.prod(shape)
+    size = len(_blob(blobs, index))
+    if numel * itemsize != size:
+        raise NotData(f"a tensor of shape {shape} takes {numel * itemsize:,} bytes, its message brought {size:,}")
+    return shape
+
+
 # ----------------------------------------------------------------------------- frames
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+_SEPARATORS = (b"[", b"{", b",", b":")
+
+
+def count_values(head: bytes, stop: int | None = None) -> int:
+    """How many JSON values a header may decode into, at most: one, and one more per bracket, brace, comma
+    and colon outside its strings. Nothing is parsed or copied; ``stop``: return as soon as the count is
+    past it."""
+    count = 1 + sum(head.count(char) for char in _SEPARATORS)
+    if b'"' not in head or (stop is not None and count <= stop):
+        return count  # no string can hold one of them, or even counting those inside strings it is not past
+    count, at = 1, 0
+    for string in _STRING.finditer(head):
+        count += sum(head.count(char, at, string.start()) for char in _SEPARATORS)
+        at = string.end()
+        if stop is not None and count > stop:
+            return count
+    return count + sum(head.count(char, at) for char in _SEPARATORS)
+
+
+def _check_header(head: bytes) -> None:
+    if len(head) > MAX_HEADER_BYTES:
+        raise NotData(f"a message header of {len(head):,} bytes is over the channel's limit of {MAX_HEADER_BYTES:,}")
+    if len(head) > MAX_VALUES:  # shorter, it cannot hold more values than bytes
+        values = count_values(head, stop=MAX_VALUES)
+        if values > MAX_VALUES:
+            raise NotData(f"a message of {values:,} or more JSON values is over the channel's limit of "
+                          f"{MAX_VALUES:,} values")
+
+
 def write_frame(fd: int, header: dict, blobs: list[bytes] = ()) -> None:
-    """One message: ``header`` (JSON-able; its "blobs" key is set here) and the raw ``blobs``."""
+    """One message: ``header`` (JSON-able; its "blobs" key is set here) and the raw ``blobs``. NotData, and
+    nothing written, when the other side would refuse it (over a limit)."""
     header = {**header, "blobs": [len(b) for b in blobs]}
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     total = 4 + len(head) + sum(len(b) for b in blobs)
     if total > MAX_FRAME_BYTES:
         raise NotData(f"a message of {total:,} bytes is over the channel's limit of {MAX_FRAME_BYTES:,}")
+    _check_header(head)
     _write_all(fd, struct.pack(">QI", total, len(head)) + head)
     for blob in blobs:
         _write_all(fd, blob)
 
 
-def read_frame(fd: int) -> tuple[dict, list[bytes]]:
-    """The next message as (header, blobs); ChannelClosed at end of file, NotData when malformed."""
-    total, head_len = struct.unpack(">QI", _read_exact(fd, 12))
+def read_frame(fd: int, deadline: float | None = None) -> tuple[dict, list[bytearray]]:
+    """The next message as (header, blobs); ChannelClosed at end of file, NotData when malformed or over a
+    limit (checked before it is read or parsed), TimeoutError when ``deadline`` (time.monotonic()) passes
+    before all of it came."""
+    total, head_len = struct.unpack(">QI", _read_exact(fd, 12, deadline))
     if total > MAX_FRAME_BYTES or head_len > total - 4:
-        raise NotData(f"a message of {total:,} bytes (header {head_len:,}) is over the channel's limit")
+        raise NotData(f"a message of {total:,} bytes (header {head_len:,}) is over the channel's limit of "
+                      f"{MAX_FRAME_BYTES:,} bytes")
+    if head_len > MAX_HEADER_BYTES:
+        raise NotData(f"a message header of {head_len:,} bytes is over the channel's limit of {MAX_HEADER_BYTES:,}")
+    head = _read_exact(fd, head_len, deadline)
+    _check_header(head)
     try:
-        header = json.loads(_read_exact(fd, head_len).decode("utf-8"))
+        header = json.loads(head.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise NotData(f"a message header is not JSON: {error}") from None
+        raise NotData(f"a message header is not JSON: {str(error)[:200]}") from None
+    except RecursionError:
+        raise NotData(f"a message header is nested too deep (the limit is {MAX_DEPTH} levels)") from None
+    del head
     sizes = header.get("blobs", []) if isinstance(header, dict) else None
-    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes) \
+    if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes) \
             or sum(sizes) != total - 4 - head_len:
         raise NotData("a message's byte counts do not add up")
-    return header, [_read_exact(fd, n) for n in sizes]
+    return header, [_read_exact(fd, n, deadline) for n in sizes]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -316,15 +402,19 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def _read_exact(fd: int, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = os.read(fd, min(left, 1 << 24))
+def _read_exact(fd: int, size: int, deadline: float | None = None) -> bytearray:
+    """``size`` bytes from ``fd``; memory grows with what arrives, not with what a length field claims."""
+    data = bytearray()
+    while len(data) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(size - len(data), 1 << 24))
         if not chunk:
             raise ChannelClosed("the other side closed the channel")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        data += chunk
+    return data
 
 
 def shift_blobs(data, offset: int):
