@@ -403,7 +403,7 @@ def class_notebooks(tmp_path_factory):
 def _grade(class_notebooks, names, jobs: int) -> dict[str, dict]:
     rows = grader.autograde({name: class_notebooks["paths"][name] for name in names},
                             source_dir=class_notebooks["source_dir"], cell_timeout_s=CLASS_TIMEOUT_S, jobs=jobs,
-                            limits=CLASS_LIMITS)
+                            limits=CLASS_LIMITS, preflight=False)
     return {row["student"]: row for row in rows}
 
 
@@ -422,10 +422,10 @@ def alone(class_notebooks):
 
 
 def _check_hostile(rows: dict[str, dict]) -> None:
-    """Each hostile submission scores what the quick-mode probe gives (1 of 4), its two tests 0, with the reason."""
+    """Each hostile submission scores 0 of 4 (every test of the probe calls its function), with the reason."""
     for name in set(HOSTILE) & set(rows):
         row = rows[name]
-        assert (row["status"], row["score"], set(row["failures"])) == ("graded", 1.0, {"visible", "hidden"}), (name, row)
+        assert (row["status"], row["score"], set(row["failures"])) == ("graded", 0.0, {"visible", "hidden", "quick_mode"}), (name, row)
     if "b_fills_disk" in rows:
         disk = rows["b_fills_disk"]
         assert disk["failures"]["visible"].startswith("OSError: [Errno 28] No space left on device"), disk
