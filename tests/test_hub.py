@@ -282,7 +282,7 @@ print(os.path.basename(folder))
     # --- collect: both refused, naming who they claim to be and what they are; each student's own is taken
     status, output = client.shell(instructor, ["nbgrader", "collect", LAB], course)
     assert status == 0, output
-    assert re.search(rf"Refused submission {solver}\+{LAB}\+[^:]*: it claims to be submitted by {solver} but was made "
+    assert re.search(rf"Refused submission {solver}\+{LAB}\+.*?: it claims to be submitted by {solver} but was made "
                      rf"by {idler}", output), f"collect did not refuse {idler}'s submission as {solver}:\n{output}"
     assert f"Refused submission {planted}: it claims to be submitted by {idler} but holds a symbolic link" in output, (
         f"collect did not refuse the planted symbolic link:\n{output}")
