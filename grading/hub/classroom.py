@@ -408,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make class: missing {', '.join(missing)}: run `bash scripts/install_hub.sh` and "
               "`bash scripts/install_sandbox.sh` as root.")
         return 1
+    def stop(signum, frame):  # Ctrl-C, or a supervisor's SIGTERM: stop the hub and undo the o+x below
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     passwords = {user: secrets.token_urlsafe(9) for user in room.accounts}
     setup(room, passwords)
     opened = open_for_accounts(interpreter_blockers())
