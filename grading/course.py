@@ -17,10 +17,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 
 from nbgrader.exchange.default.collect import ExchangeCollect
 from nbgrader.preprocessors import NbGraderPreprocessor
+from nbgrader.utils import ignore_patterns
 
 try:
     import pwd
@@ -53,39 +56,54 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _entries(folder: str):
+    """(path relative to ``folder``, lstat) of everything below it; OSError when a part cannot be read."""
+    def fail(error: OSError):
+        raise error
+
+    for parent, dirs, files in os.walk(folder, onerror=fail):
+        for name in sorted(dirs + files):
+            full = os.path.join(parent, name)
+            yield os.path.relpath(full, folder), os.lstat(full)
+
+
+def _not_plain(folder: str, relative: str, info: os.stat_result) -> str | None:
+    if stat.S_ISLNK(info.st_mode):
+        return f"holds a symbolic link, {relative} -> {os.readlink(os.path.join(folder, relative))}"
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+        return f"holds {relative}, neither a file nor a folder"
+    return None
+
+
 def refusal(path: str, student: str) -> str | None:
     """Why the submission folder ``path``, which says it is ``student``'s, is not collected; None to collect it."""
     if pwd is None:
         return None
     trusted = {student, _owner(os.geteuid()), "root"}
+    claim = f"it claims to be submitted by {student} but"
     try:
         top = os.lstat(path)
-    except OSError as exc:
-        return f"it cannot be read ({exc.strerror})"
-    if not stat.S_ISDIR(top.st_mode):
-        return "it is not a folder"
-    owner = _owner(top.st_uid)
-    if owner not in trusted:
-        return f"it claims to be submitted by {student} but was made by {owner}"
-    unreadable: list[OSError] = []
-    for folder, dirs, files in os.walk(path, onerror=unreadable.append):
-        for name in sorted(dirs + files):
-            full = os.path.join(folder, name)
-            relative = os.path.relpath(full, path)
-            info = os.lstat(full)
-            if stat.S_ISLNK(info.st_mode):
-                return f"it claims to be submitted by {student} but holds a symbolic link, {relative} -> {os.readlink(full)}"
-            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
-                return f"it claims to be submitted by {student} but holds {relative}, neither a file nor a folder"
+        if not stat.S_ISDIR(top.st_mode):
+            return f"{claim} is not a folder"
+        if _owner(top.st_uid) not in trusted:
+            return f"{claim} was made by {_owner(top.st_uid)}"
+        for relative, info in _entries(path):
+            reason = _not_plain(path, relative, info)
+            if reason is not None:
+                return f"{claim} {reason}"
             if _owner(info.st_uid) not in trusted:
-                return f"it claims to be submitted by {student} but its file {relative} belongs to {_owner(info.st_uid)}"
-    if unreadable:
-        return f"{os.path.relpath(unreadable[0].filename, path)} cannot be read ({unreadable[0].strerror})"
+                return f"{claim} its file {relative} belongs to {_owner(info.st_uid)}"
+    except OSError as exc:
+        return f"it cannot be read ({exc})"
     return None
 
 
 class OwnerCheckedCollect(ExchangeCollect):
-    """nbgrader's collect, refusing each submission that :func:`refusal` refuses (logged as an error)."""
+    """nbgrader's collect, refusing each submission that :func:`refusal` refuses (logged as an error).
+
+    The student owns the folder and can change it while collect runs: nbgrader's copy (which follows links, with
+    your rights) reads a snapshot instead, copied with links kept as links and checked again.
+    """
 
     def _path_to_record(self, path):
         record = super()._path_to_record(path)
@@ -99,3 +117,19 @@ class OwnerCheckedCollect(ExchangeCollect):
     def copy_files(self):
         self.src_records = [record for record in self.src_records if not record.get("refused")]
         super().copy_files()
+
+    def do_copy(self, src, dest, log=None):
+        with tempfile.TemporaryDirectory(prefix="minillm-collect-") as scratch:
+            snapshot = os.path.join(scratch, "submission")
+            try:
+                shutil.copytree(src, snapshot, symlinks=True, ignore=ignore_patterns(
+                    exclude=self.coursedir.ignore, include=self.coursedir.include,
+                    max_file_size=self.coursedir.max_file_size))
+                reason = next(filter(None, (_not_plain(snapshot, *entry) for entry in _entries(snapshot))), None)
+            except (OSError, shutil.Error) as exc:
+                reason = f"it cannot be copied ({exc})"
+            if reason is not None:
+                self.log.error("Refused submission %s: it %s; nothing collected from it.", os.path.basename(src),
+                               reason.removeprefix("it "))
+                return
+            super().do_copy(snapshot, dest, log)

@@ -70,5 +70,6 @@ from nbgrader.converters import GenerateAssignment  # noqa: E402
 
 from grading.course import OwnerCheckedCollect, ReleaseWithoutModelAnswers  # noqa: E402
 
-c.GenerateAssignment.preprocessors = [ReleaseWithoutModelAnswers, *GenerateAssignment.class_traits()["preprocessors"].default()]
+c.GenerateAssignment.preprocessors = [
+    ReleaseWithoutModelAnswers, *GenerateAssignment.class_traits()["preprocessors"].default()]
 c.ExchangeFactory.collect = OwnerCheckedCollect

@@ -73,7 +73,8 @@ chp_version=$CHP_OLDER
 [ "$node_major" -ge 22 ] && chp_version=$CHP_NODE22
 echo "install_hub: installing configurable-http-proxy@$chp_version with npm (Node $(node --version 2>/dev/null)) ..."
 if npm install -g --no-fund --no-audit "configurable-http-proxy@$chp_version" >>"$log" 2>&1 && have_chp; then
-    echo "install_hub: installed configurable-http-proxy $(configurable-http-proxy --version) at $(command -v configurable-http-proxy)"
+    echo "install_hub: installed configurable-http-proxy $(configurable-http-proxy --version)" \
+         "at $(command -v configurable-http-proxy)"
 else
     echo "install_hub: npm install -g configurable-http-proxy failed (see $log)"
 fi

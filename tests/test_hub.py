@@ -102,7 +102,8 @@ class HubClient:
 
     def assignments(self, user: str, action: str) -> dict:
         """What the Assignments tab of JupyterLab does: POST /assignments/<fetch|submit|fetch_feedback>."""
-        response = self.server(user, "POST", f"/assignments/{action}", json={"course_id": COURSE_ID, "assignment_id": LAB})
+        body = {"course_id": COURSE_ID, "assignment_id": LAB}
+        response = self.server(user, "POST", f"/assignments/{action}", json=body)
         assert response.status_code == 200, f"{user}: {action} answered {response.status_code}: {response.text[:2000]}"
         answer = response.json()
         assert answer["success"], f"{user}: {action} failed: {answer.get('value')}"
@@ -326,6 +327,34 @@ print(os.path.basename(folder))
         score = float(rows[student]["score"])
         assert re.search(rf"(?<![\d.]){score:g}(?:\.0+)?\s*/\s*{max_score:g}(?:\.0+)?(?![\d.])", _text(page)), (
             f"{student}'s page does not show {score:g} / {max_score:g}")
+
+
+def test_collect_copies_no_link_a_student_swaps_in_after_the_check(tmp_path):
+    """grading/course.py copies a submission through a snapshot that keeps links as links: a link or a FIFO that
+    appears after :func:`refusal` looked (the student owns the folder) is refused, never followed or read."""
+    from nbgrader.coursedir import CourseDirectory
+
+    from grading.course import OwnerCheckedCollect, refusal
+
+    submission = tmp_path / f"ada+{LAB}+2030-01-01 00:00:00.000000 UTC+x"
+    submission.mkdir()
+    (submission / f"{LAB}.ipynb").write_text("{}")
+    (submission / "timestamp.txt").write_text("2030-01-01 00:00:00.000000 UTC")
+    assert refusal(str(submission), "ada") is None  # made by this account, which collects
+    collect = OwnerCheckedCollect(coursedir=CourseDirectory())
+    (submission / f"{LAB}.ipynb").unlink()
+    os.symlink("/etc/passwd", submission / f"{LAB}.ipynb")
+    assert "holds a symbolic link" in refusal(str(submission), "ada")
+    collect.do_copy(str(submission), str(tmp_path / "linked"))
+    assert not (tmp_path / "linked").exists()
+    (submission / f"{LAB}.ipynb").unlink()
+    os.mkfifo(submission / f"{LAB}.ipynb")
+    collect.do_copy(str(submission), str(tmp_path / "fifo"))
+    assert not (tmp_path / "fifo").exists()
+    (submission / f"{LAB}.ipynb").unlink()
+    (submission / f"{LAB}.ipynb").write_text("{}")
+    collect.do_copy(str(submission), str(tmp_path / "plain"))
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == sorted([f"{LAB}.ipynb", "timestamp.txt"])
 
 
 @pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"{CHROMIUM} missing: `bash scripts/install_browser.sh` as root")

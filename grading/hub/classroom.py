@@ -65,6 +65,11 @@ class Classroom:
         return self.state / "class.json"
 
     @property
+    def private_dir(self) -> Path:
+        """root's alone (0700): the hub's database, cookie secret, proxy pid file and log."""
+        return self.state / "hub"
+
+    @property
     def jupyter_config_dir(self) -> Path:
         """The class-wide Jupyter config (the role of /etc/jupyter): every account's server reads it."""
         return self.state / "jupyter"
@@ -231,21 +236,20 @@ def write_class_config(room: Classroom) -> None:
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    for folder, dirs, names in os.walk(room.state):
-        for name in dirs:
-            Path(folder, name).chmod(0o755)
+    for folder, dirs, names in os.walk(config):
+        Path(folder).chmod(0o755)
         for name in names:
-            if Path(folder, name).parent == room.state and name.startswith("jupyterhub"):
-                continue  # the hub's database and cookie secret stay root's
             Path(folder, name).chmod(0o644)
+    room.private_dir.mkdir(exist_ok=True)
+    room.private_dir.chmod(0o700)
 
 
 # --------------------------------------------------------------------------- the instructor's course
 def repository_files(repo: Path) -> list[Path]:
     """The repository's files (tracked, and new ones git does not ignore): what a clone would hold."""
     if (repo / ".git").exists() and shutil.which("git"):
-        listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                                capture_output=True, text=True, check=True).stdout
+        command = ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+        listed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         return sorted({Path(name) for name in listed.split("\0") if name and (repo / name).is_file()})
     skip = {".git", ".venv", "__pycache__", "artifacts", ".cache"}
     return sorted(path.relative_to(repo) for path in repo.rglob("*")
@@ -347,8 +351,8 @@ def start_hub(room: Classroom, log_path: Path, api_token: str | None = None) -> 
     if api_token:
         env["MINILLM_HUB_API_TOKEN"] = api_token
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(HUB_CONFIG)], cwd=room.state, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(HUB_CONFIG)], cwd=room.private_dir,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def wait_for_hub(room: Classroom, hub: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -421,10 +425,10 @@ def main(argv: list[str] | None = None) -> int:
               + f" (o+x), to run {sys.executable}; undone when the hub stops.")
     try:
         check_interpreter(room.students[0])
-        hub = start_hub(room, room.state / "jupyterhub.log")
+        hub = start_hub(room, room.private_dir / "jupyterhub.log")
         try:
             wait_for_hub(room, hub)
-            print(f"\nminillm class on {room.url}  (hub log: {room.state / 'jupyterhub.log'})\n")
+            print(f"\nminillm class on {room.url}  (hub log: {room.private_dir / 'jupyterhub.log'})\n")
             print(f"  {'account':<16} {'password':<16} role")
             for user in room.accounts:
                 role = "instructor: formgrader at /user/%s/formgrader" % user if user == room.instructor else "student"

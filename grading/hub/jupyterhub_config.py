@@ -5,7 +5,8 @@ Each account logs in with its Unix password (PAM) and gets its own Jupyter serve
 ``python -m grading.hub.classroom`` (accounts, exchange, the instructor's course), is read from the JSON file
 ``$MINILLM_CLASS`` (default /srv/minillm/hub/class.json):
 
-    {"state": folder for the hub's database, cookie secret and the class-wide Jupyter config,
+    {"state": folder of the class-wide Jupyter config (jupyter/, every account reads it) and of the hub's
+               database and cookie secret (hub/, root's alone),
      "instructor": "...", "students": [...], "port": 8000, "hub_port": 8081, "proxy_api_port": 8001}
 
 The hub listens on 127.0.0.1 only: put a TLS-terminating reverse proxy (or JupyterHub's own ssl_key/ssl_cert
@@ -24,6 +25,7 @@ c = get_config()  # noqa: F821 (injected by traitlets when JupyterHub loads this
 
 CLASS = json.loads(Path(os.environ.get("MINILLM_CLASS", "/srv/minillm/hub/class.json")).read_text())
 STATE = Path(CLASS["state"])
+PRIVATE = STATE / "hub"  # root's alone: database, cookie secret, proxy pid file
 VENV_BIN = Path(sys.executable).parent  # the course's venv: jupyterhub-singleuser, nbgrader, python
 
 # --- the hub and its proxy, on the loopback only
@@ -32,9 +34,9 @@ c.JupyterHub.hub_ip = "127.0.0.1"
 c.JupyterHub.hub_port = int(CLASS.get("hub_port", 8081))
 c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(CLASS.get('proxy_api_port', 8001))}"
 c.ConfigurableHTTPProxy.command = [shutil.which("configurable-http-proxy") or "configurable-http-proxy"]
-c.ConfigurableHTTPProxy.pid_file = str(STATE / "jupyterhub-proxy.pid")
-c.JupyterHub.db_url = "sqlite:///" + str(STATE / "jupyterhub.sqlite")
-c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
+c.ConfigurableHTTPProxy.pid_file = str(PRIVATE / "jupyterhub-proxy.pid")
+c.JupyterHub.db_url = "sqlite:///" + str(PRIVATE / "jupyterhub.sqlite")
+c.JupyterHub.cookie_secret_file = str(PRIVATE / "jupyterhub_cookie_secret")
 c.JupyterHub.cleanup_servers = True  # stopping the hub stops every account's server
 
 # --- who logs in: the class's Unix accounts, with their passwords. The instructor is no hub admin (an admin
