@@ -15,7 +15,7 @@ nbgrader's exchange, and lab 02:
   student fetches their own page;
 - the formgrader's page loads in headless Chromium for the instructor, logged in through the hub.
 
-Slow (about 5 minutes on 2 cores, most of it grading) and root only: it creates Unix users (removed at the end,
+Slow (4 to 7 minutes on 2 shared cores, most of it grading the two notebooks) and root only: it creates Unix users (removed at the end,
 failure or not) and installs what it needs with scripts/install_hub.sh and scripts/install_sandbox.sh.
 """
 

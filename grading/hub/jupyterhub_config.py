@@ -26,6 +26,7 @@ c = get_config()  # noqa: F821 (injected by traitlets when JupyterHub loads this
 CLASS = json.loads(Path(os.environ.get("MINILLM_CLASS", "/srv/minillm/hub/class.json")).read_text())
 STATE = Path(CLASS["state"])
 PRIVATE = STATE / "hub"  # root's alone: database, cookie secret, proxy pid file
+PRIVATE.mkdir(mode=0o700, parents=True, exist_ok=True)
 VENV_BIN = Path(sys.executable).parent  # the course's venv: jupyterhub-singleuser, nbgrader, python
 
 # --- the hub and its proxy, on the loopback only
