@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Re-install only when the package's declared dependencies change.
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model adapters lab test test-all test-slow labs labs-check labs-report bench bench-peers bench-batching bench-serve cost doctor browser-deps sandbox-deps clean
+.PHONY: setup model adapters lab class test test-all test-slow labs labs-check labs-report bench bench-peers bench-batching bench-serve cost doctor browser-deps sandbox-deps hub-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ adapters: model     ## train the default model's LoRA adapters once into the cac
 
 lab: model          ## the course: JupyterLab on labs/
 	cd labs && ../$(BIN)/jupyter lab $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
+
+# As root: Unix users mlinstructor, mlstudent1 and mlstudent2 (fresh passwords, printed), the exchange in /srv/nbgrader,
+# the instructor's copy of this repository, then the hub in the foreground (Ctrl-C stops it; the accounts stay).
+class: model sandbox-deps hub-deps  ## a class on JupyterHub at http://127.0.0.1:8000 (as root; grading/README.md): an instructor, two students, nbgrader's exchange
+	$(BIN)/python -m grading.hub.classroom
+
+hub-deps:           ## JupyterHub (the `hub` extra) into the venv, configurable-http-proxy from npm (Node from Debian when missing)
+	@PYTHON=$(BIN)/python bash scripts/install_hub.sh
 
 browser-deps:       ## Debian chromium for the browser smoke test (no browser download)
 	@bash scripts/install_browser.sh

@@ -12,6 +12,9 @@ the ``minillm`` package that learners install and read.
 - :mod:`grading.references`  what the lab's exercises rebuild, stubbed in the sandbox's copy of minillm
 - :mod:`grading.similarity`  solution cells close to a reference, the published solution or each other
 - :mod:`grading.feedback`    a feedback page per graded notebook, without the hidden tests
+- :mod:`grading.course`      nbgrader plug-ins of the course config: a release without model answers, a collect
+                             that refuses a submission another account made
+- :mod:`grading.hub`         a class on JupyterHub on one machine (``make class``, ``python -m grading.hub.classroom``)
 
 ``grading/autograde.py`` is the command line of :mod:`grading.grader`; ``grading/nbgrader_config.py``
 is the nbgrader course configuration. This module imports nothing: the graded kernel imports

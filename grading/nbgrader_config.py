@@ -63,3 +63,13 @@ c.Autograde.autograde_preprocessors = [
     ReplayOutputs, IgnorePattern, ClearMetadataPreprocessor, LimitOutput, SaveAutoGrades, AssignLatePenalties,
     CheckCellMetadata,
 ]
+
+# A class on a shared machine (README.md, "A class on JupyterHub"; grading/course.py): the release replaces the
+# model answers the masters hold, and collect takes a submission only from the account it names.
+from nbgrader.converters import GenerateAssignment  # noqa: E402
+
+from grading.course import OwnerCheckedCollect, ReleaseWithoutModelAnswers  # noqa: E402
+
+c.GenerateAssignment.preprocessors = [
+    ReleaseWithoutModelAnswers, *GenerateAssignment.class_traits()["preprocessors"].default()]
+c.ExchangeFactory.collect = OwnerCheckedCollect
