@@ -156,3 +156,26 @@ def test_release_fetch_submit_collect_grade_and_return_feedback(tmp_path):
         assert HIDDEN_TEST_LINE.replace(" ", "") not in compact and "HIDDENTESTS" not in compact, (
             f"{student}'s feedback shows a hidden test")
 
+
+
+@pytest.mark.skipif(not hasattr(os, "chown") or os.geteuid() != 0, reason="needs root to give a file to another account")
+def test_collect_refuses_a_submission_made_by_another_account_or_holding_a_link(tmp_path):
+    """grading/course.py: a submission is collected only when it and all it holds belong to the student it names
+    (tests/test_hub.py runs the whole impostor case on a hub with real accounts)."""
+    import pwd
+
+    from grading.course import refusal
+
+    nobody = pwd.getpwnam("nobody")
+    folder = tmp_path / "inbound" / "grace+02_kv_cache+2026-12-07 10:00:00.000000 UTC+abc"
+    folder.mkdir(parents=True)
+    (folder / "02_kv_cache.ipynb").write_text("{}", encoding="utf-8")
+    os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+    assert refusal(str(folder), "grace") == "it claims to be submitted by grace but was made by nobody"
+    os.chown(folder, 0, 0)
+    assert refusal(str(folder), "grace") is None          # the collecting account (here root) may have made it
+    os.chown(folder / "02_kv_cache.ipynb", nobody.pw_uid, nobody.pw_gid)
+    assert refusal(str(folder), "grace") == "it claims to be submitted by grace but its file 02_kv_cache.ipynb belongs to nobody"
+    os.chown(folder / "02_kv_cache.ipynb", 0, 0)
+    (folder / "master.ipynb").symlink_to("/etc/passwd")
+    assert refusal(str(folder), "grace") == "it claims to be submitted by grace but holds a symbolic link, master.ipynb -> /etc/passwd"
