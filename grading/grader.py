@@ -1122,31 +1122,46 @@ def autograde(
         if preflight and todo:
             _preflight(run, sorted({lab for _, lab, _ in todo}), source_dir, jobs)
         writer = CsvWriter(out_csv, list(kept.values())) if out_csv is not None else None
-        bar = None
-        if progress and todo:
-            from tqdm.auto import tqdm
-
-            print(estimate(todo, jobs, run.times), flush=True)
-            bar = tqdm(total=len(todo), desc="autograde", unit="notebook")
-        try:
-            rows = _grade_all(run, todo, jobs, writer.add if writer else (lambda row: None), bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        rows = _grade_class(run, todo, jobs, writer, progress)
         if similarity:
-            from grading import similarity as similarity_mod
-
-            similarity_mod.flag_rows(rows, run.courses, course_root)
-            if feedback_dir is not None:
-                from grading import feedback
-
-                for row in rows:
-                    if row.get("similarity"):
-                        feedback.write(row, course_root, run.courses[row["lab"]], Path(feedback_dir))
+            _flag_similar(run, rows)
         ordered = sorted([*kept.values(), *rows], key=lambda r: (r["student"], r["lab"]))
         if writer is not None:
             writer.finish(ordered)
         return ordered
+
+
+def _grade_class(run: _Run, todo: list[tuple[str, str, Path]], jobs: int, writer: "CsvWriter | None",
+                 progress: bool) -> list[dict]:
+    """The class's notebooks, each row to the CSV as it is done; with ``progress``, the estimate and a bar."""
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+
+        print(estimate(todo, jobs, run.times), flush=True)
+        bar = tqdm(total=len(todo), desc="autograde", unit="notebook")
+    try:
+        return _grade_all(run, todo, jobs, writer.add if writer else (lambda row: None), bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _flag_similar(run: _Run, rows: list[dict]) -> None:
+    """Similarity flags in the rows' reasons (grading.similarity), and in the feedback pages of flagged rows."""
+    from grading import feedback, similarity
+
+    before = [(row.get("reason", ""), row.get("reason_general", "")) for row in rows]
+    similarity.flag_rows(rows, run.courses, run.course_root)
+    for row, (reason, general) in zip(rows, before):
+        if not row.get("similarity"):
+            continue
+        flagged = row["reason"][len(reason):].lstrip("; ")  # the flags go with the notes, before the failed tests
+        tests = reason.split("\n")[1:] if general else reason.split("\n") if reason else []
+        row["reason_general"] = "; ".join(filter(None, [general, flagged]))
+        row["reason"] = "\n".join([row["reason_general"], *tests])
+        if run.feedback_dir is not None:
+            feedback.write(row, run.course_root, run.courses[row["lab"]], run.feedback_dir)
 
 
 # --- output ----------------------------------------------------------------------------------------

@@ -461,6 +461,18 @@ def test_similarity_flags_rows_from_the_graded_copies(tmp_path):
     assert "attend_with_cache is 100% like the published solution's" in reasons["copies"], reasons["copies"]
     assert "attend_with_cache is 100% like student twin's" in reasons["renames"], reasons["renames"]
     assert reasons["honest"] == "", "the untouched stubs are not compared"
+    # in a graded row the flags join the notes, before the lines of the failed tests
+    from types import SimpleNamespace
+
+    rows = [{"student": "copies", "lab": lab, "reason": "cell a timed out\ntest_b: AssertionError",
+             "reason_general": "cell a timed out"},
+            {"student": "twin", "lab": lab, "reason": "test_c: ValueError", "reason_general": ""},
+            {"student": "renames", "lab": lab, "reason": "", "reason_general": ""}]
+    grader._flag_similar(SimpleNamespace(courses={}, course_root=tmp_path, feedback_dir=None), rows)
+    copies, twin, _ = (row["reason"].split("\n") for row in rows)
+    assert copies[0].startswith("cell a timed out; flagged: ") and copies[1:] == ["test_b: AssertionError"], copies
+    assert twin[0].startswith("flagged: ") and twin[1:] == ["test_c: ValueError"], twin
+    assert rows[1]["reason_general"] == twin[0]
 
 
 def test_every_declared_reference_exists(tmp_path):
