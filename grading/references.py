@@ -30,6 +30,7 @@ The grader itself keeps the real implementations: its checks compare against the
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.util
 import json
@@ -194,8 +195,13 @@ ANSWER_NAME = re.compile(r"^(reference_|expected_|_expected|_ref_|_check_)|_refe
 
 def _lab_trees(package: Path) -> dict[str, ast.Module]:
     """{module name: its syntax tree} of every lab helper module (``minillm/lab/*.py``) under ``package``."""
-    return {f"{LAB_PACKAGE}.{path.stem}": ast.parse(path.read_text(encoding="utf-8"))
-            for path in sorted((package / "lab").glob("*.py")) if path.stem != "__init__"}
+    paths = sorted(path for path in (Path(package) / "lab").glob("*.py") if path.stem != "__init__")
+    return _parsed(tuple((str(path), path.stat().st_mtime_ns) for path in paths))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(files: tuple[tuple[str, int], ...]) -> dict[str, ast.Module]:
+    return {f"{LAB_PACKAGE}.{Path(path).stem}": ast.parse(Path(path).read_text(encoding="utf-8")) for path, _ in files}
 
 
 def _names(nodes) -> set[str]:
@@ -281,23 +287,30 @@ def _package() -> Path:
     return Path(minillm.__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=1)
+def _declared_lab_helpers() -> frozenset[tuple[str, str]]:
+    """(module, function) of every ``minillm.lab`` function the course's masters declare for an exercise."""
+    from grading.build import discover_labs, read_master
+
+    found = set()
+    for lab in discover_labs():
+        for refs in declared(read_master(lab)).values():
+            for ref in refs:
+                module, _, qualname = ref.partition(":")
+                if module.startswith(LAB_PACKAGE + ".") and qualname and "." not in qualname and qualname != "*":
+                    found.add((module, qualname))
+    return frozenset(found)
+
+
 def grading_only(lab: str, master=None, package: Path | None = None) -> list[tuple[str, str, object]]:
     """The lab helpers stubbed in ``lab``'s sandbox whatever its master declares: (module, function, message
     maker). Every ``check_*`` (and ``_check_*``) function of every ``minillm.lab`` module; and every one that
     computes an expected answer (``reference_*``, ``*_reference``, ``expected_*``, ``_ref_*``, or declared for an
     exercise by any lab's master) unless the lab's sandbox code reaches it (``master``; without one, none is
     taken to)."""
-    from grading.build import discover_labs, read_master
-
     package = package or _package()
     trees = _lab_trees(package)
-    declared_anywhere: set[tuple[str, str]] = set()
-    for other in discover_labs():
-        for refs in declared(read_master(other)).values():
-            for ref in refs:
-                module, _, qualname = ref.partition(":")
-                if module.startswith(LAB_PACKAGE + ".") and qualname and "." not in qualname and qualname != "*":
-                    declared_anywhere.add((module, qualname))
+    declared_anywhere = _declared_lab_helpers()
     reachable = reached(sandbox_sources(master), package) if master is not None else set()
     found = []
     for module, tree in trees.items():
