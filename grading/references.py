@@ -287,30 +287,44 @@ def _package() -> Path:
     return Path(minillm.__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=1)
-def _declared_lab_helpers() -> frozenset[tuple[str, str]]:
-    """(module, function) of every ``minillm.lab`` function the course's masters declare for an exercise."""
-    from grading.build import discover_labs, read_master
+COURSE_MASTERS = Path(__file__).resolve().parent / "source"   # the course's masters (grading.build's SOURCE_DIR)
 
-    found = set()
-    for lab in discover_labs():
-        for refs in declared(read_master(lab)).values():
-            for ref in refs:
-                module, _, qualname = ref.partition(":")
-                if module.startswith(LAB_PACKAGE + ".") and qualname and "." not in qualname and qualname != "*":
-                    found.add((module, qualname))
+
+@functools.lru_cache(maxsize=4)
+def _declared_lab_helpers(source_dir: Path = COURSE_MASTERS) -> frozenset[tuple[str, str]]:
+    """(module, function) of every ``minillm.lab`` function the course's masters declare for an exercise (their
+    notebook metadata, read as JSON)."""
+    found: set[tuple[str, str]] = set()
+    for path in sorted(Path(source_dir).glob("*/*.ipynb")):
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
+        except (OSError, ValueError):
+            continue
+        found |= _lab_functions(meta.get("minillm", {}).get("references", {}) or {})
     return frozenset(found)
+
+
+def _lab_functions(references: dict) -> set[tuple[str, str]]:
+    """(module, function) of the ``minillm.lab`` module-level functions among declared references."""
+    found = set()
+    for refs in references.values():
+        for ref in refs:
+            module, _, qualname = str(ref).partition(":")
+            if module.startswith(LAB_PACKAGE + ".") and qualname and "." not in qualname and qualname != "*":
+                found.add((module, qualname))
+    return found
 
 
 def grading_only(lab: str, master=None, package: Path | None = None) -> list[tuple[str, str, object]]:
     """The lab helpers stubbed in ``lab``'s sandbox whatever its master declares: (module, function, message
-    maker). Every ``check_*`` (and ``_check_*``) function of every ``minillm.lab`` module; and every one that
-    computes an expected answer (``reference_*``, ``*_reference``, ``expected_*``, ``_ref_*``, or declared for an
-    exercise by any lab's master) unless the lab's sandbox code reaches it (``master``; without one, none is
-    taken to)."""
+    maker). Every ``check_*`` function of every ``minillm.lab`` module; and every one that computes an expected
+    answer or checks one case (``reference_*``, ``*_reference``, ``expected_*``, ``_ref_*``, ``_check_*``, or
+    declared for an exercise by any course master or by ``master``) unless the lab's sandbox code reaches it
+    (``master``'s solution cells and the locked cells that run in the sandbox; without a master, none is taken
+    to)."""
     package = package or _package()
     trees = _lab_trees(package)
-    declared_anywhere = _declared_lab_helpers()
+    declared_anywhere = _declared_lab_helpers() | _lab_functions(declared(master) if master is not None else {})
     reachable = reached(sandbox_sources(master), package) if master is not None else set()
     found = []
     for module, tree in trees.items():
