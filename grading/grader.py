@@ -284,7 +284,8 @@ def prepare_course(course_root: Path, labs: list[str], source_dir: Path = SOURCE
                 if _is_test(cell):
                     preambles[grade_id] = preamble(grade_id, imports)
             declared = references.declared(masters[lab])
-            library = references.prepare(lab, declared, Path(library_dir) / lab) if library_dir is not None else None
+            library = (references.prepare(lab, declared, Path(library_dir) / lab, master=masters[lab])
+                       if library_dir is not None else None)
             if [c.get("id") for c in release.cells] != [c.get("id") for c in grading_masters[lab].cells]:
                 raise RuntimeError(f"nbgrader's release of {lab} does not keep the master's cells in order")
             courses[lab] = LabCourse(lab, release, sources, preambles, float(gradebook.find_assignment(lab).max_score),

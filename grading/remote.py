@@ -12,8 +12,12 @@ name the master's version of it binds is bound here too:
 - anything else as :class:`Refused`, which fails every use with the reason.
 
 Tests then compare values made here, with references computed here, where no student code has run:
-nothing the submission does to its own interpreter can change a verdict. A cell that runs too long or
-kills the sandbox costs that cell; a fresh sandbox replays the cells before it and grading goes on.
+nothing the submission does to its own interpreter can change a verdict. Only those names (the learner's
+answers) are fetched again before each later cell. What a locked cell bound is the grader's own from then
+on: a cell that runs only in the sandbox (the learner's own run) has its names taken once, as data, when it
+ends; a cell that runs only here keeps its names here (the sandbox gets a copy) and never reads them back.
+A cell that runs too long or kills the sandbox costs that cell; a fresh sandbox replays the cells before it
+and grading goes on.
 
 The graded copy's first cell calls :func:`start`; grading.execute turns each other cell into a call of
 :func:`learner_cell`, :func:`sandbox_cell` or :func:`refresh` (tests), so this module is all the
@@ -296,7 +300,9 @@ class Session:
         self.history: list[tuple[str, dict, list[bytes]]] = []
         self.pending: tuple[str, str, float] | None = None  # a locked cell the sandbox runs while the kernel does
         self.pushes: list[tuple[dict, str, list[str]]] = []  # cells run here whose data the sandbox gets next
-        self.bound: dict[str, str] = {}       # name -> the cell whose run binds it (refreshed before each cell)
+        self.bound: dict[str, str] = {}       # the learner's names -> the solution cell that binds them (refreshed
+                                              # before each cell); no name a locked cell bound after that cell
+        self.held: dict[str, str] = {}        # names a locked cell bound -> that cell: the grader's own, never refreshed
         self.proxies: dict[int, _Remote] = {}
         self.callbacks: dict[int, object] = {}
         self._callback_ids: dict[int, int] = {}
@@ -593,8 +599,14 @@ class Session:
             request = {"op": "set", "values": encoded}
             self._request(request, blobs, self.call_timeout_s, replay=True)
             self.history.append((f"{self.current_cell} (its data)", request, blobs))
-            for name in data:  # from now on the sandbox's copy is the learner's run: refreshed like their names
-                self.bound[name] = self.current_cell
+        for name in values:  # the grader's own values: the sandbox's copy is for the learner's code, never read back
+            self.hold(name, self.current_cell)
+
+    def hold(self, name: str, cell: str) -> None:
+        """``name`` is bound by the locked cell ``cell``: its value in the grader's kernel is the grader's own
+        from now on (until a later solution cell binds it), never fetched from the sandbox again."""
+        self.bound.pop(name, None)
+        self.held[name] = cell
 
     def launch(self, name: str, grid, args, kwargs) -> None:
         """kernel[grid](*args, **kwargs) in this (kernel) sandbox; tensor arguments are written back."""
@@ -751,10 +763,58 @@ def _show(outputs: list[dict]) -> None:
 
 
 def _bind(namespace: dict, names: list[str], cell: str) -> None:
+    """The learner's names of a solution cell: fetched now and before every later cell (their answers)."""
     session = _session()
     for name in names:
         session.bound[name] = cell
+        session.held.pop(name, None)
     refresh(namespace)
+
+
+def _take(namespace: dict, names: list[str], cell: str) -> None:
+    """The names a locked cell bound in the sandbox (the learner's own run), taken once as it ends: data only
+    (a function or object there would still run the sandbox's code, which the learner's later cells can
+    change), held by the grader from now on and never fetched again."""
+    session = _session()
+    for name in names:
+        session.hold(name, cell)
+    refresh(namespace)  # the learner's names first: a name of theirs this cell rebinds is the cell's now
+    if not names:
+        return
+    try:
+        values = session.get(list(names))
+    except SandboxError as error:
+        for name in names:
+            namespace[name] = Refused(name, f"the sandbox could not be asked for it ({error})")
+        return
+    for name in names:
+        if name not in values:
+            namespace.pop(name, None)
+            continue
+        value = values[name]
+        if isinstance(value, Refused):
+            value = Refused(name, object.__getattribute__(value, "_reason").split(": ", 1)[-1])
+        elif _has_handle(value):
+            value = Refused(name, f"bound by the locked cell {cell} in the sandbox to something that runs there; the "
+                                  "grader takes a locked cell's names as data only")
+        namespace[name] = value
+
+
+def _has_handle(value, depth: int = 0) -> bool:
+    """Whether a value from the sandbox holds a handle to an object there (at any depth of its containers)."""
+    import dataclasses
+
+    if isinstance(value, _Remote):
+        return True
+    if depth > 20 or isinstance(value, Refused):
+        return False
+    if isinstance(value, dict):
+        return any(_has_handle(k, depth + 1) or _has_handle(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_has_handle(item, depth + 1) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_has_handle(getattr(value, f.name, None), depth + 1) for f in dataclasses.fields(value))
+    return False
 
 
 _KERNEL_SESSION: Session | None = None
@@ -830,17 +890,18 @@ def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show
         session.start_run(name, source)
         return
     session.current_cell = name
-    if session.gone:
-        raise SandboxError(session.gone)
     try:
+        if session.gone:
+            raise SandboxError(session.gone)
         reply = session.run(name, source)
     except SandboxError as error:
-        if show:
-            raise SandboxError(f"cell {name}: {error}") from None
-        return
+        for bound in names:  # the cell's names are the grader's now, and this run made none of them
+            session.hold(bound, name)
+            namespace[bound] = Refused(bound, f"the locked cell {name} did not run in the sandbox ({error})")
+        raise SandboxError(f"cell {name}: {error}") from None
     error = reply.get("error")
     _show(reply.get("outputs", []))
-    _bind(namespace, names, name)
+    _take(namespace, names, name)
     if error:
         raise LearnerCellError(_error_text(error))
 
@@ -848,13 +909,16 @@ def sandbox_cell(namespace: dict, name: str, source: str, names: list[str], show
 def push_after(namespace: dict, cell: str, names: list[str]) -> None:
     """A cell that runs only here (runs_in "grader"): once it has run, its names, where they are data, go to
     the sandbox too (before the next request), so the learner's later cells compute from the grader's own
-    measurement."""
-    _session().pushes.append((namespace, cell, list(names)))
+    measurement. Here they stay the grader's own values: never fetched back from the sandbox."""
+    session = _session()
+    for name in names:
+        session.hold(name, cell)
+    session.pushes.append((namespace, cell, list(names)))
 
 
 def refresh(namespace: dict, cell: str | None = None) -> None:
-    """Before a cell of the grader's: every bound name gets the sandbox's current value (data or a
-    handle); a name the sandbox no longer has is removed."""
+    """Before a cell of the grader's: every name of the learner's (bound by a solution cell, not by a locked cell
+    since) gets the sandbox's current value (data or a handle); a name the sandbox no longer has is removed."""
     session = _session()
     if cell is not None:
         session.current_cell = cell

@@ -33,6 +33,7 @@ import wire  # the copy beside this file
 
 MAX_TEXT = 200_000          # characters of a cell's output sent back
 MAX_ERROR_TEXT = 20_000
+MAX_REFERENCES = 200        # distinct references a reply names (a loop over every check helper names each)
 
 SPECIAL_METHODS = ("__len__", "__iter__", "__getitem__", "__contains__", "__call__")
 OUTPUT_MIMES = ("text/plain", "text/html", "image/png", "text/markdown", "text/latex")
@@ -394,8 +395,8 @@ def _references_used() -> list[str]:
     module = sys.modules.get("_minillm_reference")
     if module is None:
         return []
-    used, module.USED[:] = list(module.USED), []
-    return used[:50]
+    used, module.USED[:] = list(dict.fromkeys(module.USED)), []
+    return used[:MAX_REFERENCES]
 
 
 def _ban_operators(bans: dict[str, str]) -> None:

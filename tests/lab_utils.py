@@ -193,13 +193,21 @@ PROBE_MASTER_CELLS = [
 def write_probe_master(source_dir: Path) -> Path:
     """Write the probe lab's master to source_dir/99_probe/99_probe.ipynb (a folder of masters like grading/source);
     returns its path. Solved: 4/4 points; untouched student copy: 0/4 (every test calls double)."""
-    cells = []
-    for index, (_cell_type, source, nbgrader) in enumerate(PROBE_MASTER_CELLS):
-        metadata = {"nbgrader": {**nbgrader, "schema_version": 3}} if nbgrader else {}
-        cells.append(nbformat.v4.new_code_cell(source, id=f"probe-{index}", metadata=metadata))
+    return write_master(source_dir, PROBE_LAB, PROBE_MASTER_CELLS)
+
+
+def write_master(source_dir: Path, lab: str, cells: list[tuple], metadata: dict | None = None) -> Path:
+    """Write a master of code cells to source_dir/lab/lab.ipynb: each cell (cell_type, source, nbgrader metadata,
+    and optionally its other metadata, e.g. {"minillm": {"runs_in": "sandbox"}}); ``metadata``: the notebook's
+    own (e.g. {"minillm": {"references": ...}})."""
+    made = []
+    for index, (_cell_type, source, nbgrader, *other) in enumerate(cells):
+        meta = {"nbgrader": {**nbgrader, "schema_version": 3}} if nbgrader else {}
+        meta.update(other[0] if other else {})
+        made.append(nbformat.v4.new_code_cell(source, id=f"probe-{index}", metadata=meta))
     kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    master = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernelspec})
-    path = Path(source_dir) / PROBE_LAB / f"{PROBE_LAB}.ipynb"
+    master = nbformat.v4.new_notebook(cells=made, metadata={"kernelspec": kernelspec, **(metadata or {})})
+    path = Path(source_dir) / lab / f"{lab}.ipynb"
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(master, path)
     return path

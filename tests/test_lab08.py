@@ -526,6 +526,7 @@ for row in sweep:
     ok = [r for r in row["records"] if r["success"]]
     row["per_user_tps"] = {per_user}
     row["aggregate_tps"] = {aggregate}
+sweep_speeds = [{{key: row.get(key) for key in ("batch", "aggregate_tps", "per_user_tps")}} for row in sweep]
 """
 _PER_USER = '1 / statistics.fmean(r["tpot_s"] for r in ok if r["tpot_s"] is not None)'
 _AGGREGATE = 'sum(r["output_tokens"] for r in ok) / row["duration_s"]'

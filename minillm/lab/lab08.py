@@ -787,18 +787,25 @@ def _diagnose_per_user(row: dict, got: float) -> str:
     return "per_user_tps = 1 / the mean of the successful requests' tpot_s (leave out a tpot_s of None)"
 
 
-def check_measure_batch_sweep(sweep) -> None:
-    """Your two speeds per sweep row, recomputed from the row's own records and duration_s."""
+def check_measure_batch_sweep(sweep, speeds=None) -> None:
+    """Your two speeds per sweep row, recomputed from the row's own records and duration_s. ``speeds``: your
+    speeds, one dict per row of ``sweep`` in order (sweep_speeds, what the graded test reads beside the grader's
+    own sweep); None: the rows' own keys."""
     if not isinstance(sweep, (list, tuple)) or not sweep:
         raise CheckFailed(f"sweep is {sweep!r}: run the sweep cell of section 6 first")
-    for row in sweep:
+    if speeds is None:
+        speeds = sweep
+    if not isinstance(speeds, (list, tuple)) or len(speeds) != len(sweep) or not all(isinstance(s, dict) for s in speeds):
+        raise CheckFailed(f"sweep_speeds is {repr(speeds)[:200]}: one dict per row of sweep, in order (the line under "
+                          "your code makes it from the rows you set)")
+    for row, mine in zip(sweep, speeds):
         where = f"batch {row.get('batch')!r}"
-        missing = [key for key in ("aggregate_tps", "per_user_tps") if key not in row]
+        missing = [key for key in ("aggregate_tps", "per_user_tps") if mine.get(key) is None]
         if missing:
             raise CheckFailed(f"{where}: the row has no {missing}: set row['aggregate_tps'] and row['per_user_tps'] "
                               "for every row of sweep")
         want_agg, want_user = reference_sweep_speeds(row)
-        agg, user = row["aggregate_tps"], row["per_user_tps"]
+        agg, user = mine["aggregate_tps"], mine["per_user_tps"]
         if not _number(agg) or not math.isclose(agg, want_agg, rel_tol=1e-6):
             shown = f"{agg:.4g}" if _number(agg) else repr(agg)
             raise CheckFailed(f"{where}: aggregate_tps = {shown}, expected {want_agg:.4g} tokens/s from its "

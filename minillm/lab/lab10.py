@@ -565,12 +565,13 @@ def _count(n: float) -> str:
 
 
 def active_params_b() -> float:
+    """Mixtral 8x7B's active parameters (billions): the answer (a declared reference, not in the sandbox)."""
     return PRESETS["mixtral-8x7b"].num_active_params / 1e9
 
 
 def check_answer_active_params_b(value) -> None:
     cfg = PRESETS["mixtral-8x7b"]
-    want = cfg.num_active_params / 1e9
+    want = active_params_b()   # the declared reference: computed only where the grader runs
     case = "answer_active_params_b (Mixtral 8x7B, top-2 of 8 experts, in billions)"
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CheckFailed(f"{case} is {value!r}; set it to a number of billions (a float, e.g. 20.0)")
