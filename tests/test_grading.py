@@ -8,7 +8,9 @@ the same on a real lab with several exercises (points kept before and after a ke
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import re
 import time
 import uuid
@@ -114,13 +116,15 @@ def probe_batch(tmp_path_factory):
     (submissions / "missing" / PROBE_LAB).mkdir(parents=True)  # a lab folder without its notebook
     out = root / "grades.csv"
     started = time.monotonic()
-    status = _import_autograde_script().main(
-        [str(submissions), "--source", str(source_dir), "--out", str(out), "--feedback", str(root / "feedback"),
-         "--cell-timeout", "8", "--jobs", "2", "--keep", str(course)])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # --jobs left to its default: what the cores and memory allow
+        status = _import_autograde_script().main(
+            [str(submissions), "--source", str(source_dir), "--out", str(out), "--feedback", str(root / "feedback"),
+             "--cell-timeout", "8", "--keep", str(course)])
     with open(out, newline="", encoding="utf-8") as handle:
         rows = {row["student"]: row for row in csv.DictReader(handle)}
     return {"status": status, "rows": rows, "root": root, "out": out, "marker": marker, "token": token,
-            "course": course, "seconds": time.monotonic() - started}
+            "course": course, "seconds": time.monotonic() - started, "printed": printed.getvalue()}
 
 
 CHEATERS = ("screened_cheats", "evasions", "ipython_hooks", "reaches_the_course", "outlives", "spoofs_provenance",
@@ -170,6 +174,11 @@ def test_every_notebook_of_the_batch_gets_a_row_with_its_reason(probe_batch):
         assert all(len(line) <= 300 for line in reason.splitlines()), (name, reason)
         assert "def double(x)" not in reason and "return 2 * x" not in reason, (name, reason)  # never the source
     assert probe_batch["status"] == 2, "the exit status counts the notebooks that could not be graded"
+    printed = probe_batch["printed"]
+    jobs = grader.default_jobs()
+    assert f"autograding 17 notebooks from 17 students, {jobs} at a time" in printed, printed
+    assert re.search(rf"estimate: 17 notebooks at about \d+ s each .*, {jobs} at a time: about \d+", printed), printed
+    assert "17 notebooks: 2 error, 15 graded" in printed and "most failed tests: 99_probe:hidden (" in printed, printed
     with open(probe_batch["out"], encoding="utf-8") as handle:
         assert handle.readline().strip() == ",".join(grader.CSV_FIELDS)
 
