@@ -385,7 +385,14 @@ def command(spec: Spec, argv: list[str], files: list[tuple[int, str]] = ()) -> l
     # (--size), their pages charged to the sandbox's memory cgroup, gone with its mount namespace.
     args += [*(["--size", str(limits.shm_bytes())] if sized else []), "--tmpfs", "/dev/shm"]
     args += [*(["--size", str(limits.disk_bytes)] if sized else []), "--tmpfs", DISK_DIR,
-             "--dir", WORK_DIR, "--dir", TMP_DIR, "--symlink", TMP_DIR, "/tmp"]
+             "--dir", WORK_DIR, "--dir", TMP_DIR]
+    inside = [*_python_dirs(), *(str(dest) for _, dest in spec.package_binds)]
+    if any(path == "/tmp" or path.startswith("/tmp/") for path in inside):
+        # The Python installation (a clone or venv under /tmp) is bound below /tmp: /tmp is then a capped tmpfs of
+        # its own (a quarter of the disk, as /dev/shm), the bound folders mounted in it read-only.
+        args += [*(["--size", str(limits.shm_bytes())] if sized else []), "--tmpfs", "/tmp"]
+    else:
+        args += ["--symlink", TMP_DIR, "/tmp"]
     for device in _gpu_devices():  # a GPU, when the machine has one
         args += ["--dev-bind", str(device), str(device)]
     for path in _python_dirs():

@@ -94,11 +94,35 @@ def test_every_writable_place_is_capped_and_nothing_else_is_writable(tmp_path, l
     assert found["big file"] == [40 * MiB, "EFBIG"], found       # RLIMIT_FSIZE
     written, error = found["work"]
     assert error == "ENOSPC" and 64 * MiB - 40 * MiB - 2 * MiB <= written <= 64 * MiB - 40 * MiB, found
-    assert found["tmp"][1] == "ENOSPC" and found["tmp"][0] < 1 * MiB, "/tmp is the work dir's disk, already full"
+    if _binds_under_tmp([dest for _, dest in library.package_binds]):  # a clone or venv under /tmp: its own tmpfs
+        assert found["tmp"][1] == "ENOSPC" and 15 * MiB <= found["tmp"][0] <= 16 * MiB, found
+    else:
+        assert found["tmp"][1] == "ENOSPC" and found["tmp"][0] < 1 * MiB, "/tmp is the work dir's disk, already full"
     assert found["shm"][1] == "ENOSPC" and 15 * MiB <= found["shm"][0] <= 16 * MiB, found
     assert set(found["read-only"].values()) == {"EROFS"}, found
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["notebook.ipynb"]
     assert (tmp_path / "scratch" / "notebook.ipynb").read_text() == '{"cells": []}'
+
+
+def _binds_under_tmp(destinations) -> bool:
+    return any(p == "/tmp" or p.startswith("/tmp/") for p in [*sandbox._python_dirs(), *map(str, destinations)])
+
+
+def test_a_python_installation_under_tmp_is_bound_into_a_capped_tmp_of_its_own(tmp_path):
+    """CI may clone the project (its venv, its minillm) under /tmp: /tmp is then a capped tmpfs with those folders
+    mounted in it, not the symlink into the work dir's disk that would hide them."""
+    spec = sandbox.Spec(scratch=tmp_path, runner_dir=tmp_path, limits=sandbox.Limits(disk_bytes=64 * MiB))
+    plain = sandbox.command(spec, ["true"])
+    spec.package_binds = [(str(tmp_path), "/tmp/clone/minillm")]
+    under = sandbox.command(spec, ["true"])
+    pairs = lambda args: list(zip(args, args[1:]))  # noqa: E731
+    assert ("--tmpfs", "/tmp") in pairs(under) and ("--ro-bind", str(tmp_path)) in pairs(under)
+    assert under[under.index("/tmp") - 3:under.index("/tmp") - 1] == ["--size", str(16 * MiB)]
+    assert ("--tmpfs", "/tmp") not in pairs(plain) or _binds_under_tmp([])
+    assert (sandbox.TMP_DIR, "/tmp") in pairs(plain) or _binds_under_tmp([])
+    done = subprocess.run(under[:-2] + ["--", "/bin/sh", "-c", "test -d /tmp/clone/minillm && echo ok"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
 
 
 def test_a_restarted_sandbox_starts_from_its_notebook_again(tmp_path, library):
