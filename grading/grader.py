@@ -987,7 +987,10 @@ def _grade(run: _Run, student: str, lab: str, path: Path) -> dict:
     if run.feedback_dir is not None:
         from grading import feedback
 
-        feedback.write(row, run.course_root, course, run.feedback_dir)
+        try:
+            feedback.write(row, run.course_root, course, run.feedback_dir)
+        except OSError as error:  # the row stands; the page is the instructor's to write again
+            row["reason"] += f"; no feedback page ({type(error).__name__})"
     return row
 
 
