@@ -45,7 +45,7 @@ SPEC_ENV = "MINILLM_SANDBOX_SPEC_PATH"
 MAX_TEXT = 200_000        # characters of one cell's output, all streams and displays together
 MAX_OUTPUTS = 100         # outputs of one cell
 MAX_ERROR_TEXT = 20_000   # characters of an error's message, and of its traceback
-MAX_REFERENCES = 50       # references one reply may name
+MAX_REFERENCES = 200      # references one reply may name (as many as the runner sends: a loop over every check helper)
 MAX_DEATHS = 2     # a sandbox that dies (a crash, os._exit) this often more is given up: the rest is not run
 MAX_TIMEOUTS = 10  # one stopped for running too long is restarted more often (the notebook's wall limit still holds)
 
